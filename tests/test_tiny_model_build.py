@@ -1,0 +1,60 @@
+"""The tiny model generator: byte-identical output per seed, skip on rebuild, tokenizer round trip."""
+
+import hashlib
+import json
+
+import pytest
+
+from deploy.tiny_model import STAMP, build_tiny_model, sample_prompt
+
+pytestmark = pytest.mark.unit
+
+
+def _digests(path):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_same_seed_gives_identical_files_and_other_seed_differs(tmp_path):
+    a = build_tiny_model(tmp_path / "a", layers=2, seed=7)
+    b = build_tiny_model(tmp_path / "b", layers=2, seed=7)
+    c = build_tiny_model(tmp_path / "c", layers=2, seed=8)
+    assert _digests(a) == _digests(b)
+    assert _digests(a)["model.safetensors"] != _digests(c)["model.safetensors"]
+
+
+def test_rebuild_with_same_parameters_is_skipped_and_changed_parameters_rebuild(tmp_path):
+    path = build_tiny_model(tmp_path / "m", layers=2)
+    weights = path / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    build_tiny_model(path, layers=2)
+    assert weights.stat().st_mtime_ns == before
+    build_tiny_model(path, layers=3)
+    assert json.loads((path / STAMP).read_text())["layers"] == 3
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+def test_moe_and_mtp_variants_have_expert_and_mtp_tensors(tmp_path):
+    from safetensors import safe_open
+
+    path = build_tiny_model(tmp_path / "moe", layers=2, moe=True, mtp=1)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["n_group"] == 1 and cfg["topk_group"] == 1
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # first layer dense
+    assert {f"model.layers.1.mlp.experts.{e}.up_proj.weight" for e in range(4)} <= names
+    assert "model.layers.2.eh_proj.weight" in names  # the MTP layer follows the target layers
+
+
+def test_tokenizer_counts_words_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = build_tiny_model(tmp_path / "t", layers=1)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = sample_prompt(40, seed=3)
+    ids = tok(prompt)["input_ids"]
+    assert len(ids) == 40 and tok.unk_token_id not in ids
+    assert tok.decode(ids) == prompt
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["vocab_size"] == len(tok) and cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64
