@@ -1,0 +1,201 @@
+"""KV-cache capacity with and without KVPP, per PP stage and kvpp rank.
+
+Ownership comes from `kvpp_core.ownership` only. "Off" is the same computation with a group of one
+rank: every rank then owns all of its stage's layers and needs no staging buffer, which is exactly
+the replicated baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvpp_core.model import ModelSpec
+from kvpp_core.ownership import rank_bytes_per_block, rank_layout
+from kvpp_core.topology import Topology
+
+DEFAULT_BLOCK_SIZE = 128
+"""Block size of the Ascend deployments the presets describe; vLLM's CPU MLA backend needs 16."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    kvpp_rank: int
+    owned: tuple[int, ...]
+    """Target layer ids this rank keeps persistently (contiguous; empty when layers < group size)."""
+    staging_slots: int
+    bytes_per_block_off: int
+    bytes_per_block_on: int
+    blocks_off: int
+    blocks_on: int
+    tokens_off: int
+    tokens_on: int
+
+    @property
+    def owned_range(self) -> str:
+        return f"{self.owned[0]}-{self.owned[-1]}" if self.owned else "-"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: tuple[int, ...]
+    mtp_layers: tuple[int, ...]
+    """Ids of MTP layers (numbered after the target layers); replicated on every rank of the last stage."""
+    memory_bytes: int
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def blocks_off(self) -> int:
+        return min(r.blocks_off for r in self.ranks)
+
+    @property
+    def blocks_on(self) -> int:
+        return min(r.blocks_on for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    model: ModelSpec
+    topology: Topology
+    block_size: int
+    staging: int
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def blocks_off(self) -> int:
+        return min(s.blocks_off for s in self.stages)
+
+    @property
+    def blocks_on(self) -> int:
+        return min(s.blocks_on for s in self.stages)
+
+    @property
+    def tokens_off(self) -> int:
+        return self.blocks_off * self.block_size
+
+    @property
+    def tokens_on(self) -> int:
+        return self.blocks_on * self.block_size
+
+    @property
+    def ratio(self) -> float:
+        return self.blocks_on / self.blocks_off
+
+    @property
+    def memory_saving(self) -> float:
+        """KV memory the replicated layout would need beyond KVPP's for the same token count."""
+        return 1.0 - 1.0 / self.ratio
+
+    @property
+    def binding_stages_off(self) -> tuple[int, ...]:
+        """Stages whose ranks hold the fewest blocks without KVPP (several when they tie)."""
+        return tuple(s.stage for s in self.stages if s.blocks_off == self.blocks_off)
+
+    @property
+    def binding_stages_on(self) -> tuple[int, ...]:
+        return tuple(s.stage for s in self.stages if s.blocks_on == self.blocks_on)
+
+    @property
+    def binding_stage_off(self) -> int:
+        return self.binding_stages_off[0]
+
+    @property
+    def binding_stage_on(self) -> int:
+        return self.binding_stages_on[0]
+
+    def to_json(self) -> dict:
+        stages = []
+        for s in self.stages:
+            ranks = [dict(asdict(r), owned=list(r.owned), owned_range=r.owned_range) for r in s.ranks]
+            stages.append(dict(stage=s.stage, layers=[s.layers[0], s.layers[-1]], num_layers=len(s.layers),
+                               mtp_layers=list(s.mtp_layers), memory_bytes=s.memory_bytes,
+                               blocks_off=s.blocks_off, blocks_on=s.blocks_on, ranks=ranks))
+        topo = asdict(self.topology)
+        topo["pp_layers"] = list(self.topology.pp_layers) if self.topology.pp_layers else None
+        return dict(
+            model=asdict(self.model),
+            topology=dict(topo, group_size=self.topology.group_size),
+            block_size=self.block_size,
+            staging=self.staging,
+            bundle_bytes_per_token=self.model.bundle_bytes_per_token,
+            page_bytes=self.model.page_bytes(self.block_size),
+            blocks_off=self.blocks_off,
+            blocks_on=self.blocks_on,
+            tokens_off=self.tokens_off,
+            tokens_on=self.tokens_on,
+            ratio=self.ratio,
+            memory_saving=self.memory_saving,
+            binding_stage_off=self.binding_stage_off,
+            binding_stage_on=self.binding_stage_on,
+            binding_stages_off=list(self.binding_stages_off),
+            binding_stages_on=list(self.binding_stages_on),
+            stages=stages,
+        )
+
+
+def plan_capacity(
+    model: ModelSpec,
+    topo: Topology,
+    memory_bytes: int | Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    staging: int = 2,
+) -> CapacityPlan:
+    """Blocks and tokens each rank can hold with KVPP off and on.
+
+    `memory_bytes` is the KV memory free on each rank: one value for all, or one per PP stage.
+    MTP caches count as `model.mtp_layers` replicated bundles on the last stage (use
+    `model.with_overrides(mtp_layers=0)` when serving without MTP).
+    """
+    if not model.supports_kvpp:
+        kind = "hybrid " + model.attention if model.hybrid else model.attention
+        raise ValueError(f"model {model.name} uses {kind} attention; KVPP plans only non-hybrid MLA/SFA models")
+    if model.num_heads and model.num_heads % topo.tp:
+        raise ValueError(
+            f"TP {topo.tp} does not divide the {model.num_heads} attention heads of {model.name}; "
+            f"choose a TP size that divides {model.num_heads}"
+        )
+    page = model.page_bytes(block_size)
+    stage_ranges = topo.stage_layers(model.num_layers)
+    memory = _per_stage_memory(memory_bytes, topo.pp)
+    stages = []
+    for index, layers in enumerate(stage_ranges):
+        last = index == topo.pp - 1
+        mtp_ids = tuple(range(model.num_layers, model.num_layers + model.mtp_layers)) if last else ()
+        bundles = {layer: page for layer in layers}
+        mtp_bundles = [page] * len(mtp_ids)
+        replicated = rank_layout(layers, 1, 0, staging)
+        per_block_off = rank_bytes_per_block(replicated, bundles, mtp_bundles)
+        ranks = []
+        for rank in range(topo.group_size):
+            layout = rank_layout(layers, topo.group_size, rank, staging)
+            per_block_on = rank_bytes_per_block(layout, bundles, mtp_bundles)
+            blocks_off, blocks_on = memory[index] // per_block_off, memory[index] // per_block_on
+            ranks.append(RankPlan(
+                kvpp_rank=rank, owned=layout.owned, staging_slots=layout.staging_slots,
+                bytes_per_block_off=per_block_off, bytes_per_block_on=per_block_on,
+                blocks_off=blocks_off, blocks_on=blocks_on,
+                tokens_off=blocks_off * block_size, tokens_on=blocks_on * block_size,
+            ))
+        stages.append(StagePlan(index, tuple(layers), mtp_ids, memory[index], tuple(ranks)))
+    plan = CapacityPlan(model, topo, block_size, staging, tuple(stages))
+    if plan.blocks_off == 0:
+        stage = plan.stages[plan.binding_stage_off]
+        need = stage.ranks[0].bytes_per_block_off
+        raise ValueError(
+            f"stage {stage.stage} has {stage.memory_bytes} bytes of KV memory per rank, less than one block "
+            f"without KVPP ({need} bytes); give each rank more memory"
+        )
+    return plan
+
+
+def _per_stage_memory(memory_bytes: int | Sequence[int], pp: int) -> list[int]:
+    values = [memory_bytes] if isinstance(memory_bytes, int) else list(memory_bytes)
+    if len(values) == 1:
+        values = values * pp
+    if len(values) != pp:
+        raise ValueError(f"give one memory size for every rank or one per PP stage ({pp}), got {len(values)}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"KV memory per rank must be a positive number of bytes, got {value!r}")
+    return values
