@@ -1,0 +1,62 @@
+"""additional_config parsing: every accepted form and every refusal message."""
+
+import pytest
+
+from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "value, enabled",
+    [(True, True), (False, False), ("true", True), ("TRUE", True), (" False ", False), ("fAlSe", False)],
+)
+def test_enable_accepts_bool_and_case_insensitive_strings(value, enabled):
+    assert parse_additional_config({"enable_kvpp": value}).enabled is enabled
+
+
+def test_defaults_and_foreign_keys():
+    assert parse_additional_config(None) == KvppConfig(enabled=False, staging_buffers=2)
+    assert parse_additional_config({"ascend_scheduler_config": {}, "other": 1}) == KvppConfig()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, "", "on"])
+def test_enable_refuses_other_values(value):
+    with pytest.raises(KvppConfigError) as err:
+        parse_additional_config({"enable_kvpp": value})
+    msg = str(err.value)
+    assert "additional_config.enable_kvpp must be true or false" in msg
+    assert repr(value) in msg
+    assert '\'{"enable_kvpp": true}\'' in msg
+
+
+def test_legacy_kvpp_size_is_refused_with_replacement():
+    with pytest.raises(KvppConfigError) as err:
+        parse_additional_config({"enable_kvpp": True, "kvpp_size": 8})
+    msg = str(err.value)
+    assert "kvpp_size is not supported" in msg and "remove kvpp_size" in msg and '{"enable_kvpp": true}' in msg
+
+
+def test_unknown_kvpp_keys_are_named():
+    with pytest.raises(KvppConfigError) as err:
+        parse_additional_config({"enable_kvpp": True, "kvpp_granularity": 1, "kvpp_broadcast": "x"})
+    msg = str(err.value)
+    assert "unknown KVPP option(s) kvpp_broadcast, kvpp_granularity" in msg
+    assert "enable_kvpp and kvpp_staging_buffers" in msg
+
+
+@pytest.mark.parametrize("value", [1, 2, 3])
+def test_staging_range(value):
+    assert parse_additional_config({"enable_kvpp": True, "kvpp_staging_buffers": value}).staging_buffers == value
+
+
+@pytest.mark.parametrize("value", [0, 4, -1, True, "2", 2.0])
+def test_staging_refused(value):
+    with pytest.raises(KvppConfigError) as err:
+        parse_additional_config({"kvpp_staging_buffers": value})
+    msg = str(err.value)
+    assert "kvpp_staging_buffers must be an integer from 1 to 3" in msg and repr(value) in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(KvppConfigError, ValueError)
