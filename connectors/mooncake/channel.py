@@ -1,0 +1,93 @@
+"""ZeroMQ side channel: each worker answers metadata requests and done-notices on its handshake port.
+
+Every client call has a deadline (a fresh REQ socket per call, LINGER 0), so a dead or hung peer
+costs at most `timeout_s` and never wedges the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from connectors.mooncake.messages import PROTOCOL_VERSION, Ack, Message, MessageError, decode, encode
+
+
+class ChannelError(RuntimeError):
+    """The peer did not answer in time or answered with an error."""
+
+
+class PortInUseError(RuntimeError):
+    """The handshake port is taken, usually by another instance with an overlapping kv_port range."""
+
+
+class SideChannelServer:
+    """A ROUTER socket served by a daemon thread; `handler` maps a request to a reply message."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[Message], Message], what: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise PortInUseError(f"{what} cannot bind tcp://{host}:{port}: {exc}") from exc
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"kvpp-sidechannel-{port}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                continue  # not a REQ envelope; nothing sensible to answer
+            identity, _, payload = frames
+            try:
+                reply = self._handler(decode(payload))
+            except MessageError as exc:
+                reply = Ack(version=PROTOCOL_VERSION, ok=False, error=str(exc))
+            except Exception as exc:  # the server thread must outlive one bad request
+                reply = Ack(version=PROTOCOL_VERSION, ok=False, error=f"{type(exc).__name__}: {exc}")
+            self._sock.send_multipart([identity, b"", encode(reply)])
+        self._sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._ctx.term()
+
+
+_CLIENT_CTX = zmq.Context.instance
+
+
+def call(host: str, port: int, message: Message, timeout_s: float, expected: type) -> Message:
+    """Send one request and wait at most `timeout_s` for its reply of type `expected`."""
+    sock = _CLIENT_CTX().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    ms = max(1, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, ms)
+    sock.setsockopt(zmq.RCVTIMEO, ms)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(encode(message))
+        frame = sock.recv()
+    except zmq.Again as exc:
+        raise ChannelError(f"no answer from tcp://{host}:{port} within {timeout_s}s") from exc
+    finally:
+        sock.close()
+    reply = decode(frame)
+    if isinstance(reply, Ack) and not reply.ok:
+        raise ChannelError(f"tcp://{host}:{port} refused {type(message).__name__}: {reply.error}")
+    if not isinstance(reply, expected):
+        raise ChannelError(
+            f"tcp://{host}:{port} answered {type(reply).__name__} to {type(message).__name__}"
+        )
+    return reply

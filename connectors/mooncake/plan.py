@@ -1,0 +1,108 @@
+"""Deciding what a decode worker reads from which prefill worker, and at which addresses.
+
+With KVPP on the prefill, a target layer is published only by its owner rank; MTP layers and, with
+KVPP off, every layer are published by every rank of the group. MLA caches are identical across
+TP ranks, so a decode worker of any TP size can take each layer from any rank that publishes it;
+non-MLA caches are split by heads and need the same TP rank on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from connectors.mooncake.messages import LayerDesc, WorkerMeta
+from connectors.mooncake.transfer import Desc
+
+
+class IncompatiblePeerError(ValueError):
+    """The prefill's published layout cannot feed this decode worker; the message says why."""
+
+
+def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool) -> None:
+    """Refuse a prefill whose model, dtype, block size or layer geometry differ from ours."""
+    for peer in remote:
+        where = f"prefill engine {peer.engine_id} tp_rank {peer.tp_rank}"
+        for key in ("model", "dtype", "block_size"):
+            if getattr(peer, key) != getattr(local, key):
+                raise IncompatiblePeerError(
+                    f"{where} serves {key}={getattr(peer, key)!r} but this decode has "
+                    f"{getattr(local, key)!r}; prefill and decode must run the same model, dtype "
+                    "and block size"
+                )
+        if not mla and peer.tp_size != local.tp_size:
+            raise IncompatiblePeerError(
+                f"{where} has tp_size {peer.tp_size}, this decode {local.tp_size}: only MLA caches "
+                "(identical on every TP rank) allow different TP sizes"
+            )
+        mine = {layer.name: layer for layer in local.layers}
+        for layer in peer.layers:
+            ours = mine.get(layer.name)
+            if ours is not None and ours.block_len != layer.block_len:
+                raise IncompatiblePeerError(
+                    f"{where}: layer {layer.name} has {layer.block_len} bytes per block, this "
+                    f"decode {ours.block_len}"
+                )
+
+
+def choose_sources(
+    local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool
+) -> dict[str, tuple[WorkerMeta, LayerDesc]]:
+    """For each local layer, the prefill worker (and its layer record) to read it from.
+
+    Among several holders (MTP layers, KVPP off) the choice is spread by layer position so the
+    reads of one request fan out over all prefill workers.
+    """
+    holders: dict[str, list[tuple[WorkerMeta, LayerDesc]]] = {}
+    for peer in sorted(remote, key=lambda m: (m.pp_rank, m.tp_rank)):
+        if not mla and peer.tp_rank != local.tp_rank:
+            continue
+        for layer in peer.layers:
+            holders.setdefault(layer.name, []).append((peer, layer))
+    chosen = {}
+    for position, layer in enumerate(local.layers):
+        options = holders.get(layer.name)
+        if not options:
+            kvpp = any(peer.kvpp for peer in remote)
+            raise IncompatiblePeerError(
+                f"no prefill worker publishes layer {layer.name}"
+                + (" (KVPP on the prefill: its owner rank did not publish it)" if kvpp else "")
+                + "; prefill and decode must serve the same model with the same layers"
+            )
+        owners = {peer.tp_rank for peer, desc in options if desc.owner is not None}
+        if len(owners) > 1:
+            raise IncompatiblePeerError(
+                f"layer {layer.name} is claimed by several KVPP owners {sorted(owners)}"
+            )
+        chosen[layer.name] = options[position % len(options)]
+    return chosen
+
+
+def build_descs(
+    local_layers: Mapping[str, LayerDesc],
+    sources: Mapping[str, tuple[WorkerMeta, LayerDesc]],
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+) -> dict[str, list[Desc]]:
+    """Copies per prefill transfer-engine session, layer by layer then block by block, so that
+    consecutive blocks of a layer sit next to each other and coalesce."""
+    if len(local_blocks) != len(remote_blocks):
+        raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+    per_peer: dict[str, list[Desc]] = {}
+    for name, mine in local_layers.items():
+        peer, theirs = sources[name]
+        for lb, rb in zip(local_blocks, remote_blocks):
+            if not 0 <= lb < mine.num_blocks:
+                raise ValueError(f"local block {lb} outside layer {name}'s {mine.num_blocks} blocks")
+            if not 0 <= rb < theirs.num_blocks:
+                raise IncompatiblePeerError(
+                    f"remote block {rb} outside layer {name}'s {theirs.num_blocks} blocks on "
+                    f"prefill tp_rank {peer.tp_rank}"
+                )
+            per_peer.setdefault(peer.te_session, []).append(
+                Desc(
+                    mine.base_addr + lb * mine.block_stride,
+                    theirs.base_addr + rb * theirs.block_stride,
+                    mine.block_len,
+                )
+            )
+    return per_peer

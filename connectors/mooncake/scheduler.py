@@ -1,0 +1,135 @@
+"""Scheduler side of MooncakeConnectorV2: decides what to hold (prefill) and what to pull (decode).
+
+Role-agnostic on purpose: a request carrying `do_remote_decode` is prefilled here and held for a
+decode; one carrying `do_remote_prefill` has its prompt KV pulled from the prefill named in its
+kv_transfer_params. vLLM's kv_role only decides which of the two ever happens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, parse_handle
+from connectors.mooncake.settings import Settings, local_host
+from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
+
+_HOLDABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class MooncakeV2Scheduler:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+        parallel = vllm_config.parallel_config
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id = engine_id
+        self.settings = settings
+        self.block_size = vllm_config.cache_config.block_size
+        self._handle_fields = {
+            "remote_engine_id": engine_id,
+            "remote_host": local_host(),
+            "remote_kv_port": transfer.kv_port,
+            "remote_tp_size": parallel.tensor_parallel_size,
+            "remote_pp_size": parallel.pipeline_parallel_size,
+            "remote_pcp_size": parallel.prefill_context_parallel_size,
+            "remote_dp_size": parallel.data_parallel_size,
+            "remote_dp_rank": parallel.data_parallel_rank,
+            "protocol_version": PROTOCOL_VERSION,
+        }
+        self._new_loads: list[LoadSpec] = []
+        self._new_holds: dict[str, float] = {}
+        self._held: set[str] = set()
+
+    # ---- decode side -------------------------------------------------------------------------
+
+    def _handle(self, request: Request) -> PrefillHandle | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return parse_handle(params)
+        except MessageError as exc:
+            # Computing the prompt locally still gives the right tokens; say why it happened.
+            logger.error("request %s: %s; computing its prompt locally", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        handle = self._handle(request)
+        if handle is None:
+            return 0, False
+        count = min(handle.remote_num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        handle = self._handle(request)
+        if handle is None:
+            return
+        request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request
+        local: tuple[int, ...] = ()
+        remote: tuple[int, ...] = ()
+        if num_external_tokens > 0:
+            group = blocks.blocks[0]
+            first = sum(1 for block in group if block.block_hash is not None)  # local prefix hit
+            end = min(
+                _cdiv(first * self.block_size + num_external_tokens, self.block_size),
+                len(group),
+                len(handle.remote_block_ids),
+            )
+            local = tuple(block.block_id for block in group[first:end])
+            remote = tuple(handle.remote_block_ids[first:end])
+        self._new_loads.append(LoadSpec(request.request_id, handle, local, remote))
+
+    # ---- prefill side ------------------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished before it was scheduled (abort): the prefill still holds its blocks.
+            handle = self._handle(request)
+            if handle is not None:
+                self._new_loads.append(LoadSpec(request.request_id, handle, (), ()))
+                params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode") or request.status not in _HOLDABLE or not block_ids:
+            return False, None  # aborted or errored prefill: free now, nobody will pull
+        self._new_holds[request.request_id] = self.settings.hold_timeout_s
+        self._held.add(request.request_id)
+        handle = PrefillHandle(
+            remote_request_id=request.request_id,
+            remote_block_ids=list(block_ids),
+            remote_num_tokens=request.num_computed_tokens,
+            **self._handle_fields,
+        )
+        return True, handle.to_params() | {"do_remote_decode": False}
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._held)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._held.difference_update(output.finished_sending or ())
+
+    # ---- both --------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeV2Metadata:
+        meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds)
+        self._new_loads, self._new_holds = [], {}
+        return meta

@@ -1,0 +1,41 @@
+"""MooncakeConnectorV2 options from `kv_connector_extra_config`, checked once at startup."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from connectors.mooncake.transfer import DEFAULT_MAX_BATCH_ENTRIES, MIN_TRANSFER_TIMEOUT_S
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    protocol: str = "tcp"
+    """Mooncake transport: 'tcp' runs anywhere; 'rdma' needs an RDMA NIC and device_name."""
+    device_name: str = ""
+    transfer_timeout_s: Annotated[int, msgspec.Meta(ge=MIN_TRANSFER_TIMEOUT_S)] = 30
+    """Bound on one batch read from a hung peer (Mooncake's MC_TRANSFER_TIMEOUT)."""
+    handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """Bound on one side-channel request (metadata fetch, done-notice)."""
+    hold_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    """How long a prefill keeps a finished request's blocks for a decode that never pulls."""
+    max_batch_entries: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BATCH_ENTRIES
+    """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
+
+
+def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
+    try:
+        return msgspec.convert(dict(extra or {}), Settings)
+    except msgspec.ValidationError as exc:
+        fields = ", ".join(Settings.__struct_fields__)
+        raise ValueError(
+            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {exc} "
+            f"(accepted keys: {fields})"
+        ) from exc
+
+
+def local_host() -> str:
+    """Address to bind and publish: VLLM_HOST_IP when set, else loopback."""
+    return os.environ.get("VLLM_HOST_IP") or "127.0.0.1"

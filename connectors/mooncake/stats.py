@@ -1,0 +1,103 @@
+"""Transfer counters of MooncakeConnectorV2: vLLM's KVConnectorStats channel (periodic log line)
+and Prometheus counters on /metrics."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries")
+
+
+@dataclass
+class MooncakeV2Stats(KVConnectorStats):
+    """Sums since the last report: bytes pulled, requests pulled, failed pulls, seconds spent in
+    the transfer engine and batch entries issued (after coalescing).
+
+    Plain sums (not per-transfer lists) keep the payload constant-size however busy the step was.
+    """
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        if not self.data:
+            self.reset()
+
+    # The lock is process-local; vLLM ships stats between processes.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = state["data"]
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(_FIELDS, 0)
+        self.data["seconds"] = 0.0
+
+    def record_transfer(self, nbytes: int, seconds: float, entries: int) -> None:
+        with self._lock:
+            self.data["bytes"] += nbytes
+            self.data["transfers"] += 1
+            self.data["seconds"] += seconds
+            self.data["entries"] += entries
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self.data["failures"] += 1
+
+    def clone_and_reset(self) -> MooncakeV2Stats:
+        with self._lock:
+            snapshot = MooncakeV2Stats(data=dict(self.data))
+            self.reset()
+        return snapshot
+
+    def aggregate(self, other: KVConnectorStats) -> MooncakeV2Stats:
+        for key in _FIELDS:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = self.data["seconds"]
+        return {
+            "pulled_bytes": self.data["bytes"],
+            "pulled_requests": self.data["transfers"],
+            "failed_pulls": self.data["failures"],
+            "transfer_seconds": round(seconds, 4),
+            "batch_entries": self.data["entries"],
+            "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in _FIELDS)
+
+
+_PROM = {
+    "bytes": ("vllm:mooncake_v2_pulled_bytes", "KV bytes pulled from prefill workers."),
+    "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
+    "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
+    "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+}
+
+
+class MooncakeV2PromMetrics(KVConnectorPromMetrics):
+    """Counters on the server's /metrics (vLLM appends `_total`), one child per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in _PROM.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
