@@ -13,6 +13,7 @@ from kvpp_core.config import KvppConfigError
 SUBCOMMAND_MODULES = [
     "deploy.plan_cmd",
     "deploy.tiny_model",
+    "deploy.pool_cmd",
 ]
 
 

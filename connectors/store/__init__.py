@@ -1,0 +1,1 @@
+"""AscendStoreConnector: a shared KV pool (Mooncake store or memcache) for prefix reuse, KVPP-aware."""

@@ -1,0 +1,99 @@
+"""The contract every pool backend meets: normalised per-object status codes and bounded calls.
+
+Store clients signal failure in library-specific ways (negative codes, byte counts, b''), and a dead
+master can stall a call. The connector must turn all of that into a cache miss within a known time,
+so every backend call goes through `BoundedCalls` and every result through `Status`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    MISSING = 1
+    """The object is not in the pool (never stored, evicted, or lost with a master restart)."""
+    WRONG_SIZE = 2
+    """The object exists but its size differs from the layout's: refused, never loaded partially."""
+    FAILED = 3
+    """The backend reported an error (store down, no space, ...)."""
+    TIMEOUT = 4
+    """The call did not return within the per-call bound."""
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be set up; the message names the setting to fix."""
+
+
+class Backend(Protocol):
+    """One pool client. `ptrs[i]`/`sizes[i]` list the pieces (one per layer) of object `keys[i]`."""
+
+    name: str
+
+    def register(self, ptr: int, size: int) -> None:
+        """Register a memory region for zero-copy transfers; raises BackendError."""
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        """OK or MISSING per key; FAILED/TIMEOUT for all keys when the store cannot answer."""
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[Status]:
+        ...
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[Status]:
+        ...
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class BoundedCalls:
+    """Runs blocking client calls with a deadline.
+
+    A call that misses its deadline keeps running in its thread (C++ calls cannot be cancelled); while
+    `max_stuck` such calls are outstanding the backend is treated as stalled and new calls fail at once
+    instead of piling up threads.
+    """
+
+    def __init__(self, timeout_s: float, max_stuck: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self._max_stuck = max_stuck
+        self._pool = ThreadPoolExecutor(max_workers=max_stuck + 2, thread_name_prefix="kvpp-pool-call")
+        self._lock = threading.Lock()
+        self._stuck = 0
+
+    def run(self, fn: Callable[[], T], on_timeout: Callable[[], T], on_error: Callable[[BaseException], T]) -> T:
+        with self._lock:
+            if self._stuck >= self._max_stuck:
+                return on_timeout()
+        future = self._pool.submit(fn)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._stuck += 1
+            future.add_done_callback(self._unstick)
+            return on_timeout()
+        except Exception as exc:  # the client library raised: a failure, not a crash
+            return on_error(exc)
+
+    def _unstick(self, _future) -> None:
+        with self._lock:
+            self._stuck -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def all_status(n: int, status: Status) -> list[Status]:
+    return [status] * n

@@ -1,0 +1,140 @@
+"""memcache-hybrid backend (Ascend): layer-wise batch put/get through a DistributedObjectStore.
+
+Configured from explicit settings (`kv_connector_extra_config.memcache`) or, as memcache users do,
+from the file named by $MMC_LOCAL_CONFIG_PATH. Without an Ascend driver only the metadata client
+works (`metadata_only: true`): lookups run, data calls report FAILED.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status
+
+CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
+# memfabric copy directions (memfabric_hybrid.bm.BmCopyType): host DRAM or device HBM <-> pool.
+_H2G, _G2H, _L2G, _G2L = 3, 2, 0, 1
+# LocalConfig attributes settable from kv_connector_extra_config.memcache.
+_LOCAL_FIELDS = (
+    "meta_service_url", "config_store_url", "protocol", "dram_size", "hbm_size", "max_dram_size",
+    "max_hbm_size", "world_size", "log_level", "client_timeout_seconds", "client_retry_milliseconds",
+    "read_thread_pool_size", "write_thread_pool_size", "hcom_url",
+)
+
+
+def local_config(settings: Mapping[str, Any]):
+    """A LocalConfig from explicit settings (None when only the config file is used)."""
+    import memcache_hybrid
+
+    explicit = {k: v for k, v in settings.items() if k in _LOCAL_FIELDS}
+    if not explicit:
+        return None
+    cfg = memcache_hybrid.LocalConfig()
+    for key, value in explicit.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+class MemcacheBackend:
+    name = "memcache"
+
+    def __init__(self, settings: Mapping[str, Any], *, call_timeout_s: float, device_memory: bool = False) -> None:
+        unknown = sorted(set(settings) - set(_LOCAL_FIELDS) - {"config_path", "device_id", "metadata_only"})
+        if unknown:
+            raise BackendError(
+                f"unknown kv_connector_extra_config.memcache option(s) {', '.join(unknown)}; known: "
+                f"{', '.join(_LOCAL_FIELDS)}, config_path, device_id, metadata_only"
+            )
+        try:
+            import memcache_hybrid
+        except ImportError as exc:
+            raise BackendError("backend 'memcache' needs memcache-hybrid and memfabric-hybrid "
+                               "(pip install memcache-hybrid memfabric-hybrid)") from exc
+        if settings.get("config_path"):
+            os.environ[CONFIG_ENV] = str(settings["config_path"])
+        cfg = local_config(settings)
+        if cfg is None and not os.environ.get(CONFIG_ENV):
+            raise BackendError(
+                f"the memcache backend needs ${CONFIG_ENV} (a mmc-local.conf) or explicit settings in "
+                'kv_connector_extra_config.memcache (e.g. {"meta_service_url": "tcp://127.0.0.1:5000", '
+                '"config_store_url": "tcp://127.0.0.1:6000"}); `kvpp pool up --backend memcache --json` prints one'
+            )
+        self._store = memcache_hybrid.DistributedObjectStore()
+        if cfg is not None:
+            rc = self._store.setup(cfg)
+            if rc != 0:
+                raise BackendError(f"memcache LocalConfig setup failed with {rc}; check kv_connector_extra_config.memcache")
+        self.metadata_only = bool(settings.get("metadata_only", False))
+        rc = self._store.init(int(settings.get("device_id", 0)), not self.metadata_only)
+        if rc != 0:
+            raise BackendError(
+                f"memcache client init failed with {rc}: is the MetaService running at the configured "
+                "meta_service_url? The data path (metadata_only false) needs an Ascend driver"
+            )
+        self._put_dir, self._get_dir = (_L2G, _G2L) if device_memory else (_H2G, _G2H)
+        self._calls = BoundedCalls(call_timeout_s)
+
+    def register(self, ptr: int, size: int) -> None:
+        if self.metadata_only:
+            return
+        rc = self._store.register_buffer(ptr, size)
+        if rc != 0:
+            raise BackendError(f"memcache register_buffer({size} bytes) failed with {rc}")
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        def call() -> list[Status]:
+            codes = self._store.batch_is_exist(list(keys))
+            if any(c < 0 for c in codes):
+                return all_status(len(keys), Status.FAILED)
+            return [Status.OK if c == 1 else Status.MISSING for c in codes]
+
+        return self._bounded(call, len(keys))
+
+    def put(self, keys, ptrs, sizes) -> list[Status]:
+        if self.metadata_only:
+            return all_status(len(keys), Status.FAILED)
+
+        def call() -> list[Status]:
+            codes = self._store.batch_put_from_layers(list(keys), [list(p) for p in ptrs],
+                                                      [list(s) for s in sizes], self._put_dir)
+            return [Status.OK if c == 0 else Status.FAILED for c in codes]
+
+        return self._bounded(call, len(keys))
+
+    def get(self, keys, ptrs, sizes) -> list[Status]:
+        if self.metadata_only:
+            return all_status(len(keys), Status.FAILED)
+
+        def call() -> list[Status]:
+            # Refuse objects whose size differs before any byte lands in the cache.
+            infos = self._store.batch_get_key_info(list(keys))
+            status = [Status.OK if info.size() == sum(s) else
+                      Status.MISSING if info.size() <= 0 else Status.WRONG_SIZE
+                      for info, s in zip(infos, sizes)]
+            todo = [i for i, st in enumerate(status) if st is Status.OK]
+            if todo:
+                codes = self._store.batch_get_into_layers([keys[i] for i in todo], [list(ptrs[i]) for i in todo],
+                                                          [list(sizes[i]) for i in todo], self._get_dir)
+                for i, code in zip(todo, codes):
+                    status[i] = Status.OK if code == 0 else Status.FAILED
+            return status
+
+        return self._bounded(call, len(keys))
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        def call() -> list[Status]:
+            return [Status.OK if c == 0 else Status.FAILED for c in self._store.remove_batch(list(keys))]
+
+        return self._bounded(call, len(keys))
+
+    def _bounded(self, call, n: int) -> list[Status]:
+        if n == 0:
+            return []
+        return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
+                               lambda _exc: all_status(n, Status.FAILED))
+
+    def close(self) -> None:
+        self._calls.close()
+        self._store.close()

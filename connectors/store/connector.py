@@ -1,0 +1,115 @@
+"""AscendStoreConnector: vLLM KV connector for a shared prefix pool (Mooncake store or memcache).
+
+A thin facade: vLLM creates one instance per process and role; the scheduler side (lookups, load and
+save planning) and the worker side (this rank's shard I/O) live in their own modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.logger import init_logger
+
+from kvpp_core.config import parse_additional_config
+from connectors.store.config import parse_store_config
+from connectors.store.metadata import StoreMetadata
+from connectors.store.stats import StoreStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+
+def check_kvpp_rules(vllm_config: "VllmConfig") -> bool:
+    """Refuse unsupported pool settings when KVPP is on (rules owned by kvpp_core.validation)."""
+    kvpp = parse_additional_config(vllm_config.additional_config)
+    if not kvpp.enabled:
+        return False
+    from kvpp_core.setup import setup_from_vllm_config
+    from kvpp_core.validation import raise_for_errors, validate
+
+    for warning in raise_for_errors(validate(setup_from_vllm_config(vllm_config, kvpp))):
+        logger.warning("KVPP: %s", warning)
+    return True
+
+
+class AscendStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        check_kvpp_rules(vllm_config)
+        cfg = parse_store_config(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "AscendStoreConnector: kv_load_failure_policy is %r; a pooled block that cannot be loaded "
+                "(evicted shard, store down, wrong size) then fails the request. Set "
+                '"kv_load_failure_policy": "recompute" to recompute it instead', transfer.kv_load_failure_policy)
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connectors.store.scheduler import StoreScheduler
+
+            self._scheduler = StoreScheduler(vllm_config, cfg)
+        else:
+            from connectors.store.worker import StoreWorker
+
+            self._worker = StoreWorker(vllm_config, cfg)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is only a future miss: never recompute a request to protect one.
+        return False
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        assert isinstance(kv_connector_metadata, StoreMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete before the request is scheduled (async) or before the forward (sync)."""
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        """Whole blocks are saved after the step in wait_for_save, not layer by layer."""
+
+    def wait_for_save(self):
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self):
+        return self._worker.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return StoreStats(data=dict(data or {}))
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]):
+        return self._scheduler.request_finished(request, block_ids)

@@ -1,0 +1,71 @@
+"""Pool object keys: a content hash chain over whole token blocks plus what makes the bytes comparable.
+
+Every process of every node must derive the same key for the same tokens, so nothing here may depend
+on Python's salted `hash()` or on process state: sha256 over a canonical encoding only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+_CHAIN_ROOT = hashlib.sha256(b"kvpp-pool/v1").digest()
+HASH_HEX_LEN = 64
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """sha256 chain over the whole blocks of `token_ids` (a trailing partial block gets no hash).
+
+    Hash i covers blocks 0..i, so equal hashes mean equal prefixes, not just equal blocks.
+    """
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    hashes: list[str] = []
+    parent = _CHAIN_ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        digest = hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block)).digest()
+        hashes.append(digest.hex())
+        parent = digest
+    return hashes
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What an object's bytes depend on besides the tokens: equal fingerprints mean loadable bytes."""
+
+    model: str
+    dtype: str
+    block_size: int
+    page_bytes: int
+    """Bytes of one layer's page for one block."""
+
+    def fingerprint(self, layer_ids: Iterable[int | str]) -> str:
+        """Short digest over the layout and the layer set one object holds."""
+        doc = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "page_bytes": self.page_bytes,
+            "layers": sorted(str(l) for l in layer_ids),
+        }
+        canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canon).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """The non-content part of a key: one (PP stage, owner rank) shard with its layer fingerprint."""
+
+    fingerprint: str
+    pp_rank: int
+    owner: int
+
+    def key(self, block_hash: str) -> str:
+        return f"kvpp/{self.fingerprint}/pp{self.pp_rank}/o{self.owner}/{block_hash}"
+
+    def keys(self, hashes: Iterable[str]) -> list[str]:
+        return [self.key(h) for h in hashes]

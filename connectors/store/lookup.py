@@ -1,0 +1,137 @@
+"""Scheduler -> worker rank 0 lookup over ZeroMQ: "how many leading blocks of this prefix are pooled?"
+
+The scheduler has no pool client of its own; worker rank 0 knows the cache layout and every shard a
+block needs. Messages are typed msgspec structs, validated on both ends; every wait is bounded, and
+anything unexpected (timeout, dead worker, malformed reply) is a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+
+import msgspec
+import zmq
+
+from connectors.store.keys import HASH_HEX_LEN
+
+MAX_BLOCKS = 1 << 20
+_HEX = re.compile(rf"^[0-9a-f]{{{HASH_HEX_LEN}}}$")
+
+
+class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    block_hashes: list[str]
+    request_id: str = ""
+
+
+class LookupReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    hit_blocks: int
+    error: str = ""
+
+
+class InvalidMessage(ValueError):
+    pass
+
+
+def validate_request(msg: LookupRequest) -> LookupRequest:
+    if len(msg.block_hashes) > MAX_BLOCKS:
+        raise InvalidMessage(f"lookup of {len(msg.block_hashes)} blocks exceeds {MAX_BLOCKS}")
+    bad = next((h for h in msg.block_hashes if not _HEX.match(h)), None)
+    if bad is not None:
+        raise InvalidMessage(f"block hash {bad[:80]!r} is not {HASH_HEX_LEN} lowercase hex digits")
+    return msg
+
+
+def validate_reply(msg: LookupReply, asked: int) -> LookupReply:
+    if not 0 <= msg.hit_blocks <= asked:
+        raise InvalidMessage(f"reply claims {msg.hit_blocks} hit blocks for a lookup of {asked}")
+    return msg
+
+
+def lookup_path(lookup_rpc_port: int, dp_rank: int) -> str:
+    """IPC endpoint of one DP rank's lookup channel; scheduler and workers of a node derive the same."""
+    base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    return f"ipc://{base}/kvpp-pool-lookup-{lookup_rpc_port}-dp{dp_rank}"
+
+
+class LookupServer:
+    """Answers lookups on worker rank 0 in a daemon thread, with `count_hits(hashes) -> int`."""
+
+    def __init__(self, endpoint: str, count_hits: Callable[[Sequence[str]], int]) -> None:
+        self._count_hits = count_hits
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self._decoder = msgspec.msgpack.Decoder(LookupRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._serve, name="kvpp-pool-lookup", daemon=True)
+        self._thread.start()
+
+    def _answer(self, raw: bytes) -> LookupReply:
+        try:
+            req = validate_request(self._decoder.decode(raw))
+        except (msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
+            return LookupReply(hit_blocks=0, error=f"invalid lookup: {exc}")
+        try:
+            return LookupReply(hit_blocks=self._count_hits(req.block_hashes))
+        except Exception as exc:  # a lookup failure must answer "miss", never kill the channel
+            return LookupReply(hit_blocks=0, error=f"lookup failed: {exc}")
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            raw = self._sock.recv()
+            self._sock.send(self._encoder.encode(self._answer(raw)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+
+class LookupClient:
+    """Scheduler side. `hit_blocks` returns (blocks, error); errors and timeouts are misses."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self._endpoint = endpoint
+        self._timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.Context.instance()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(LookupReply)
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A timed-out request must not wedge the REQ state machine, and a late reply to it must
+        # not be taken as the answer to the next one.
+        sock.setsockopt(zmq.REQ_RELAXED, 1)
+        sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        sock.connect(self._endpoint)
+        return sock
+
+    def hit_blocks(self, block_hashes: list[str], request_id: str = "") -> tuple[int, str]:
+        if not block_hashes:
+            return 0, ""
+        try:
+            self._sock.send(self._encoder.encode(LookupRequest(block_hashes=block_hashes, request_id=request_id)))
+            if not self._sock.poll(self._timeout_ms, zmq.POLLIN):
+                return 0, f"no lookup answer from worker rank 0 within {self._timeout_ms} ms"
+            reply = validate_reply(self._decoder.decode(self._sock.recv()), len(block_hashes))
+        except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
+            self._sock.close(linger=0)
+            self._sock = self._connect()
+            return 0, f"lookup channel error: {exc}"
+        return reply.hit_blocks, reply.error
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,141 @@
+"""Scheduler side of the pool connector: lookups, load planning, and which finished blocks to save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from connectors.store.config import StoreConfig
+from connectors.store.keys import block_hashes
+from connectors.store.lookup import LookupClient, lookup_path
+from connectors.store.metadata import BlockJob, StoreMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _SaveTracker:
+    """A request whose prompt blocks are saved as they become complete."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    saved_blocks: int = 0
+    hashes: list[str] = field(default_factory=list)
+
+
+def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
+    """(loads, saves) for a kv_role; a consumer saves only with consumer_is_to_put."""
+    loads = kv_role in ("kv_both", "kv_consumer")
+    saves = kv_role in ("kv_both", "kv_producer") or (kv_role == "kv_consumer" and cfg.consumer_is_to_put)
+    return loads, saves
+
+
+class StoreScheduler:
+    def __init__(self, vllm_config: "VllmConfig", cfg: StoreConfig) -> None:
+        self._cfg = cfg
+        self._block_size = vllm_config.cache_config.block_size
+        self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)
+        dp_rank = vllm_config.parallel_config.data_parallel_rank
+        self._client = LookupClient(lookup_path(cfg.lookup_rpc_port, dp_rank), cfg.lookup_timeout_s) if self._loads else None
+        self._hits: dict[str, list[str]] = {}
+        self._pending_loads: list[BlockJob] = []
+        self._trackers: dict[str, _SaveTracker] = {}
+        self._saving: set[str] = set()
+
+    # ---- loads -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if self._client is None or request.prompt_token_ids is None:
+            return 0, False
+        prompt = request.prompt_token_ids
+        # Whole blocks only, and never the block holding the last prompt token: it must be computed
+        # to sample the first output token.
+        usable = (len(prompt) - 1) // self._block_size * self._block_size
+        hashes = block_hashes(prompt[:usable], self._block_size)
+        hit, error = self._client.hit_blocks(hashes, request.request_id)
+        if error:
+            logger.warning("pool lookup for %s counted as a miss: %s", request.request_id, error)
+        hit_tokens = hit * self._block_size
+        if hit_tokens <= num_computed_tokens:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        self._hits[request.request_id] = hashes[:hit]
+        return hit_tokens - num_computed_tokens, self._cfg.load_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        hashes = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or not hashes:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        end = len(hashes)
+        start = end - num_external_tokens // self._block_size
+        self._pending_loads.append(BlockJob(request.request_id, tuple(block_ids[start:end]), tuple(hashes[start:end])))
+
+    # ---- saves -------------------------------------------------------------------------------
+    def _track(self, scheduler_output: "SchedulerOutput") -> list[BlockJob]:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is not None:
+                self._trackers[new.req_id] = _SaveTracker(list(new.prompt_token_ids), list(new.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        computed_before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        for i, req_id in enumerate(cached.req_ids):
+            computed_before[req_id] = cached.num_computed_tokens[i]
+            tracker = self._trackers.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if tracker is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = list(new_ids[0])
+                tracker.saved_blocks = 0
+            else:
+                tracker.block_ids.extend(new_ids[0])
+        jobs = []
+        for req_id, tracker in list(self._trackers.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
+            if scheduled is None:
+                continue
+            done = min(computed_before[req_id] + scheduled, len(tracker.prompt)) // self._block_size
+            if done <= tracker.saved_blocks:
+                continue
+            if not tracker.hashes:
+                tracker.hashes = block_hashes(tracker.prompt, self._block_size)
+            jobs.append(BlockJob(req_id, tuple(tracker.block_ids[tracker.saved_blocks:done]),
+                                 tuple(tracker.hashes[tracker.saved_blocks:done])))
+            tracker.saved_blocks = done
+            self._saving.add(req_id)
+            if done == len(tracker.prompt) // self._block_size:
+                del self._trackers[req_id]
+        return jobs
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StoreMetadata:
+        preempted = scheduler_output.preempted_req_ids or set()
+        meta = StoreMetadata(
+            loads=self._pending_loads,
+            saves=self._track(scheduler_output) if self._saves else [],
+            sync_loads=not self._cfg.load_async,
+            # A preempted request's blocks are about to be reused: in-flight saves reading them
+            # must finish first.
+            drain_saves=bool(preempted & self._saving),
+        )
+        self._pending_loads = []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks until the workers report the request's saves done."""
+        self._trackers.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        if request.request_id in self._saving:
+            self._saving.discard(request.request_id)
+            return True, None
+        return False, None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

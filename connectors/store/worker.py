@@ -1,0 +1,337 @@
+"""Worker side of the pool connector: this rank's shard of each block, saved and loaded in the background.
+
+Without KVPP an MLA block is identical on every TP rank, so TP rank 0 stores it once for the group and
+every rank loads it. With KVPP each rank stores its persistent caches (owned layers + MTP; staging
+never) as one object per block keyed by its kvpp rank, and loads land in those same persistent
+buffers before the request runs, so the normal broadcast feeds the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+
+from kvpp_core.ownership import layer_index
+from kvpp_core.runtime import ActiveLayout, active_layout
+
+from connectors.store.backends import Backend, Status, open_backend
+from connectors.store.config import StoreConfig
+from connectors.store.keys import CacheLayout, ShardKey
+from connectors.store.lookup import LookupServer, lookup_path
+from connectors.store.metadata import BlockJob, StoreMetadata
+from connectors.store.scheduler import role_actions
+from connectors.store.shards import MTP, StageLayers, all_shards, hit_blocks, shard_keys, stage_shards
+from connectors.store.stats import StoreStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class BlockPages:
+    """Addresses of one object's pieces: for each block, one page per layer, in shard order."""
+
+    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+        page_bytes = {t[0].numel() * t.element_size() for t in caches}
+        if len(page_bytes) != 1:
+            raise ValueError(f"pool objects need equal per-block pages across layers, got {sorted(page_bytes)}")
+        for t in caches:
+            if not t[0].is_contiguous():
+                raise ValueError(f"cache of shape {tuple(t.shape)} has non-contiguous block pages; "
+                                 "the pool connector needs [num_blocks, ...] caches")
+        self.page_bytes = page_bytes.pop()
+        self._bases = [t.data_ptr() for t in caches]
+        self._strides = [t.stride(0) * t.element_size() for t in caches]
+        self.num_blocks = caches[0].shape[0]
+
+    @property
+    def object_bytes(self) -> int:
+        return self.page_bytes * len(self._bases)
+
+    def ptrs(self, block_id: int) -> list[int]:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} outside a cache of {self.num_blocks} blocks")
+        return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
+
+    def sizes(self) -> list[int]:
+        return [self.page_bytes] * len(self._bases)
+
+
+def order_caches(names: Sequence[str], layer_of: dict[str, int | None]) -> tuple[list[str], tuple[int | str, ...]]:
+    """Cache names in object order (target layers by id, then MTP caches by name) and their layer tags."""
+    targets = sorted((n for n in names if layer_of[n] is not None), key=lambda n: (layer_of[n], n))
+    mtp = sorted(n for n in names if layer_of[n] is None)
+    tags = tuple(layer_of[n] for n in targets) + tuple(f"{MTP}{i}" for i in range(len(mtp)))
+    return targets + mtp, tags
+
+
+class StoreWorker:
+    def __init__(self, vllm_config: "VllmConfig", cfg: StoreConfig) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        self._vllm_config = vllm_config
+        self._cfg = cfg
+        self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)
+        self._tp_rank = get_tensor_model_parallel_rank()
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._pp_rank = get_pp_group().rank_in_group
+        self._pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self._dp_rank = vllm_config.parallel_config.data_parallel_rank
+        self._block_size = vllm_config.cache_config.block_size
+        self._num_hidden = vllm_config.model_config.hf_text_config.num_hidden_layers
+        self._replicated = vllm_config.model_config.use_mla
+        self._backend: Backend | None = None
+        self._server: LookupServer | None = None
+        self._stats = StoreStats()
+        self._totals = StoreStats()
+        self._stats_file = cfg.stats_file
+        self._lock = threading.Lock()
+        self._save_pending: dict[str, int] = defaultdict(int)
+        self._save_reqs: set[str] = set()
+        self._finishing: set[str] = set()
+        self._loaded: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._thread = threading.Thread(target=self._run_jobs, name="kvpp-pool-io", daemon=True)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self._replicated:
+            raise NotImplementedError(
+                "AscendStoreConnector pools MLA/SFA caches (identical on every TP rank); this model does "
+                "not use MLA. Use another connector for per-head KV caches"
+            )
+        layout = active_layout()
+        self._kvpp = layout is not None
+        names, layer_of = self._persistent_caches(kv_caches, layout)
+        ordered, tags = order_caches(names, layer_of)
+        caches = [kv_caches[n] for n in ordered]
+        self._pages = BlockPages(caches)
+        first = caches[0]
+        self._layout = CacheLayout(
+            model=self._vllm_config.model_config.model,
+            dtype=dtype_name(first.dtype),
+            block_size=self._block_size,
+            page_bytes=self._pages.page_bytes,
+        )
+        self._group = layout.group_size if layout else self._tp_size
+        owner = layout.kvpp_rank if layout else 0
+        own_stage = StageLayers(self._pp_rank, tuple(t for t in tags if isinstance(t, int)),
+                                sum(1 for t in tags if isinstance(t, str)))
+        mine = [s for s in stage_shards(own_stage, self._group, kvpp=self._kvpp, replicated=True) if s.owner == owner]
+        if mine and mine[0].layers != tags:
+            raise RuntimeError(f"pool shard layers {mine[0].layers} differ from this rank's persistent caches {tags}")
+        self._shard = shard_keys(self._layout, mine)[0] if mine else None
+        # Without KVPP the group's one copy is written by TP rank 0; every rank loads it.
+        self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank == 0)
+
+        self._backend = open_backend(self._cfg.backend, self._cfg.backend_settings,
+                                     call_timeout_s=self._cfg.backend_timeout_s,
+                                     device_memory=first.device.type != "cpu")
+        for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
+            self._backend.register(ptr, size)
+        self._thread.start()
+        if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
+            self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
+                                                                   kvpp=self._kvpp, replicated=True))
+            self._server = LookupServer(lookup_path(self._cfg.lookup_rpc_port, self._dp_rank), self.count_hits)
+        logger.info("pool connector: %s backend, kvpp=%s, shard=%s, %d caches x %d bytes per block, writes=%s",
+                    self._cfg.backend, self._kvpp, self._shard, len(caches), self._pages.page_bytes, self._writes)
+
+    def _persistent_caches(self, kv_caches, layout: ActiveLayout | None) -> tuple[list[str], dict[str, int | None]]:
+        if layout is not None:
+            names = list(layout.persistent_layer_names)
+            return names, {n: layout.layer_ids[n] for n in names}
+        layer_of = {}
+        for name in kv_caches:
+            idx = layer_index(name)
+            layer_of[name] = idx if idx < self._num_hidden else None
+        return list(kv_caches), layer_of
+
+    def _stages(self, own: StageLayers) -> list[StageLayers]:
+        """Every PP stage's layers; other stages derived the way vLLM splits layers."""
+        if self._pp_size == 1:
+            return [own]
+        from vllm.distributed.utils import get_pp_indices
+
+        hf = self._vllm_config.model_config.hf_text_config
+        mtp = getattr(hf, "num_nextn_predict_layers", 0) if self._vllm_config.speculative_config else 0
+        stages = []
+        for rank in range(self._pp_size):
+            if rank == self._pp_rank:
+                stages.append(own)
+                continue
+            start, end = get_pp_indices(self._num_hidden, rank, self._pp_size)
+            stages.append(StageLayers(rank, tuple(range(start, end)), mtp if rank == self._pp_size - 1 else 0))
+        return stages
+
+    # ---- lookup (worker rank 0) -----------------------------------------------------------------
+    def count_hits(self, hashes: Sequence[str]) -> int:
+        keys = [k for shard in self._all_shards for k in shard.keys(hashes)]
+        status = self._backend.exists(keys)
+        n = len(hashes)
+        with self._lock:
+            self._count("lookups")
+            if any(s in (Status.FAILED, Status.TIMEOUT) for s in status):
+                self._count("lookup_failures")
+                return 0
+            hit = hit_blocks({shard: [s is Status.OK for s in status[i * n:(i + 1) * n]]
+                              for i, shard in enumerate(self._all_shards)})
+            self._count("lookup_hit_blocks", hit)
+            self._count("lookup_hit_tokens", hit * self._block_size)
+        return hit
+
+    # ---- per-step hooks --------------------------------------------------------------------------
+    def start_load_kv(self, meta: StoreMetadata) -> None:
+        for job in meta.loads:
+            if meta.sync_loads:
+                self._load(job)
+            else:
+                self._submit(self._load, job)
+
+    def wait_for_save(self, meta: StoreMetadata) -> None:
+        for job in meta.saves:
+            with self._lock:
+                self._save_reqs.add(job.req_id)
+                self._save_pending[job.req_id] += 1
+            self._submit(self._save, job)
+
+    def handle_preemptions(self, meta: StoreMetadata) -> None:
+        if meta.drain_saves:
+            self.drain(self._cfg.backend_timeout_s * 2)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until no job is queued or running; False if that took longer than timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._in_flight:
+                if not self._idle.wait(max(deadline - time.monotonic(), 0)) and time.monotonic() >= deadline:
+                    return False
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            self._finishing |= finished_req_ids & self._save_reqs
+            sent = {r for r in self._finishing if not self._save_pending.get(r)}
+            self._finishing -= sent
+            self._save_reqs -= sent
+            for r in sent:
+                self._save_pending.pop(r, None)
+            recv, self._loaded = self._loaded, set()
+        return sent or None, recv or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> StoreStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, StoreStats()
+        return out
+
+    # ---- background I/O ----------------------------------------------------------------------------
+    def _submit(self, fn, job: BlockJob) -> None:
+        with self._lock:
+            self._in_flight += 1
+        self._jobs.put((fn, job))
+
+    def _run_jobs(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, job = item
+            try:
+                fn(job)
+            except Exception:  # a failed job is a miss or a dropped save, never a dead I/O thread
+                logger.exception("pool job for %s failed", job.req_id)
+            finally:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+    def _objects(self, job: BlockJob):
+        keys = self._shard.keys(job.block_hashes)
+        return keys, [self._pages.ptrs(b) for b in job.block_ids], [self._pages.sizes()] * len(keys)
+
+    def _save(self, job: BlockJob) -> None:
+        try:
+            if not self._writes:
+                return
+            keys, ptrs, sizes = self._objects(job)
+            present = self._backend.exists(keys)
+            if any(s in (Status.FAILED, Status.TIMEOUT) for s in present):
+                with self._lock:
+                    self._count("save_failures", len(keys))
+                return
+            todo = [i for i, s in enumerate(present) if s is Status.MISSING]
+            status = self._backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
+            ok = sum(s is Status.OK for s in status)
+            with self._lock:
+                self._count("save_skipped_blocks", len(keys) - len(todo))
+                self._count("saved_blocks", ok)
+                self._count("saved_bytes", ok * self._pages.object_bytes)
+                self._count("save_failures", len(todo) - ok)
+        finally:
+            with self._lock:
+                self._save_pending[job.req_id] -= 1
+
+    def _load(self, job: BlockJob) -> None:
+        status: list[Status] = [Status.FAILED] * len(job.block_ids)
+        try:
+            if self._shard is None:  # this rank keeps no persistent pages: nothing to restore
+                status = [Status.OK] * len(job.block_ids)
+                return
+            keys, ptrs, sizes = self._objects(job)
+            status = self._backend.get(keys, ptrs, sizes)
+        finally:
+            bad = next((i for i, s in enumerate(status) if s is not Status.OK), len(status))
+            with self._lock:
+                self._count("loaded_blocks", bad)
+                self._count("loaded_bytes", bad * self._pages.object_bytes if self._shard else 0)
+                if bad < len(status):
+                    # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
+                    self._load_errors.update(job.block_ids[bad:])
+                    self._count("load_failures", len(status) - bad)
+                    self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
+                self._loaded.add(job.req_id)
+
+    def _count(self, name: str, value: int = 1) -> None:
+        """Caller holds self._lock."""
+        if not value:
+            return
+        self._stats.add(name, value)
+        self._totals.add(name, value)
+        if self._stats_file:
+            path = f"{self._stats_file}.pp{self._pp_rank}.tp{self._tp_rank}.json"
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(self._totals.data, fh)
+            os.replace(tmp, path)
+
+    def close(self) -> None:
+        self.drain(self._cfg.backend_timeout_s)
+        self._jobs.put(None)
+        if self._server is not None:
+            self._server.close()
+        if self._backend is not None:
+            self._backend.close()

@@ -1,0 +1,264 @@
+"""`kvpp pool up|down`: a KV pool on this machine for AscendStoreConnector, on loopback and free ports.
+
+The pool's memory is held by the pool's own processes (a standalone Mooncake store client that only
+contributes a segment, or the memcache MetaService), never by an engine, so pooled prefixes survive
+engine restarts. `up` prints the exact `kv_connector_extra_config` to merge into --kv-transfer-config
+and records the pids in a state file; `down` stops exactly those pids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, free_port
+
+DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
+STATE_FILE = "pool.json"
+BACKENDS = ("mooncake", "memcache")
+QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
+
+
+@dataclass
+class PoolInfo:
+    backend: str
+    kv_connector_extra_config: dict
+    pids: list[int]
+    state_dir: str
+    logs: list[str] = field(default_factory=list)
+    mmc_local_config_path: str | None = None
+    """memcache: the same settings as a file, for engines configured through $MMC_LOCAL_CONFIG_PATH."""
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGB")
+    unit = t[len(num):]
+    if not num.isdigit() or unit not in units:
+        raise ValueError(f"--segment-size must look like 512MB or 2GB, got {text!r}")
+    return int(num) * units[unit]
+
+
+def _bin(name: str) -> str:
+    """A console script of this venv (mooncake_master ships in the Mooncake wheel)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise ValueError(f"{name} not found next to {sys.executable}; pip install mooncake-transfer-engine-non-cuda")
+    return str(path)
+
+
+def _wait_file(proc: ManagedProcess, path: Path, timeout: float) -> None:
+    proc._wait(f"{path.name}", path.exists, timeout)
+
+
+def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None = None,
+                   client_ttl_s: int | None = None) -> PoolInfo:
+    rpc_port, metrics_port = free_port(), free_port()
+    argv = [_bin("mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={rpc_port}",
+            f"--metrics_host={LOOPBACK}", f"--metrics_port={metrics_port}"]
+    if lease_ttl_ms is not None:
+        argv.append(f"--default_kv_lease_ttl={lease_ttl_ms}")
+    if client_ttl_s is not None:
+        argv.append(f"--client_ttl={client_ttl_s}")
+    master = ManagedProcess("mooncake_master", argv, state_dir / "mooncake_master.log", env=QUIET_ENV).start()
+    procs = [master]
+    try:
+        master.wait_port(LOOPBACK, rpc_port, timeout=30)
+        address = f"{LOOPBACK}:{rpc_port}"
+        ready = state_dir / "holder.ready"
+        ready.unlink(missing_ok=True)
+        holder = ManagedProcess(
+            "pool-holder",
+            [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", address,
+             "--segment-bytes", str(segment_bytes), "--ready-file", str(ready)],
+            state_dir / "pool_holder.log", env=QUIET_ENV, cwd=Path(__file__).resolve().parent.parent,
+        ).start()
+        procs.append(holder)
+        _wait_file(holder, ready, timeout=60)
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
+    extra = {
+        "backend": "mooncake",
+        "lookup_rpc_port": free_port(),
+        "mooncake": {"master_server_address": address, "protocol": "tcp", "local_hostname": LOOPBACK},
+    }
+    return PoolInfo("mooncake", extra, [p.pid for p in procs], str(state_dir), [str(p.log_path) for p in procs])
+
+
+def start_memcache(state_dir: Path) -> PoolInfo:
+    meta, store, metrics = free_port(), free_port(), free_port()
+    proc = ManagedProcess(
+        "memcache-meta-service",
+        [sys.executable, "-m", "deploy.pool_cmd", "meta-service", "--meta-port", str(meta),
+         "--config-store-port", str(store), "--metrics-port", str(metrics), "--log-dir", str(state_dir / "mmc")],
+        state_dir / "meta_service.log", cwd=Path(__file__).resolve().parent.parent,
+    ).start()
+    try:
+        proc.wait_port(LOOPBACK, meta, timeout=30)
+    except BaseException:
+        proc.stop()
+        raise
+    settings = {"meta_service_url": f"tcp://{LOOPBACK}:{meta}", "config_store_url": f"tcp://{LOOPBACK}:{store}",
+                "protocol": "host_tcp"}
+    conf = state_dir / "mmc-local.conf"
+    conf.write_text(
+        f"ock.mmc.meta_service_url = {settings['meta_service_url']}\n"
+        f"ock.mmc.local_service.config_store_url = {settings['config_store_url']}\n"
+        f"ock.mmc.local_service.protocol = {settings['protocol']}\n"
+        "ock.mmc.log_level = error\n"
+    )
+    extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
+    return PoolInfo("memcache", extra, [proc.pid], str(state_dir), [str(proc.log_path)], str(conf))
+
+
+def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: int = 1 << 30,
+            **mooncake_timers) -> PoolInfo:
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state = state_dir / STATE_FILE
+    if state.exists() and any(_alive(pid) for pid in json.loads(state.read_text())["pids"]):
+        raise ValueError(f"a pool is already running (state {state}); run `kvpp pool down` first")
+    info = start_mooncake(state_dir, segment_bytes, **mooncake_timers) if backend == "mooncake" else start_memcache(state_dir)
+    state.write_text(json.dumps(asdict(info), indent=2))
+    return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def pool_down(state_dir: Path = DEFAULT_STATE_DIR, timeout: float = 10.0) -> list[int]:
+    """Stop the recorded pool processes (their process groups), newest first; returns the pids."""
+    state = Path(state_dir) / STATE_FILE
+    if not state.exists():
+        raise ValueError(f"no pool state at {state}; nothing to stop (was it started with another --state-dir?)")
+    pids = json.loads(state.read_text())["pids"]
+    for pid in reversed(pids):
+        _stop_group(pid, timeout)
+    state.unlink()
+    return pids
+
+
+def _stop_group(pid: int, timeout: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)  # pool processes lead their own session (group id == pid)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:  # not our child: poll for its disappearance
+                if not _alive(pid):
+                    return
+            time.sleep(0.05)
+
+
+# ---- pool-side processes (run as `python -m deploy.pool_cmd hold|meta-service`) -----------------
+def hold_segment(master: str, segment_bytes: int, ready_file: str) -> int:
+    """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(LOOPBACK, "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", master)
+    if rc != 0:
+        print(f"pool holder: setup against {master} failed with {rc}", file=sys.stderr)
+        return 1
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    Path(ready_file).write_text(str(os.getpid()))
+    while not stop:
+        time.sleep(0.2)
+    store.close()
+    return 0
+
+
+def meta_service(meta_port: int, config_store_port: int, metrics_port: int, log_dir: str) -> int:
+    """Run the memcache MetaService on loopback (blocking)."""
+    import memcache_hybrid
+
+    cfg = memcache_hybrid.MetaConfig()
+    cfg.meta_service_url = f"tcp://{LOOPBACK}:{meta_port}"
+    cfg.config_store_url = f"tcp://{LOOPBACK}:{config_store_port}"
+    cfg.metrics_url = f"http://{LOOPBACK}:{metrics_port}"
+    cfg.log_level = "error"
+    cfg.log_path = log_dir
+    if memcache_hybrid.MetaService.setup(cfg) != 0:
+        print("memcache MetaService setup failed", file=sys.stderr)
+        return 1
+    return memcache_hybrid.MetaService.main()
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def _cmd_up(args) -> int:
+    try:
+        info = pool_up(args.backend, Path(args.state_dir), parse_size(args.segment_size))
+    except ProcessError as exc:
+        raise ValueError(str(exc)) from exc
+    if args.json:
+        out = {"kv_connector_extra_config": info.kv_connector_extra_config, "pids": info.pids}
+        if info.mmc_local_config_path:
+            out["mmc_local_config_path"] = info.mmc_local_config_path
+        print(json.dumps(out))
+    else:
+        print(f"{info.backend} pool up (pids {', '.join(map(str, info.pids))}); merge into --kv-transfer-config:")
+        print(json.dumps({"kv_connector_extra_config": info.kv_connector_extra_config}, indent=2))
+    return 0
+
+
+def _cmd_down(args) -> int:
+    pids = pool_down(Path(args.state_dir))
+    print(f"stopped pool pids {', '.join(map(str, pids))}")
+    return 0
+
+
+def register(subparsers) -> None:
+    pool = subparsers.add_parser("pool", help="start/stop a local KV pool (Mooncake store or memcache)")
+    sub = pool.add_subparsers(dest="pool_command", required=True)
+    up = sub.add_parser("up", help="start the pool on loopback and print its connector config")
+    up.add_argument("--backend", choices=BACKENDS, required=True)
+    up.add_argument("--segment-size", default="1GB", help="memory the pool holds (mooncake), e.g. 512MB")
+    up.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where pids and logs are kept")
+    up.add_argument("--json", action="store_true", help="print one JSON object")
+    up.set_defaults(func=_cmd_up)
+    down = sub.add_parser("down", help="stop the pool started by `kvpp pool up`")
+    down.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    down.set_defaults(func=_cmd_down)
+
+
+def _internal_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.pool_cmd")
+    sub = parser.add_subparsers(dest="what", required=True)
+    hold = sub.add_parser("hold")
+    hold.add_argument("--master", required=True)
+    hold.add_argument("--segment-bytes", type=int, required=True)
+    hold.add_argument("--ready-file", required=True)
+    meta = sub.add_parser("meta-service")
+    for name in ("--meta-port", "--config-store-port", "--metrics-port"):
+        meta.add_argument(name, type=int, required=True)
+    meta.add_argument("--log-dir", required=True)
+    args = parser.parse_args(argv)
+    if args.what == "hold":
+        return hold_segment(args.master, args.segment_bytes, args.ready_file)
+    return meta_service(args.meta_port, args.config_store_port, args.metrics_port, args.log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(_internal_main(sys.argv[1:]))
