@@ -18,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
 from connectors.mooncake.step_meta import MooncakeV2Metadata
+from kvpp_core.config import parse_additional_config
+from kvpp_core.setup import setup_from_vllm_config
+from kvpp_core.validation import raise_for_errors, validate
 
 if TYPE_CHECKING:
     import torch
@@ -33,12 +36,9 @@ if TYPE_CHECKING:
 
 
 def _validate(vllm_config: VllmConfig) -> None:
-    """Startup refusals (KVPP on a consumer, KVPP + PCP with P/D, ...) live in kvpp_core."""
-    try:
-        from kvpp_core.validation import validate_pd
-    except ImportError:
-        return  # validation module not installed in this tree yet
-    validate_pd(vllm_config)
+    """Startup refusals (KVPP on a consumer, KVPP + PCP with P/D, wrong role) are kvpp_core's rules."""
+    kvpp = parse_additional_config(vllm_config.additional_config)
+    raise_for_errors(validate(setup_from_vllm_config(vllm_config, kvpp)))
 
 
 class MooncakeConnectorV2(KVConnectorBase_V1):

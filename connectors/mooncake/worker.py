@@ -36,6 +36,7 @@ from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.transfer import MooncakeTransfer
 from kvpp_core.ports import PortLayout
+from kvpp_core.runtime import active_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,15 +52,6 @@ class _Hold:
     consumers: set[str] = field(default_factory=set)
     needed: int = 1
     first_seen: float = field(default_factory=time.monotonic)
-
-
-def _active_layout():
-    """The lead's KVPP runtime; absent or None means KVPP is off on this worker."""
-    try:
-        from kvpp_core.runtime import active_layout
-    except ImportError:
-        return None
-    return active_layout()
 
 
 def _model_key(vllm_config: VllmConfig) -> str:
@@ -121,7 +113,7 @@ class MooncakeV2Worker:
     # ---- registration ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = _active_layout()
+        layout = active_layout()  # None: KVPP off, this worker holds every layer
         names = list(kv_caches)
         if layout is not None:
             keep = set(layout.persistent_layer_names)
