@@ -1,0 +1,166 @@
+"""Validation: every rule, its message (option + fix), and that all problems come back at once."""
+
+import pytest
+
+from kvpp_core.config import KvppConfig, KvppConfigError
+from kvpp_core.model import PRESETS, ModelSpec
+from kvpp_core.topology import Topology
+from kvpp_core.validation import KvppSetup, Problem, raise_for_errors, validate
+
+pytestmark = pytest.mark.unit
+
+ON = KvppConfig(enabled=True)
+GOOD_STORE_EXTRA = {"use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
+
+
+def setup(**overrides):
+    fields = dict(model=PRESETS["glm-5.2"], topology=Topology(tp=8), enforce_eager=True, kvpp=ON)
+    fields.update(overrides)
+    return KvppSetup(**fields)
+
+
+def only(problems):
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def test_supported_setups_have_no_problems():
+    assert validate(setup()) == []
+    assert validate(setup(kv_connector="MooncakeConnectorV2", kv_role="kv_producer")) == []
+    for role in ("kv_producer", "kv_both"):
+        assert validate(setup(kv_connector="AscendStoreConnector", kv_role=role, kv_extra=GOOD_STORE_EXTRA)) == []
+    assert validate(setup(topology=Topology(tp=4, pcp=2, runner="v2"))) == []
+
+
+def test_nothing_is_checked_when_kvpp_is_off():
+    bad = setup(kvpp=KvppConfig(enabled=False), enforce_eager=False, kv_connector="Foo", kv_role="kv_consumer",
+                topology=Topology(tp=1, dcp=2))
+    assert validate(bad) == []
+
+
+def test_non_mla_model():
+    p = only(validate(setup(model=ModelSpec("llama-3", 32, 0, 0, 0, attention="mha"))))
+    assert (p.severity, p.option) == ("error", "model")
+    assert "llama-3 uses mha attention; KVPP supports only MLA/SFA" in p.message
+    assert "remove enable_kvpp from --additional-config" in p.message
+
+
+def test_hybrid_model():
+    p = only(validate(setup(model=ModelSpec("kimi-linear", 27, 0, 512, 64, hybrid=True))))
+    assert p.option == "model" and "kimi-linear is a hybrid model" in p.message and "non-hybrid" in p.message
+
+
+def test_graph_mode_refused():
+    p = only(validate(setup(enforce_eager=False)))
+    assert p.option == "enforce_eager" and "add --enforce-eager" in p.message
+
+
+def test_dcp_refused():
+    p = only(validate(setup(topology=Topology(tp=8, dcp=2))))
+    assert p.option == "decode_context_parallel_size"
+    assert "DCP 2" in p.message and "--decode-context-parallel-size 1" in p.message
+
+
+def test_pcp_on_runner_v1_refused():
+    p = only(validate(setup(topology=Topology(tp=8, pcp=2, runner="v1"))))
+    assert p.option == "prefill_context_parallel_size" and "set VLLM_USE_V2_MODEL_RUNNER=1" in p.message
+
+
+def test_tp1_without_pcp_is_a_warning():
+    p = only(validate(setup(topology=Topology(tp=1))))
+    assert (p.severity, p.option) == ("warning", "tensor_parallel_size")
+    assert "KVPP is inert (capacity ratio 1.0)" in p.message
+    assert validate(setup(topology=Topology(tp=1, pcp=2, runner="v2"))) == []
+
+
+@pytest.mark.parametrize("connector", ["MooncakeConnectorV2", "AscendStoreConnector"])
+def test_consumer_node_refused(connector):
+    extra = GOOD_STORE_EXTRA if connector == "AscendStoreConnector" else {}
+    p = only(validate(setup(kv_connector=connector, kv_role="kv_consumer", kv_extra=extra)))
+    assert p.option == "kv_role"
+    assert "KVPP runs only on prefill nodes" in p.message and "on that node" in p.message
+
+
+@pytest.mark.parametrize("role", ["kv_both", None])
+def test_mooncake_needs_producer(role):
+    p = only(validate(setup(kv_connector="MooncakeConnectorV2", kv_role=role)))
+    assert p.option == "kv_role" and 'set "kv_role": "kv_producer"' in p.message and repr(role) in p.message
+
+
+def test_mooncake_refuses_pcp():
+    p = only(validate(setup(kv_connector="MooncakeConnectorV2", kv_role="kv_producer",
+                            topology=Topology(tp=4, pcp=2, runner="v2"))))
+    assert p.option == "prefill_context_parallel_size" and "MooncakeConnectorV2 with KVPP does not support PCP" in p.message
+
+
+def test_store_unknown_role():
+    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role=None, kv_extra=GOOD_STORE_EXTRA)))
+    assert p.option == "kv_role" and '"kv_producer" or "kv_both"' in p.message
+
+
+@pytest.mark.parametrize(
+    "key, value, fix",
+    [
+        ("use_layerwise", True, '"use_layerwise": false'),
+        ("load_async", False, '"load_async": true'),
+        ("discard_partial_chunks", False, '"discard_partial_chunks": true'),
+        ("consumer_is_to_put", True, '"consumer_is_to_put": false'),
+        ("use_layerwise", "true", '"use_layerwise": false'),
+    ],
+)
+def test_store_flags(key, value, fix):
+    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_both",
+                            kv_extra=dict(GOOD_STORE_EXTRA, **{key: value}))))
+    assert p.option == f"kv_connector_extra_config.{key}"
+    assert "but KVPP needs" in p.message and f"set {fix}" in p.message
+
+
+def test_store_load_async_default_is_an_error():
+    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer",
+                            kv_extra={"use_layerwise": False})))
+    assert p.option == "kv_connector_extra_config.load_async"
+    assert p.message.startswith("defaults to false but KVPP needs true") and 'set "load_async": true' in p.message
+
+
+def test_store_flag_with_garbage_value():
+    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer",
+                            kv_extra=dict(GOOD_STORE_EXTRA, load_async="maybe"))))
+    assert p.message == "must be true or false, got 'maybe'; set \"load_async\": true"
+
+
+def test_store_kv_events_refused():
+    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer", kv_extra=GOOD_STORE_EXTRA,
+                            kv_events=True)))
+    assert p.option == "kv_events_config" and "KV cache events are not supported" in p.message
+
+
+def test_unknown_connector():
+    p = only(validate(setup(kv_connector="NixlConnector", kv_role="kv_both")))
+    assert p.option == "kv_connector" and "'NixlConnector' is not validated with KVPP" in p.message
+    assert "use MooncakeConnectorV2" in p.message and "AscendStoreConnector" in p.message
+
+
+def test_every_problem_is_reported_at_once():
+    bad = setup(model=ModelSpec("llama-3", 32, 0, 0, 0, attention="mha"), enforce_eager=False,
+                topology=Topology(tp=8, pcp=2, dcp=2, runner="v1"),
+                kv_connector="AscendStoreConnector", kv_role="kv_consumer", kv_extra={"use_layerwise": True},
+                kv_events=True)
+    options = [p.option for p in validate(bad)]
+    assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size", "enforce_eager",
+                       "kv_role", "kv_connector_extra_config.use_layerwise", "kv_connector_extra_config.load_async",
+                       "kv_events_config"]
+
+
+def test_raise_for_errors_lists_every_error_one_per_line():
+    problems = validate(setup(enforce_eager=False, topology=Topology(tp=8, dcp=2)))
+    with pytest.raises(KvppConfigError) as err:
+        raise_for_errors(problems)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("decode_context_parallel_size: ") and lines[1].startswith("enforce_eager: ")
+
+
+def test_raise_for_errors_returns_warnings():
+    warning = Problem("warning", "tensor_parallel_size", "inert")
+    assert raise_for_errors([warning]) == [warning]
+    assert raise_for_errors([]) == []
