@@ -1,9 +1,30 @@
 """vLLM general-plugin entry point (`vllm.general_plugins: kvpp`).
 
-Stub until the runtime lands: vLLM imports and calls this in every process, so it must stay cheap
-and must not fail.
+vLLM calls `register()` in every process it starts (API server, engine core, workers), before
+configs are built; it must be cheap and idempotent. It installs the KVPP adapter, whose patches
+stay inert unless `enable_kvpp` is set, and makes the connectors reachable by name.
 """
+
+from __future__ import annotations
+
+CONNECTORS = {
+    "MooncakeConnectorV2": ("connectors.mooncake.connector", "MooncakeConnectorV2"),
+    "AscendStoreConnector": ("connectors.store.connector", "AscendStoreConnector"),
+}
+
+
+def _register_connectors() -> None:
+    """Register our connectors under their names unless something else (e.g. vllm-ascend) owns them;
+    `kv_connector_module_path` reaches ours in that case."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for name, (module, cls) in CONNECTORS.items():
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, cls)
 
 
 def register() -> None:
-    """Hook KVPP into vLLM; does nothing yet."""
+    from kvpp_core import vllm_adapter
+
+    vllm_adapter.install()
+    _register_connectors()

@@ -1,0 +1,158 @@
+"""Per-layer broadcast of KV caches from their owner to the cache-replica group.
+
+Pure torch.distributed, no vLLM: the same object runs inside the engine and in the multi-process
+tests. Collectives are asynchronous so that the next layer's transfer overlaps this layer's
+compute; every rank issues them in the same order (execution order of the target layers), which
+is what keeps owners and receivers matched without any extra coordination.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvpp_core.ownership import RankLayout
+
+
+class KvppBroadcastError(RuntimeError):
+    """A layer could not be delivered; the step must fail rather than attend over stale KV."""
+
+
+@dataclass
+class BroadcastStats:
+    steps: int = 0
+    broadcast_steps: int = 0
+    layers: int = 0
+    bytes: int = 0
+    wait_seconds: float = 0.0
+    """Time the forward pass was blocked waiting for a layer: the part of the traffic not hidden."""
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(vars(self))
+
+
+def coalesce(block_ids: Sequence[int]) -> list[range]:
+    """Sorted, de-duplicated block ids as maximal contiguous ranges (one collective each)."""
+    ranges: list[range] = []
+    for b in sorted(set(block_ids)):
+        if ranges and ranges[-1].stop == b:
+            ranges[-1] = range(ranges[-1].start, b + 1)
+        else:
+            ranges.append(range(b, b + 1))
+    return ranges
+
+
+class LayerBroadcaster:
+    """Delivers each target layer's cache to every rank of the group just before it is used.
+
+    `regions[layer_id]` are the tensors this rank sends (it owns the layer: its persistent
+    buffers) or receives into (a staging slot). Each is viewed as `[num_blocks, page_bytes]`
+    bytes so that a step may send all blocks (the anchor's behaviour) or only some ranges.
+    """
+
+    def __init__(
+        self,
+        layout: RankLayout,
+        regions: Mapping[int, Sequence[torch.Tensor]],
+        num_blocks: int,
+        group: dist.ProcessGroup | None,
+        group_ranks: Sequence[int],
+        timeout: float = 60.0,
+    ) -> None:
+        if len(group_ranks) != layout.group_size:
+            raise ValueError(f"group has {len(group_ranks)} ranks, layout expects {layout.group_size}")
+        missing = set(layout.target_layers) - set(regions)
+        if missing:
+            raise ValueError(f"no broadcast region for target layers {sorted(missing)}")
+        self.layout = layout
+        self.group = group
+        self.group_ranks = list(group_ranks)
+        self.timeout = timedelta(seconds=timeout)
+        self._blocks = {
+            lid: [t.view(torch.uint8).reshape(num_blocks, -1) for t in tensors]
+            for lid, tensors in regions.items()
+        }
+        self._position = {lid: pos for pos, lid in enumerate(layout.target_layers)}
+        self._pending: dict[int, list[dist.Work]] = {}
+        self._delivered: set[int] = set()
+        self._active = False
+        self._ranges: list[range] | None = None
+        self.stats = BroadcastStats()
+
+    @property
+    def enabled(self) -> bool:
+        """A group of one has nobody to send to."""
+        return self.layout.group_size > 1
+
+    def begin_step(self, active: bool, block_ranges: Sequence[range] | None = None) -> None:
+        """Arm the broadcast for one forward pass; `block_ranges=None` sends every block."""
+        if self._pending:
+            raise KvppBroadcastError("a new step started while layer broadcasts were still pending")
+        self._active = active and self.enabled
+        self._ranges = None if block_ranges is None else list(block_ranges)
+        self._delivered.clear()
+        self.stats.steps += 1
+        self.stats.broadcast_steps += int(self._active)
+
+    def before_layer(self, layer_id: int) -> None:
+        """Called when a target layer is about to write its new KV: its history must be in place."""
+        if not self._active or layer_id in self._delivered or layer_id not in self._position:
+            return
+        pos = self._position[layer_id]
+        if layer_id not in self._pending:
+            self._issue(layer_id)
+        ahead = self.layout.target_layers[pos + 1 : pos + 1 + self.layout.prefetch_depth]
+        for nxt in ahead:
+            if nxt not in self._pending and nxt not in self._delivered:
+                self._issue(nxt)
+        self._wait(layer_id)
+
+    def end_step(self) -> None:
+        """Drain anything still in flight so the next step starts with the group in lockstep."""
+        errors = []
+        for lid in list(self._pending):
+            try:
+                self._wait(lid)
+            except KvppBroadcastError as exc:
+                errors.append(exc)
+        self._active = False
+        if errors:
+            raise errors[0]
+
+    def _issue(self, layer_id: int) -> None:
+        src = self.group_ranks[self.layout.owner_of(layer_id)]
+        works = []
+        for blocks in self._blocks[layer_id]:
+            pieces = [blocks] if self._ranges is None else [blocks[r.start : r.stop] for r in self._ranges]
+            for piece in pieces:
+                try:
+                    works.append(dist.broadcast(piece, src=src, group=self.group, async_op=True))
+                except RuntimeError as exc:
+                    raise self._failure(layer_id, exc) from exc
+                self.stats.bytes += piece.numel()
+        self._pending[layer_id] = works
+
+    def _wait(self, layer_id: int) -> None:
+        works = self._pending.pop(layer_id)
+        started = time.perf_counter()
+        try:
+            for work in works:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise self._failure(layer_id, exc) from exc
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - started
+        self._delivered.add(layer_id)
+        self.stats.layers += 1
+
+    def _failure(self, layer_id: int, exc: Exception) -> KvppBroadcastError:
+        self._active = False
+        return KvppBroadcastError(
+            f"KVPP broadcast of layer {layer_id} from kvpp rank {self.layout.owner_of(layer_id)} "
+            f"failed on kvpp rank {self.layout.kvpp_rank}: {exc}"
+        )

@@ -1,0 +1,98 @@
+"""The KVPP state of one worker process: its layout and its broadcaster.
+
+Connectors read `active_layout()` to learn which caches this rank keeps (and so what to save,
+send or load); the vLLM adapter drives the broadcaster from the model's attention layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvpp_core.allocation import Placement
+from kvpp_core.broadcast import LayerBroadcaster
+from kvpp_core.ownership import RankLayout
+
+
+@dataclass(frozen=True)
+class ActiveLayout:
+    rank_layout: RankLayout
+    placement: Placement
+    layer_ids: Mapping[str, int | None]
+    """Every cache name of this rank -> decoder layer id, None for MTP/draft caches."""
+
+    @property
+    def kvpp_rank(self) -> int:
+        return self.rank_layout.kvpp_rank
+
+    @property
+    def group_size(self) -> int:
+        return self.rank_layout.group_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.placement.num_blocks
+
+    @property
+    def persistent_layer_names(self) -> tuple[str, ...]:
+        return self.placement.persistent
+
+    @property
+    def owned_layer_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.placement.persistent if self.layer_ids[n] is not None)
+
+    @property
+    def mtp_layer_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.placement.persistent if self.layer_ids[n] is None)
+
+    def layer_owner(self, name: str) -> int | None:
+        """kvpp rank owning a target cache; None for MTP caches, which every rank holds."""
+        layer_id = self.layer_ids[name]
+        return None if layer_id is None else self.rank_layout.owner_of(layer_id)
+
+
+def needs_broadcast(new_request_computed_tokens: Iterable[int], num_running_requests: int) -> bool:
+    """A step needs history only if some request has any: a running request always does, a new one
+    does when part of its prompt came from a prefix hit or a KV load."""
+    return num_running_requests > 0 or any(n > 0 for n in new_request_computed_tokens)
+
+
+class KvppRuntime:
+    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster | None) -> None:
+        self.layout = layout
+        self.broadcaster = broadcaster
+
+    def report(self) -> dict:
+        """What an operator or a test asks a worker: its layout, its KV bytes and its traffic."""
+        layout = self.layout.rank_layout
+        return {
+            "kvpp_rank": layout.kvpp_rank,
+            "group_size": layout.group_size,
+            "owned_layers": list(layout.owned),
+            "staging_slots": layout.staging_slots,
+            "num_blocks": self.layout.num_blocks,
+            "kv_bytes": self.layout.placement.total_bytes,
+            "broadcast": None if self.broadcaster is None else self.broadcaster.stats.as_dict(),
+        }
+
+    def before_layer(self, cache_name: str) -> None:
+        layer_id = self.layout.layer_ids.get(cache_name)
+        if layer_id is not None:
+            self.broadcaster.before_layer(layer_id)
+
+
+_RUNTIME: KvppRuntime | None = None
+
+
+def install(runtime: KvppRuntime | None) -> None:
+    global _RUNTIME
+    _RUNTIME = runtime
+
+
+def current() -> KvppRuntime | None:
+    return _RUNTIME
+
+
+def active_layout() -> ActiveLayout | None:
+    """The KVPP layout of this worker, or None when KVPP is off (every rank holds every layer)."""
+    return None if _RUNTIME is None else _RUNTIME.layout

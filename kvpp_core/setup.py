@@ -1,0 +1,35 @@
+"""Describe a running vLLM configuration in the planner's terms, so that the engine is validated
+by exactly the rules `kvpp check` applies to a deployment spec."""
+
+from __future__ import annotations
+
+from kvpp_core.config import KvppConfig
+from kvpp_core.model import ModelSpec
+from kvpp_core.topology import Topology
+from kvpp_core.validation import KvppSetup
+
+
+def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
+    import vllm.envs as envs
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    transfer = vllm_config.kv_transfer_config
+    events = vllm_config.kv_events_config
+    return KvppSetup(
+        model=ModelSpec.from_hf_config(model_config.model),
+        topology=Topology(
+            tp=parallel.tensor_parallel_size,
+            pp=parallel.pipeline_parallel_size,
+            pcp=parallel.prefill_context_parallel_size,
+            dcp=parallel.decode_context_parallel_size,
+            dp=parallel.data_parallel_size,
+            runner="v2" if envs.VLLM_USE_V2_MODEL_RUNNER else "v1",
+        ),
+        enforce_eager=model_config.enforce_eager,
+        kvpp=kvpp,
+        kv_connector=None if transfer is None else transfer.kv_connector,
+        kv_role=None if transfer is None else transfer.kv_role,
+        kv_extra={} if transfer is None else dict(transfer.kv_connector_extra_config or {}),
+        kv_events=bool(events is not None and events.enable_kv_cache_events),
+    )
