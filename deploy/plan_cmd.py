@@ -139,9 +139,12 @@ def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[i
             continue
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=f"{count} staging buffer(s)")
+        above = count == 1  # fewer staging buffers give the upper curve: label it above, the other below
         for x, y in points:
-            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7 if above else -13),
+                        ha="center", fontsize=8)
     ax.axvline(topo.tp, color="grey", linestyle=":", label=f"chosen TP {topo.tp}")
+    ax.set_ylim(bottom=0)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("TP size (cache-replica group = TP ranks of one PP stage)")
