@@ -97,6 +97,11 @@ class ModelSpec:
         """Read a Hugging Face `config.json` (or a model directory holding one)."""
         return _spec_from_hf(Path(path))
 
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any], name: str) -> ModelSpec:
+        """Same, from an already loaded config (e.g. vLLM's `hf_config.to_dict()` for a hub model)."""
+        return _spec_from_dict(config, name, name=name)
+
 
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -133,28 +138,32 @@ def _spec_from_hf(path: Path) -> ModelSpec:
         raise ValueError(f"{config_file}: no such file; point at a model directory or its config.json") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{config_file}: not a readable JSON config ({_one_line(exc)})") from None
+    return _spec_from_dict(raw, str(config_file), name=str(path))
+
+
+def _spec_from_dict(raw: Any, source: str, name: str) -> ModelSpec:
+    """`source` prefixes error messages (the file, or the model name for an in-memory config)."""
     if not isinstance(raw, dict):
-        raise ValueError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     # Multimodal wrappers (e.g. Kimi-K2.5) keep the language model under text_config.
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     model_type = cfg.get("model_type") or raw.get("model_type")
     if not isinstance(model_type, str):
-        raise ValueError(f"{config_file}: missing model_type; is this a Hugging Face model config?")
+        raise ValueError(f"{source}: missing model_type; is this a Hugging Face model config?")
 
     def get_int(key: str, default: int | None = None) -> int:
         value = cfg.get(key, default)
         if value is None and default is not None:
             value = default
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{config_file}: {key} must be a non-negative integer, got {value!r}")
+            raise ValueError(f"{source}: {key} must be a non-negative integer, got {value!r}")
         return value
 
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     try:
         kv_dtype = normalize_dtype(dtype)
     except ValueError:
-        raise ValueError(f"{config_file}: unsupported torch_dtype {dtype!r}") from None
-    name = str(path)
+        raise ValueError(f"{source}: unsupported torch_dtype {dtype!r}") from None
     num_layers = get_int("num_hidden_layers")
     mtp = get_int("num_nextn_predict_layers", 0)
     heads = get_int("num_attention_heads", 0)

@@ -157,3 +157,13 @@ def test_resolve_model(tmp_path):
     assert resolve_model(str(tmp_path)).num_layers == 3
     with pytest.raises(ValueError, match="unknown model 'gpt-9': use a preset \\(glm-5.2, "):
         resolve_model("gpt-9")
+
+
+def test_from_hf_dict_for_loaded_configs():
+    transformers = pytest.importorskip("transformers")
+    spec = ModelSpec.from_hf_dict(transformers.GlmMoeDsaConfig().to_dict(), "zai-org/GLM-5")
+    assert (spec.name, spec.attention, spec.indexer_dim, spec.num_layers) == ("zai-org/GLM-5", "sfa", 128, 78)
+    hybrid = ModelSpec.from_hf_dict(transformers.KimiLinearConfig().to_dict(), "kimi-linear")
+    assert hybrid.hybrid and not hybrid.supports_kvpp
+    with pytest.raises(ValueError, match="^hub/model: missing model_type"):
+        ModelSpec.from_hf_dict({}, "hub/model")
