@@ -13,6 +13,8 @@ from kvpp_core.config import KvppConfigError
 SUBCOMMAND_MODULES = [
     "deploy.plan_cmd",
     "deploy.tiny_model",
+    "deploy.check_cmd",
+    "deploy.render",
     "deploy.pool_cmd",
 ]
 

@@ -1,0 +1,182 @@
+"""What each instance of a spec is launched with: merged JSON configs, environment, per-node argv.
+
+`kvpp render` writes these out and `kvpp check` validates exactly these values, so a check never
+passes a configuration that differs from the one rendered.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from kvpp_core.config import ENABLE_KEY
+from kvpp_core.validation import MOONCAKE, STORE
+
+from deploy.spec import Instance, Spec, compact_json
+
+MULTI = "MultiConnector"
+CONFIG_DIR = "/etc/kvpp"
+MOONCAKE_CONFIG = "mooncake.json"
+MEMCACHE_CONFIG = "mmc-local.conf"
+MEMCACHE_META_CONFIG = "mmc-meta.conf"
+
+
+@dataclass(frozen=True)
+class Connector:
+    """One KV connector of an instance as it appears in --kv-transfer-config."""
+
+    name: str
+    role: str
+    extra: dict[str, Any]
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `override` merged in; nested objects merge, other values from `override` win."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def additional_config(inst: Instance) -> dict[str, Any]:
+    """The instance's own additional_config with enable_kvpp merged in (its other keys kept)."""
+    derived = {ENABLE_KEY: True} if inst.enable_kvpp else {}
+    return deep_merge(derived, inst.additional_config)
+
+
+def lookup_port(spec: Spec, inst: Instance) -> int | None:
+    if not inst.uses_pool or spec.pool is None:
+        return None
+    return inst.lookup_rpc_port or spec.pool.lookup_rpc_port
+
+
+def _derived_connectors(spec: Spec, inst: Instance) -> list[dict[str, Any]]:
+    conns = []
+    if spec.disaggregated:
+        mc: dict[str, Any] = {"kv_connector": MOONCAKE,
+                              "kv_role": "kv_producer" if inst.role == "prefill" else "kv_consumer"}
+        if inst.kv_port is not None:
+            mc["kv_port"] = inst.kv_port
+        conns.append(mc)
+    if inst.uses_pool and spec.pool is not None:
+        pool = spec.pool
+        extra = {"backend": pool.backend, "lookup_rpc_port": lookup_port(spec, inst), **pool.extra_config}
+        conns.append({"kv_connector": STORE, "kv_role": pool.kv_role, "kv_connector_extra_config": extra})
+    return conns
+
+
+def kv_transfer_config(spec: Spec, inst: Instance) -> dict[str, Any] | None:
+    """Derived connector(s) with the instance's own kv_transfer_config merged over them (its keys win)."""
+    conns = _derived_connectors(spec, inst)
+    if not conns and not inst.kv_transfer_config:
+        return None
+    if len(conns) == 1:
+        base = conns[0]
+    elif conns:
+        roles = {c["kv_role"] for c in conns}
+        base = {"kv_connector": MULTI, "kv_role": roles.pop() if len(roles) == 1 else "kv_both",
+                "kv_connector_extra_config": {"connectors": conns}}
+    else:
+        base = {}
+    return deep_merge(base, inst.kv_transfer_config)
+
+
+def connectors(config: dict[str, Any] | None) -> list[Connector]:
+    """The connectors a --kv-transfer-config runs (MultiConnector unpacked)."""
+    if not config or "kv_connector" not in config:
+        return []
+    extra = config.get("kv_connector_extra_config") or {}
+    if config["kv_connector"] == MULTI:
+        return [c for sub in extra.get("connectors", []) for c in connectors(sub)]
+    return [Connector(config["kv_connector"], config.get("kv_role"), dict(extra))]
+
+
+def environment(spec: Spec, inst: Instance, config_dir: str = CONFIG_DIR) -> dict[str, str]:
+    """Environment of every node of the instance; the instance's env entries win."""
+    env: dict[str, str] = {}
+    if inst.runner == "v2":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if inst.pp_layers is not None:
+        env["VLLM_PP_LAYER_PARTITION"] = ",".join(map(str, inst.pp_layers))
+    if inst.uses_pool and spec.pool is not None:
+        # Prefix-cache block hashes must agree across nodes for pool keys to match.
+        env["PYTHONHASHSEED"] = "0"
+        if spec.pool.backend == "memcache":
+            env["MMC_LOCAL_CONFIG_PATH"] = f"{config_dir}/{MEMCACHE_CONFIG}"
+        else:
+            env["MOONCAKE_CONFIG_PATH"] = f"{config_dir}/{MOONCAKE_CONFIG}"
+    return {**env, **inst.env}
+
+
+def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
+    """`vllm serve` argv (after `vllm serve`) for one node of the instance."""
+    args = [spec.model_path, "--host", "0.0.0.0", "--port", str(inst.port)]
+    if spec.served_name:
+        args += ["--served-model-name", spec.served_name]
+    args += ["--tensor-parallel-size", str(inst.tp)]
+    for flag, value in (("--pipeline-parallel-size", inst.pp), ("--prefill-context-parallel-size", inst.pcp),
+                        ("--decode-context-parallel-size", inst.dcp), ("--data-parallel-size", inst.dp)):
+        if value > 1:
+            args += [flag, str(value)]
+    if inst.ep:
+        args.append("--enable-expert-parallel")
+    if inst.enforce_eager:
+        args.append("--enforce-eager")
+    for key, value in inst.memory.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    if inst.kv_events:
+        args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True})]
+    extra_cfg = additional_config(inst)
+    if extra_cfg:
+        args += ["--additional-config", compact_json(extra_cfg)]
+    kv_cfg = kv_transfer_config(spec, inst)
+    if kv_cfg is not None:
+        args += ["--kv-transfer-config", compact_json(kv_cfg)]
+    if len(inst.hosts) > 1:
+        args += ["--nnodes", str(len(inst.hosts)), "--node-rank", str(node_rank), "--master-addr", inst.hosts[0]]
+        if node_rank > 0:
+            args.append("--headless")
+    return args + list(inst.extra_args)
+
+
+def mooncake_store_config(spec: Spec) -> dict[str, Any]:
+    """The Mooncake store client config file shared by every pooled node."""
+    base = {"master_server_address": spec.pool.address, "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+    return {**base, **spec.pool.settings}
+
+
+def memcache_local_config(spec: Spec) -> str:
+    """mmc-local.conf: `ock.mmc.<key> = value` lines; the meta service URL comes from pool.address."""
+    settings = {"meta_service_url": f"tcp://{spec.pool.address}", **spec.pool.settings}
+    return "".join(f"ock.mmc.{k} = {v}\n" for k, v in settings.items())
+
+
+def memcache_meta_config(spec: Spec, bind_host: str | None = None) -> str:
+    """mmc-meta.conf for the MetaService; `bind_host` overrides the host it listens on."""
+    keys = ("meta_service_url", "meta_service.config_store_url", "meta_service.metrics_url", "log_level")
+    settings = {"meta_service_url": f"tcp://{bind_host or spec.pool.host}:{spec.pool.port}", **spec.pool.settings}
+    store = settings.get("local_service.config_store_url")
+    if store:
+        settings.setdefault("meta_service.config_store_url", store)
+    return "".join(f"ock.mmc.{k} = {settings[k]}\n" for k in keys if k in settings)
+
+
+def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
+    """The pool service process (Mooncake master or memcache MetaService) and its environment."""
+    pool = spec.pool
+    if pool.backend == "mooncake":
+        return [
+            "mooncake_master", f"--rpc_address={pool.host}", f"--rpc_port={pool.port}",
+        ], {}
+    code = "import sys, memcache_hybrid; sys.exit(memcache_hybrid.MetaService.main())"
+    return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": f"{CONFIG_DIR}/{MEMCACHE_META_CONFIG}"}
+
+
+def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
+    """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
+    return ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
+            "--host", "0.0.0.0", "--port", str(spec.proxy_port)]

@@ -1,0 +1,195 @@
+"""`kvpp check`: one spec per rule that breaks it, plus schema errors reported with their paths."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.check_cmd import run_check
+from deploy.cli import main
+from deploy.spec import SpecError, parse_spec
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _prefill(**kw):
+    base = {"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": True, "enforce_eager": True}
+    return {**base, **kw}
+
+
+def _decode(**kw):
+    return {"name": "d", "hosts": ["h1"], "tp": 4, "port": 8001, "kv_port": 37010, **kw}
+
+
+def _check(tmp_path, spec):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    findings, code = run_check(str(path))
+    return [str(f) for f in findings if f.severity == "error"], [str(f) for f in findings if f.severity != "error"], code
+
+
+def _spec(prefill, decode=(), pool=None, model="glm-5.2"):
+    spec = {"model": {"path": "/models/x", "preset": model}, "prefill": list(prefill), "decode": list(decode)}
+    if pool:
+        spec["pool"] = pool
+    return spec
+
+
+POOL = {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600, "kv_role": "kv_both",
+        "extra_config": {"load_async": True}}
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "deploy" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_examples_pass(example, capsys):
+    assert main(["check", str(example)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_kvpp_only_on_prefill(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(enable_kvpp=True, enforce_eager=True)]))
+    assert code == 1
+    assert any(e.startswith("error: decode[0] (d): kv_role:") and "prefill nodes" in e for e in errors)
+
+
+def test_kvpp_needs_eager(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(enforce_eager=False)]))
+    assert code == 1 and errors == ["error: prefill[0] (p): enforce_eager: KVPP runs in eager mode only; "
+                                    "add --enforce-eager"]
+
+
+def test_pcp_needs_runner_v2(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2)]))
+    assert any("prefill_context_parallel_size" in e and "VLLM_USE_V2_MODEL_RUNNER=1" in e for e in errors)
+    errors, _, code = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2")]))
+    assert code == 0 and errors == []
+
+
+def test_no_pcp_with_pd_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2", kv_port=37000)], [_decode(kv_port=37100)]))
+    assert any("MooncakeConnectorV2 with KVPP does not support PCP" in e for e in errors)
+
+
+@pytest.mark.xfail(strict=True, reason="kvpp_core.validation has no rule for PCP + AscendStoreConnector under "
+                   "KVPP yet (reported to the foundation owner); kvpp check must not re-implement it")
+def test_no_pcp_with_pooling_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2")], pool=POOL))
+    assert any("prefill_context_parallel_size" in e for e in errors)
+
+
+def test_pool_options_allowed_with_kvpp(tmp_path):
+    pool = {**POOL, "extra_config": {"use_layerwise": True}}
+    errors, _, code = _check(tmp_path, _spec([_prefill()], pool=pool))
+    assert code == 1
+    assert any("kv_connector_extra_config.use_layerwise" in e for e in errors)
+    assert any("kv_connector_extra_config.load_async: defaults to false" in e for e in errors)
+
+
+def test_kv_events_not_with_pool_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_events=True)], pool=POOL))
+    assert any("kv_events_config" in e for e in errors)
+
+
+def test_mooncake_role_must_be_producer_with_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_port=37000, kv_transfer_config={"kv_role": "kv_both"})],
+                                          [_decode(kv_port=37100)]))
+    assert any("kv_role" in e and "kv_producer" in e for e in errors)
+
+
+def test_tp1_gains_nothing_is_a_warning(tmp_path, capsys):
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(tp=1)]))
+    assert code == 0 and errors == []
+    assert len(warnings) == 1 and "warning: prefill[0] (p): tensor_parallel_size: TP=1 without PCP" in warnings[0]
+
+
+def test_handshake_ranges_overlap_on_one_host(tmp_path):
+    # prefill TP8 from 37000 uses 37000-37008; a decode at 37005 collides on the same host.
+    errors, _, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37005)]))
+    assert code == 1
+    assert errors == ["error: decode[0] (d): kv_port: on host h1 its handshake/control ports overlap prefill[0] (p)'s "
+                      "at 37005-37008; move kv_port so the ranges are disjoint (each instance uses kv_port .. "
+                      "kv_port + tp*pp*pcp*dp + dp - 1)"]
+    # The seed's layout, 37000 / 37010, is disjoint; so are overlapping numbers on different hosts.
+    assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37010)]))[2] == 0
+    assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37005, hosts=["h2"])]))[2] == 0
+
+
+def test_kv_port_range_beyond_65535(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_port=65530)], [_decode()]))
+    assert any("beyond 65535" in e for e in errors)
+
+
+def test_pd_needs_kv_ports(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill()], [_decode()]))
+    assert any(e.startswith("error: prefill[0] (p): kv_port: P/D with MooncakeConnectorV2 needs a kv_port") for e in errors)
+
+
+def test_lookup_ports_unique_per_instance_on_a_host(tmp_path):
+    second = _prefill(name="p2", port=8001)
+    errors, _, code = _check(tmp_path, _spec([_prefill(), second], pool=POOL))
+    assert code == 1 and any("prefill[1] (p2): lookup_rpc_port: lookup_rpc_port 5600 on host h1" in e for e in errors)
+    second["lookup_rpc_port"] = 5601
+    assert _check(tmp_path, _spec([_prefill(), second], pool=POOL))[2] == 0
+
+
+def test_http_ports_unique_on_a_host(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(), _prefill(name="p2")]))
+    assert any("prefill[1] (p2): port: HTTP port 8000 on host h1" in e for e in errors)
+
+
+def test_layer_split_must_add_up(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 39])]))
+    assert any("pp_layers" in e and "sums to 77 but the model has 78" in e for e in errors)
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[78])]))
+    assert any("has 1 stages but pp is 2" in e for e in errors)
+    assert _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 40])]))[2] == 0
+
+
+def test_non_mla_model_is_refused(tmp_path):
+    cfg = tmp_path / "llama"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4,
+                                                 "num_attention_heads": 8, "torch_dtype": "bfloat16"}))
+    spec = _spec([_prefill()])
+    spec["model"] = {"path": str(cfg)}
+    errors, _, _ = _check(tmp_path, spec)
+    assert any("error: prefill[0] (p): model:" in e and "MLA/SFA" in e for e in errors)
+
+
+def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
+    spec = _spec([_prefill()])
+    spec["model"] = {"path": "/nowhere/model"}
+    errors, _, _ = _check(tmp_path, spec)
+    assert any(e.startswith("error: model: model.preset:") for e in errors)
+
+
+def test_schema_reports_every_error_with_its_path():
+    bad = {"model": {}, "prefill": [{"name": "P_0", "hosts": [], "tp": 0, "colour": 1}],
+           "pool": {"backend": "redis", "address": "nohost", "lookup_rpc_port": 70000}}
+    with pytest.raises(SpecError) as info:
+        parse_spec(bad)
+    problems = info.value.problems
+    paths = sorted(p.split(":")[0] for p in problems)
+    assert paths == sorted(["model", "pool.address", "pool.backend", "pool.lookup_rpc_port", "prefill[0]",
+                            "prefill[0].hosts", "prefill[0].name", "prefill[0].tp"])
+    assert any("'colour' was unexpected" in p and "allowed keys:" in p for p in problems)
+
+
+def test_flags_owned_by_render_are_refused_in_extra_args():
+    with pytest.raises(SpecError, match=r"prefill\[0\]\.extra_args\[1\]: --additional-config is set by kvpp render"):
+        parse_spec(_spec([_prefill(extra_args=["--max-num-seqs=4", "--additional-config={}"])]))
+
+
+def test_duplicate_instance_names():
+    with pytest.raises(SpecError, match=r"decode\[0\]\.name: 'p' is already used by prefill\[0\]"):
+        parse_spec(_spec([_prefill(kv_port=37000)], [_decode(name="p")]))
+
+
+def test_cli_prints_errors_and_exits_1(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(_spec([_prefill(enforce_eager=False, tp=1)])))
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: ") and err[1].startswith("warning: ")
