@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = [
     "deploy.tiny_model",
     "deploy.check_cmd",
     "deploy.render",
+    "deploy.proxy",
     "deploy.pool_cmd",
 ]
 
