@@ -326,3 +326,55 @@ def test_decode_abort_before_schedule_still_frees_prefill():
     assert sched.request_finished(_request(params), []) == (False, None)
     (load,) = sched.build_connector_meta(None).loads
     assert load.local_block_ids == () and load.handle.remote_request_id == "pr"
+
+
+# ---- prefill hold table ------------------------------------------------------------------------
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_hold_released_only_when_every_decode_worker_is_done():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=30, clock=clock)
+    table.hold("r", 30)
+    table.release("r", "decode/pp0/tp0", num_consumers=2)
+    assert table.pop_finished() == (set(), set()) and len(table) == 1
+    table.release("r", "decode/pp0/tp0", num_consumers=2)  # a repeated notice does not count twice
+    assert table.pop_finished() == (set(), set())
+    table.release("r", "decode/pp0/tp1", num_consumers=2)
+    assert table.pop_finished() == ({"r"}, set()) and len(table) == 0
+
+
+def test_hold_expires_after_timeout_and_early_notice_is_kept():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, clock=clock)
+    table.hold("orphan", 5)
+    table.release("fast", "d", 1)  # notice before the scheduler announced the hold
+    clock.now += 1
+    table.hold("fast", 5)
+    assert table.pop_finished() == ({"fast"}, set())
+    clock.now += 4.5
+    assert table.pop_finished() == (set(), set())
+    clock.now += 0.5
+    assert table.pop_finished() == (set(), {"orphan"})
+
+
+def test_stray_notice_is_forgotten_after_timeout():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, clock=clock)
+    table.release("never-held", "d", 1)
+    clock.now += 6
+    assert table.pop_finished() == (set(), set())
+    table.hold("never-held", 5)  # a late hold is not released by the forgotten notice
+    assert table.pop_finished() == (set(), set()) and len(table) == 1
