@@ -362,7 +362,7 @@ def test_hold_expires_after_timeout_and_early_notice_is_kept():
     clock.now += 1
     table.hold("fast", 5)
     assert table.pop_finished() == ({"fast"}, set())
-    clock.now += 4.5
+    clock.now += 3.5
     assert table.pop_finished() == (set(), set())
     clock.now += 0.5
     assert table.pop_finished() == (set(), {"orphan"})
