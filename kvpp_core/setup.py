@@ -17,14 +17,14 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     transfer = vllm_config.kv_transfer_config
     events = vllm_config.kv_events_config
     return KvppSetup(
-        model=ModelSpec.from_hf_config(model_config.model),
+        model=ModelSpec.from_hf_dict(model_config.hf_config.to_dict(), model_config.model),
         topology=Topology(
             tp=parallel.tensor_parallel_size,
             pp=parallel.pipeline_parallel_size,
             pcp=parallel.prefill_context_parallel_size,
             dcp=parallel.decode_context_parallel_size,
             dp=parallel.data_parallel_size,
-            runner="v2" if envs.VLLM_USE_V2_MODEL_RUNNER else "v1",
+            runner="v2" if envs.VLLM_USE_V2_MODEL_RUNNER else "v1",  # None (auto) means V1 here
         ),
         enforce_eager=model_config.enforce_eager,
         kvpp=kvpp,

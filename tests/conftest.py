@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import sys
 
 import pytest
+
+ENGINE_LOCK = "/tmp/kvpp-engine.lock"
+_engine_lock_fd: int | None = None
+
+
+def _inherited_engine_lock() -> bool:
+    """True when an ancestor (e.g. `flock /tmp/kvpp-engine.lock make test`) passed us its locked fd;
+    taking the lock again through a new open would then wait on ourselves forever."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == ENGINE_LOCK:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the first `engine` test (and its module fixtures) take the machine-wide engine lock and
+    keep it until the session ends, so engines of parallel runs never share the 24 GiB."""
+    global _engine_lock_fd
+    if _engine_lock_fd is not None or item.get_closest_marker("engine") is None or _inherited_engine_lock():
+        return
+    fd = os.open(ENGINE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"\nwaiting for {ENGINE_LOCK} (another vLLM engine run holds it)", file=sys.stderr, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    _engine_lock_fd = fd
 
 
 @pytest.fixture
@@ -13,3 +47,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The project's 16-layer tiny MLA model (deploy/tiny_model.py), built once per test session."""
+    from deploy.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16", layers=16))
