@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 
 def main() -> None:
@@ -48,13 +49,17 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
     engine = llm.llm_engine
     outputs = {}
+    step_seconds = []
 
     def submit(indices):
         for i in indices:
             engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
 
     def step():
-        for out in engine.step():
+        started = time.perf_counter()
+        finished = engine.step()
+        step_seconds.append(time.perf_counter() - started)
+        for out in finished:
             if out.finished:
                 comp = out.outputs[0]
                 outputs[out.request_id] = {
@@ -69,7 +74,7 @@ def main() -> None:
     while engine.has_unfinished_requests():
         step()
     reports = llm.collective_rpc("kvpp_stats")
-    print("KVPP_RESULT " + json.dumps({"outputs": outputs, "workers": reports}), flush=True)
+    print("KVPP_RESULT " + json.dumps({"outputs": outputs, "workers": reports, "step_seconds": step_seconds}), flush=True)
 
 
 if __name__ == "__main__":
