@@ -89,7 +89,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self):
-        return self._worker.get_stats()
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.get_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -11,6 +11,7 @@ from connectors.store.config import StoreConfig
 from connectors.store.keys import block_hashes
 from connectors.store.lookup import LookupClient, lookup_path
 from connectors.store.metadata import BlockJob, StoreMetadata
+from connectors.store.stats import StoreStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +50,7 @@ class StoreScheduler:
         self._pending_loads: list[BlockJob] = []
         self._trackers: dict[str, _SaveTracker] = {}
         self._saving: set[str] = set()
+        self._stats = StoreStats()
 
     # ---- loads -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -62,6 +64,7 @@ class StoreScheduler:
         hit, error = self._client.hit_blocks(hashes, request.request_id)
         if error:
             logger.warning("pool lookup for %s counted as a miss: %s", request.request_id, error)
+            self._stats.add("lookup_failures")
         hit_tokens = hit * self._block_size
         if hit_tokens <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
@@ -135,6 +138,13 @@ class StoreScheduler:
             self._saving.discard(request.request_id)
             return True, None
         return False, None
+
+    def get_stats(self) -> StoreStats | None:
+        """Lookups the workers never saw (channel errors, timeouts); the rest is counted by workers."""
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, StoreStats()
+        return out
 
     def close(self) -> None:
         if self._client is not None:

@@ -1,0 +1,62 @@
+"""One vLLM engine (offline LLM) running a scripted sequence against the KV pool; prints JSON.
+
+Actions (a JSON list): ["gen", name, token_ids] serves one prompt; ["kill", pid] kills a process
+(the pool's master) mid-run. Each "gen" records the tokens, their logprobs, and how many prompt
+tokens came from outside the engine (num_cached_tokens), so tests compare runs made in separate
+processes: one process hosts one engine configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kvpp", action="store_true")
+    ap.add_argument("--kv-transfer-config", default=None, help="JSON; omitted = no pool")
+    ap.add_argument("--actions", required=True, help="JSON file with the action list")
+    ap.add_argument("--max-tokens", type=int, default=6)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if args.kv_transfer_config:
+        kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
+    llm = LLM(
+        model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
+        kv_cache_memory_bytes=64 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
+        additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=1024, seed=0, **kwargs,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
+    with open(args.actions) as fh:
+        actions = json.load(fh)
+    results = {}
+    for action in actions:
+        if action[0] == "gen":
+            _, name, ids = action
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            comp = out.outputs[0]
+            results[name] = {
+                "tokens": list(comp.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
+                "num_cached_tokens": out.num_cached_tokens,
+                "seconds": time.perf_counter() - start,
+            }
+        elif action[0] == "kill":
+            os.kill(int(action[1]), signal.SIGKILL)
+        else:
+            raise ValueError(f"unknown action {action!r}")
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
