@@ -9,6 +9,11 @@ from kvpp_core.topology import Topology
 from kvpp_core.validation import KvppSetup
 
 
+def _pp_partition(value: str | None) -> tuple[int, ...] | None:
+    """vLLM's explicit PP split (VLLM_PP_LAYER_PARTITION="38,40"), so stage layers match vLLM's."""
+    return tuple(int(x) for x in value.split(",")) if value else None
+
+
 def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     import vllm.envs as envs
 
@@ -21,6 +26,7 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         topology=Topology(
             tp=parallel.tensor_parallel_size,
             pp=parallel.pipeline_parallel_size,
+            pp_layers=_pp_partition(envs.VLLM_PP_LAYER_PARTITION),
             pcp=parallel.prefill_context_parallel_size,
             dcp=parallel.decode_context_parallel_size,
             dp=parallel.data_parallel_size,

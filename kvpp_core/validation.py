@@ -128,10 +128,6 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
             problems.append(_error("kv_role", (
                 f"{MOONCAKE} supports KVPP only with kv_role kv_producer (the prefill node), got {role!r}; "
                 'set "kv_role": "kv_producer"')))
-        if setup.topology.pcp > 1:
-            problems.append(_error("prefill_context_parallel_size", (
-                f"{MOONCAKE} with KVPP does not support PCP (PCP {setup.topology.pcp}); set "
-                f"--prefill-context-parallel-size 1 or {_DISABLE}")))
     elif connector == STORE:
         if role not in ("kv_producer", "kv_both", "kv_consumer"):
             problems.append(_error("kv_role", (
@@ -146,6 +142,12 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
         problems.append(_error("kv_connector", (
             f"{connector!r} is not validated with KVPP; use {MOONCAKE} (P/D prefill node) or {STORE} "
             f"(KV pool), or {_DISABLE}")))
+        return problems
+    # Neither connector knows how PCP splits a request's tokens across ranks' shards.
+    if setup.topology.pcp > 1:
+        problems.append(_error("prefill_context_parallel_size", (
+            f"{connector} with KVPP does not support PCP (PCP {setup.topology.pcp}); set "
+            f"--prefill-context-parallel-size 1 or {_DISABLE}")))
     return problems
 
 

@@ -72,8 +72,6 @@ def test_no_pcp_with_pd_under_kvpp(tmp_path):
     assert any("MooncakeConnectorV2 with KVPP does not support PCP" in e for e in errors)
 
 
-@pytest.mark.xfail(strict=True, reason="kvpp_core.validation has no rule for PCP + AscendStoreConnector under "
-                   "KVPP yet (reported to the foundation owner); kvpp check must not re-implement it")
 def test_no_pcp_with_pooling_under_kvpp(tmp_path):
     errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2")], pool=POOL))
     assert any("prefill_context_parallel_size" in e for e in errors)

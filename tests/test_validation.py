@@ -148,7 +148,7 @@ def test_every_problem_is_reported_at_once():
     options = [p.option for p in validate(bad)]
     assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size", "enforce_eager",
                        "kv_role", "kv_connector_extra_config.use_layerwise", "kv_connector_extra_config.load_async",
-                       "kv_events_config"]
+                       "kv_events_config", "prefill_context_parallel_size"]
 
 
 def test_raise_for_errors_lists_every_error_one_per_line():
