@@ -8,7 +8,7 @@ a `KvppSetup` and call `validate`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError
@@ -17,6 +17,7 @@ from kvpp_core.topology import Topology
 
 MOONCAKE = "MooncakeConnectorV2"
 STORE = "AscendStoreConnector"
+MULTI = "MultiConnector"
 _DISABLE = f"remove {ENABLE_KEY} from --additional-config"
 
 # AscendStoreConnector extra-config keys KVPP depends on: (required value, the connector's default).
@@ -118,6 +119,8 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
     connector, role = setup.kv_connector, setup.kv_role
     if connector is None:
         return []
+    if connector == MULTI:
+        return _multi_connector_rules(setup)
     problems = []
     if role == "kv_consumer":
         problems.append(_error("kv_role", (
@@ -148,6 +151,28 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
         problems.append(_error("prefill_context_parallel_size", (
             f"{connector} with KVPP does not support PCP (PCP {setup.topology.pcp}); set "
             f"--prefill-context-parallel-size 1 or {_DISABLE}")))
+    return problems
+
+
+def _multi_connector_rules(setup: KvppSetup) -> list[Problem]:
+    """vLLM's MultiConnector (e.g. P/D plus a pool on one prefill node): each child obeys its own rules."""
+    children = setup.kv_extra.get("connectors")
+    if not isinstance(children, list) or not children:
+        return [_error("kv_connector_extra_config.connectors", (
+            f"{MULTI} needs a non-empty list of child connector configs under \"connectors\""))]
+    problems = []
+    for i, child in enumerate(children):
+        where = f"kv_connector_extra_config.connectors[{i}]"
+        if not isinstance(child, dict):
+            problems.append(_error(where, f"must be a connector config object, got {child!r}"))
+            continue
+        child_setup = replace(
+            setup,
+            kv_connector=child.get("kv_connector"),
+            kv_role=child.get("kv_role", setup.kv_role),
+            kv_extra=child.get("kv_connector_extra_config") or {},
+        )
+        problems += [replace(p, option=f"{where}.{p.option}") for p in _connector_rules(child_setup)]
     return problems
 
 

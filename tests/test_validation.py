@@ -164,3 +164,23 @@ def test_raise_for_errors_returns_warnings():
     warning = Problem("warning", "tensor_parallel_size", "inert")
     assert raise_for_errors([warning]) == [warning]
     assert raise_for_errors([]) == []
+
+
+def test_multi_connector_children_each_follow_their_rules():
+    pd_and_pool = {"connectors": [
+        {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer"},
+        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"load_async": True}},
+    ]}
+    assert validate(setup(kv_connector="MultiConnector", kv_role="kv_both", kv_extra=pd_and_pool)) == []
+    bad = {"connectors": [
+        {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_both"},
+        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both"},
+        "nonsense",
+    ]}
+    options = [p.option for p in validate(setup(kv_connector="MultiConnector", kv_role="kv_both", kv_extra=bad))]
+    assert options == ["kv_connector_extra_config.connectors[0].kv_role",
+                       "kv_connector_extra_config.connectors[1].kv_connector_extra_config.load_async",
+                       "kv_connector_extra_config.connectors[2]"]
+    empty = validate(setup(kv_connector="MultiConnector", kv_role="kv_both"))
+    assert [p.option for p in empty] == ["kv_connector_extra_config.connectors"]
