@@ -169,9 +169,11 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     """The pool service process (Mooncake master or memcache MetaService) and its environment."""
     pool = spec.pool
     if pool.backend == "mooncake":
-        return [
-            "mooncake_master", f"--rpc_address={pool.host}", f"--rpc_port={pool.port}",
-        ], {}
+        argv = ["mooncake_master", f"--rpc_address={pool.host}", f"--rpc_port={pool.port}",
+                f"--metrics_host={pool.host}"]  # its default binds 0.0.0.0
+        if pool.metrics_port is not None:
+            argv.append(f"--metrics_port={pool.metrics_port}")
+        return argv, {}
     code = "import sys, memcache_hybrid; sys.exit(memcache_hybrid.MetaService.main())"
     return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": f"{CONFIG_DIR}/{MEMCACHE_META_CONFIG}"}
 

@@ -208,7 +208,8 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(POOL_CONFIGMAP, spec, "pool"),
                      "data": _config_files(spec, bind_any=True)}
         argv, env = launch.pool_command(spec)
-        argv = [a.replace(f"--rpc_address={spec.pool.host}", "--rpc_address=0.0.0.0") for a in argv]
+        argv = [a.replace(f"_address={spec.pool.host}", "_address=0.0.0.0").replace(
+            f"--metrics_host={spec.pool.host}", "--metrics_host=0.0.0.0") for a in argv]
         container = _container("pool", k8s["image"], argv, env, None, None, mounts=True, probe_delay=5)
         container["ports"] = [{"name": "main", "containerPort": spec.pool.port}]
         container["readinessProbe"] = {"tcpSocket": {"port": spec.pool.port}, "periodSeconds": 5}

@@ -98,6 +98,7 @@ SCHEMA = {
                 "address": {"type": "string", "pattern": r"^[^\s:]+:[0-9]{1,5}$"},
                 "lookup_rpc_port": PORT,
                 "kv_role": {"enum": ["kv_producer", "kv_consumer", "kv_both"]},
+                "metrics_port": PORT,
                 "extra_config": {"type": "object"},
                 "settings": {"type": "object"},
             },
@@ -127,7 +128,7 @@ INSTANCE_DEFAULTS: dict[str, Any] = {
     "lookup_rpc_port": None, "memory": {}, "additional_config": {}, "kv_transfer_config": {},
     "extra_args": [], "env": {},
 }
-POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "extra_config": {}, "settings": {}}
+POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "extra_config": {}, "settings": {}}
 PROXY_DEFAULTS: dict[str, Any] = {"host": None, "port": 8000}
 K8S_DEFAULTS: dict[str, Any] = {
     "namespace": "default", "image": "vllm-ascend:latest", "device_resource": "huawei.com/ascend-1980",
@@ -184,6 +185,7 @@ class Pool:
     address: str
     lookup_rpc_port: int
     kv_role: str
+    metrics_port: int | None
     extra_config: dict[str, Any]
     settings: dict[str, Any]
 

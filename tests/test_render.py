@@ -3,6 +3,7 @@
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -147,3 +148,34 @@ def test_render_refuses_a_spec_with_errors(tmp_path, capsys):
     assert main(["render", str(spec_file), "--out", str(tmp_path / "out")]) == 2
     assert "enforce_eager" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _pool_spec(tmp_path, backend, port, extra_ports):
+    settings = ({"meta_service.config_store_url": f"tcp://127.0.0.1:{extra_ports[0]}",
+                 "meta_service.metrics_url": f"http://127.0.0.1:{extra_ports[1]}", "log_level": "error"}
+                if backend == "memcache" else {})
+    pool = {"backend": backend, "address": f"127.0.0.1:{port}", "lookup_rpc_port": 5600, "kv_role": "kv_both",
+            "extra_config": {"load_async": True}, "settings": settings}
+    if backend == "mooncake":
+        pool["metrics_port"] = extra_ports[1]
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(yaml.safe_dump({"model": {"path": "/m", "preset": "deepseek-v3"}, "pool": pool,
+                                         "prefill": [{"name": "p", "hosts": ["127.0.0.1"], "tp": 1}]}))
+    return spec_file
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["mooncake", "memcache"])
+def test_rendered_pool_script_starts_the_real_service(backend, tmp_path):
+    """The pool command we render is not just well-formed: it starts mooncake_master / the MetaService."""
+    from deploy.processes import ManagedProcess, free_port
+
+    port, extra = free_port(), (free_port(), free_port())
+    out = tmp_path / "out"
+    assert main(["render", str(_pool_spec(tmp_path, backend, port, extra)), "--out", str(out)]) == 0
+    venv_bin = str(Path(sys.executable).parent)
+    proc = ManagedProcess(f"pool-{backend}", ["bash", str(out / "pool.sh")], tmp_path / "pool.log",
+                          env={"PATH": f"{venv_bin}:{os.environ['PATH']}", "MC_LOG_LEVEL": "ERROR"})
+    with proc:
+        proc.wait_port("127.0.0.1", port, timeout=60)
+    assert not proc.alive()

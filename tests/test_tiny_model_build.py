@@ -58,3 +58,12 @@ def test_tokenizer_counts_words_and_round_trips(tmp_path):
     assert tok.decode(ids) == prompt
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["vocab_size"] == len(tok) and cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64
+
+
+def test_cli_builds_and_prints_the_path(tmp_path, capsys):
+    from deploy.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "cli"), "--layers", "2", "--moe", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    stamp = json.loads((tmp_path / "cli" / STAMP).read_text())
+    assert stamp["layers"] == 2 and stamp["moe"] is True and stamp["seed"] == 3 and stamp["mtp"] == 0
