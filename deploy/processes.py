@@ -182,7 +182,7 @@ class VllmServer(ManagedProcess):
     def __init__(self, name: str, model: str | os.PathLike, port: int, log_path: str | os.PathLike,
                  tp: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
-                 cores: Sequence[int] | None = None):
+                 cores: Sequence[int] | None = None, log_stats: bool = False):
         self.host, self.port, self.model = host, port, str(model)
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -190,7 +190,9 @@ class VllmServer(ManagedProcess):
             "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
             "--block-size", "16", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}',
-            "--max-model-len", str(max_model_len), "--disable-log-stats",
+            "--max-model-len", str(max_model_len),
+            # Stats feed /metrics (connector counters); off by default to keep logs short.
+            *([] if log_stats else ["--disable-log-stats"]),
             *extra_args,
         ]
         server_env = {

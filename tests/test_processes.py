@@ -31,7 +31,8 @@ def test_vllm_server_command_line_carries_cpu_settings(tmp_path):
     assert pairs["--compilation-config"] == '{"custom_ops": ["-rotary_embedding"]}'
     assert argv[-2:] == ["--kv-transfer-config", "{}"]
     assert srv.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and srv.env["X"] == "1"
-    assert srv.url == "http://127.0.0.1:8100"
+    assert srv.url == "http://127.0.0.1:8100" and "--disable-log-stats" in argv
+    assert "--disable-log-stats" not in VllmServer("q", "/m", 1, tmp_path / "l", log_stats=True).argv
 
 
 @pytest.mark.unit
