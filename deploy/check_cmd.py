@@ -172,7 +172,7 @@ def run_check(path: str) -> tuple[list[Finding], int]:
     try:
         spec = load_spec(path)
     except SpecError as exc:
-        return [_error(path, "schema", p) for p in exc.problems], 1
+        return [_error(path, "spec", p) for p in exc.problems], 1
     findings = check_spec(spec)
     return findings, int(any(f.severity == "error" for f in findings))
 
