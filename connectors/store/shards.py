@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvpp_core.ownership import assign_owners
 
+from connectors.store.backends.base import Backend, Status
 from connectors.store.keys import CacheLayout, ShardKey
 
 MTP = "mtp"
@@ -73,3 +74,13 @@ def hit_blocks(exists: Mapping[ShardKey, Sequence[bool]]) -> int:
         run = next((i for i, ok in enumerate(flags) if not ok), len(flags))
         count = run if count is None else min(count, run)
     return count or 0
+
+
+def count_pooled(backend: Backend, shards: Sequence[ShardKey], hashes: Sequence[str]) -> int | None:
+    """Leading blocks of `hashes` whose every shard is in the pool; None if the pool cannot answer."""
+    keys = [k for shard in shards for k in shard.keys(hashes)]
+    status = backend.exists(keys)
+    if any(s in (Status.FAILED, Status.TIMEOUT) for s in status):
+        return None
+    n = len(hashes)
+    return hit_blocks({shard: [s is Status.OK for s in status[i * n:(i + 1) * n]] for i, shard in enumerate(shards)})

@@ -29,7 +29,7 @@ from connectors.store.keys import CacheLayout, ShardKey
 from connectors.store.lookup import LookupServer, lookup_path
 from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.scheduler import role_actions
-from connectors.store.shards import MTP, StageLayers, all_shards, hit_blocks, shard_keys, stage_shards
+from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ class StoreWorker:
         )
         self._group = layout.group_size if layout else self._tp_size
         owner = layout.kvpp_rank if layout else 0
-        own_stage = StageLayers(self._pp_rank, tuple(t for t in tags if isinstance(t, int)),
-                                sum(1 for t in tags if isinstance(t, str)))
+        targets = layout.rank_layout.target_layers if layout else tuple(t for t in tags if isinstance(t, int))
+        own_stage = StageLayers(self._pp_rank, tuple(targets), sum(1 for t in tags if isinstance(t, str)))
         mine = [s for s in stage_shards(own_stage, self._group, kvpp=self._kvpp, replicated=True) if s.owner == owner]
         if mine and mine[0].layers != tags:
             raise RuntimeError(f"pool shard layers {mine[0].layers} differ from this rank's persistent caches {tags}")
@@ -183,16 +183,12 @@ class StoreWorker:
 
     # ---- lookup (worker rank 0) -----------------------------------------------------------------
     def count_hits(self, hashes: Sequence[str]) -> int:
-        keys = [k for shard in self._all_shards for k in shard.keys(hashes)]
-        status = self._backend.exists(keys)
-        n = len(hashes)
+        hit = count_pooled(self._backend, self._all_shards, hashes)
         with self._lock:
             self._count("lookups")
-            if any(s in (Status.FAILED, Status.TIMEOUT) for s in status):
+            if hit is None:
                 self._count("lookup_failures")
                 return 0
-            hit = hit_blocks({shard: [s is Status.OK for s in status[i * n:(i + 1) * n]]
-                              for i, shard in enumerate(self._all_shards)})
             self._count("lookup_hit_blocks", hit)
             self._count("lookup_hit_tokens", hit * self._block_size)
         return hit
