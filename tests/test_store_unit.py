@@ -1,0 +1,232 @@
+"""AscendStoreConnector pieces that need no services: settings, wire messages, the hit rule, save planning,
+bounded backend calls and the KVPP startup refusals (which come from kvpp_core.validation)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from connectors.store.backends.base import BoundedCalls, Status
+from connectors.store.config import StoreConfigError, parse_store_config
+from connectors.store.keys import CacheLayout, block_hashes
+from connectors.store.lookup import InvalidMessage, LookupReply, LookupRequest, validate_reply, validate_request
+from connectors.store.shards import StageLayers, all_shards, count_pooled, hit_blocks, shard_keys, stage_shards
+
+pytestmark = pytest.mark.unit
+
+BASE = {"backend": "mooncake", "lookup_rpc_port": 6000, "mooncake": {"master_server_address": "127.0.0.1:1"}}
+
+
+# ---- settings ----------------------------------------------------------------------------------
+def test_defaults_and_backend_settings():
+    cfg = parse_store_config(BASE)
+    assert (cfg.load_async, cfg.use_layerwise, cfg.discard_partial_chunks, cfg.consumer_is_to_put) == (False, False, True, False)
+    assert cfg.backend_settings == {"master_server_address": "127.0.0.1:1"}
+    assert parse_store_config({**BASE, "load_async": "True"}).load_async is True
+
+
+@pytest.mark.parametrize("extra, option", [
+    ({"backend": "redis"}, "backend"),
+    ({"lookup_rpc_port": "6000"}, "lookup_rpc_port"),
+    ({"lookup_rpc_port": 70000}, "lookup_rpc_port"),
+    ({"load_async": "yes"}, "load_async"),
+    ({"use_layerwise": True}, "use_layerwise"),
+    ({"discard_partial_chunks": False}, "discard_partial_chunks"),
+    ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
+    ({"mooncake": "127.0.0.1:1"}, "mooncake"),
+])
+def test_bad_settings_name_the_option(extra, option):
+    with pytest.raises(StoreConfigError, match=f"kv_connector_extra_config.{option}"):
+        parse_store_config({**BASE, **extra})
+
+
+# ---- wire messages -------------------------------------------------------------------------------
+def test_lookup_messages_round_trip_and_validate():
+    hashes = block_hashes(list(range(64)), 16)
+    raw = msgspec.msgpack.encode(LookupRequest(block_hashes=hashes, request_id="r1"))
+    assert validate_request(msgspec.msgpack.decode(raw, type=LookupRequest)).block_hashes == hashes
+    with pytest.raises(InvalidMessage, match="hex"):
+        validate_request(LookupRequest(block_hashes=["../../etc/passwd"]))
+    with pytest.raises(InvalidMessage, match="hex"):
+        validate_request(LookupRequest(block_hashes=[hashes[0].upper()]))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"block_hashes": [1, 2]}), type=LookupRequest)
+    with pytest.raises(msgspec.ValidationError):  # unknown fields are refused, not ignored
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"block_hashes": [], "x": 1}), type=LookupRequest)
+    with pytest.raises(InvalidMessage, match="claims 5"):
+        validate_reply(LookupReply(hit_blocks=5), asked=4)
+    with pytest.raises(InvalidMessage):
+        validate_reply(LookupReply(hit_blocks=-1), asked=4)
+
+
+# ---- shards and the hit rule -----------------------------------------------------------------------
+def test_without_kvpp_an_mla_block_is_one_object_per_stage():
+    stages = [StageLayers(0, tuple(range(8))), StageLayers(1, tuple(range(8, 16)), mtp_caches=1)]
+    shards = all_shards(stages, 4, kvpp=False, replicated=True)
+    assert [(s.pp_rank, s.owner) for s in shards] == [(0, 0), (1, 0)]
+    assert shards[1].layers == tuple(range(8, 16)) + ("mtp0",)
+
+
+def test_with_kvpp_each_owner_stores_its_layers_plus_mtp():
+    shards = stage_shards(StageLayers(0, tuple(range(5)), mtp_caches=1), 2, kvpp=True, replicated=True)
+    assert [(s.owner, s.layers) for s in shards] == [(0, (0, 1, 2, "mtp0")), (1, (3, 4, "mtp0"))]
+
+
+def test_owners_without_layers_store_nothing():
+    shards = stage_shards(StageLayers(0, (0, 1)), 4, kvpp=True, replicated=True)
+    assert [(s.owner, s.layers) for s in shards] == [(0, (0,)), (1, (1,))]
+
+
+def test_hit_needs_every_shard_of_every_stage():
+    assert hit_blocks({"a": [True, True, True], "b": [True, True, True]}) == 3
+    assert hit_blocks({"a": [True, True, True], "b": [True, False, True]}) == 1, "a missing shard ends the prefix"
+    assert hit_blocks({"a": [False, True], "b": [True, True]}) == 0
+    assert hit_blocks({}) == 0
+
+
+class _DictBackend:
+    """Narrow in-memory stand-in for exists(); the real backends are covered by integration tests."""
+
+    def __init__(self, keys, fail=False):
+        self.keys, self.fail = set(keys), fail
+
+    def exists(self, keys):
+        if self.fail:
+            return [Status.FAILED] * len(keys)
+        return [Status.OK if k in self.keys else Status.MISSING for k in keys]
+
+
+def test_count_pooled_with_a_missing_owner_shard():
+    layout = CacheLayout("m", "float32", 16, 36864)
+    stages = [StageLayers(0, tuple(range(4))), StageLayers(1, tuple(range(4, 8)))]
+    keys = shard_keys(layout, all_shards(stages, 2, kvpp=True, replicated=True))
+    assert len(keys) == 4
+    hashes = block_hashes(list(range(80)), 16)
+    stored = {k.key(h) for k in keys for h in hashes}
+    assert count_pooled(_DictBackend(stored), keys, hashes) == 5
+    stored.discard(keys[3].key(hashes[2]))  # stage 1, owner 1, block 2 evicted
+    assert count_pooled(_DictBackend(stored), keys, hashes) == 2
+    assert count_pooled(_DictBackend(stored, fail=True), keys, hashes) is None
+
+
+# ---- bounded calls ---------------------------------------------------------------------------------
+def test_a_stalled_call_returns_within_its_bound_and_fails_fast_after():
+    calls = BoundedCalls(timeout_s=0.2, max_stuck=1)
+    release = threading.Event()
+    start = time.monotonic()
+    assert calls.run(lambda: release.wait(5) and "late", lambda: "timeout", lambda e: "error") == "timeout"
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert calls.run(lambda: "ok", lambda: "timeout", lambda e: "error") == "timeout", "stalled backend: fail fast"
+    assert time.monotonic() - start < 0.1
+    release.set()
+    time.sleep(0.1)
+    assert calls.run(lambda: "ok", lambda: "timeout", lambda e: "error") == "ok", "recovers once the call returns"
+    assert calls.run(lambda: 1 / 0, lambda: "timeout", lambda e: type(e).__name__) == "ZeroDivisionError"
+    calls.close()
+
+
+# ---- save planning (scheduler side) -------------------------------------------------------------------
+def _scheduler(role="kv_producer"):
+    from connectors.store.scheduler import StoreScheduler
+
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        kv_transfer_config=SimpleNamespace(kv_role=role),
+        parallel_config=SimpleNamespace(data_parallel_rank=0),
+    )
+    return StoreScheduler(vllm_config, parse_store_config(BASE))
+
+
+def _output(new=(), cached=None, scheduled=None, preempted=None):
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+                           num_scheduled_tokens=scheduled or {}, preempted_req_ids=preempted)
+
+
+def test_whole_prompt_blocks_are_saved_once_as_they_complete():
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    sched = _scheduler()
+    prompt = list(range(50))  # 3 whole blocks + 2 tokens
+    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=([7, 8],), num_computed_tokens=0)
+    meta = sched.build_connector_meta(_output([new], scheduled={"r": 20}))  # chunk 1: 20 tokens
+    assert [(j.block_ids, j.block_hashes) for j in meta.saves] == [((7,), tuple(block_hashes(prompt, 16)[:1]))]
+    cached = CachedRequestData(req_ids=["r"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+                               new_block_ids=[([9, 10],)], num_computed_tokens=[20], num_output_tokens=[0])
+    meta = sched.build_connector_meta(_output(cached=cached, scheduled={"r": 30}))
+    assert [j.block_ids for j in meta.saves] == [(8, 9)], "the partial 4th block is never saved"
+    assert sched.request_finished(SimpleNamespace(request_id="r"), [7, 8, 9, 10]) == (True, None)
+    assert sched.request_finished(SimpleNamespace(request_id="other"), []) == (False, None)
+
+
+def test_preempting_a_request_with_saves_in_flight_drains_them():
+    sched = _scheduler()
+    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(32)), block_ids=([1, 2],), num_computed_tokens=0)
+    assert sched.build_connector_meta(_output([new], scheduled={"r": 32})).drain_saves is False
+    assert sched.build_connector_meta(_output(preempted={"r"})).drain_saves is True
+
+
+def test_a_consumer_saves_only_with_write_back():
+    from connectors.store.scheduler import role_actions
+
+    cfg = parse_store_config(BASE)
+    assert role_actions("kv_consumer", cfg) == (True, False)
+    assert role_actions("kv_consumer", parse_store_config({**BASE, "consumer_is_to_put": True})) == (True, True)
+    assert role_actions("kv_producer", cfg) == (False, True)
+    assert role_actions("kv_both", cfg) == (True, True)
+
+
+# ---- KVPP refusals come from kvpp_core.validation ---------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_config(tiny_model):
+    """A real VllmConfig (no engine) for the tiny MLA model, TP=2, pool kv_both, KVPP off."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=tiny_model, dtype="float32", enforce_eager=True, block_size=16, tensor_parallel_size=2,
+        kv_transfer_config={"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {**BASE, "load_async": True}},
+    ).create_engine_config()
+
+
+def _with(cfg, extra=None, role="kv_both", events=False, kvpp=True):
+    import copy
+
+    from vllm.config import KVEventsConfig
+
+    cfg = copy.deepcopy(cfg)
+    cfg.additional_config = {"enable_kvpp": kvpp}
+    cfg.kv_transfer_config.kv_role = role
+    cfg.kv_transfer_config.kv_connector_extra_config = {**BASE, **(extra or {})}
+    cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=events) if events else None
+    return cfg
+
+
+@pytest.mark.parametrize("extra, role, events, option", [
+    ({"load_async": True, "use_layerwise": True}, "kv_both", False, "use_layerwise"),
+    ({}, "kv_both", False, "load_async"),
+    ({"load_async": True, "discard_partial_chunks": False}, "kv_both", False, "discard_partial_chunks"),
+    ({"load_async": True, "consumer_is_to_put": True}, "kv_both", False, "consumer_is_to_put"),
+    ({"load_async": True}, "kv_consumer", False, "kv_role"),
+    ({"load_async": True}, "kv_both", True, "kv_events_config"),
+])
+def test_kvpp_refuses_unsupported_pool_settings(engine_config, extra, role, events, option):
+    from kvpp_core.config import KvppConfigError
+
+    from connectors.store.connector import check_kvpp_rules
+
+    with pytest.raises(KvppConfigError, match=option):
+        check_kvpp_rules(_with(engine_config, extra, role, events))
+
+
+def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_rules(engine_config):
+    from connectors.store.connector import check_kvpp_rules
+
+    assert check_kvpp_rules(_with(engine_config, {"load_async": True})) is True
+    assert check_kvpp_rules(_with(engine_config, {"use_layerwise": True}, "kv_consumer", kvpp=False)) is False
