@@ -87,16 +87,12 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
         return out + [_error(where, "additional_config", str(exc))]
     if model is None:
         return out
-    conns = launch.connectors(launch.kv_transfer_config(spec, inst)) or [None]
-    seen: set[Problem] = set()
-    for conn in conns:
-        setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
-                          kv_connector=conn and conn.name, kv_role=conn and conn.role,
-                          kv_extra=conn.extra if conn else {}, kv_events=inst.kv_events)
-        for problem in validate(setup):
-            if problem not in seen:
-                seen.add(problem)
-                out.append(Finding(where, problem))
+    # MultiConnector (P/D plus pool) goes in whole: validation checks each child with its own rules.
+    kv_cfg = launch.kv_transfer_config(spec, inst) or {}
+    setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
+                      kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
+                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events)
+    out += [Finding(where, problem) for problem in validate(setup)]
     return out
 
 

@@ -7,28 +7,17 @@ passes a configuration that differs from the one rendered.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 from kvpp_core.config import ENABLE_KEY
-from kvpp_core.validation import MOONCAKE, STORE
+from kvpp_core.validation import MOONCAKE, MULTI, STORE
 
 from deploy.spec import Instance, Spec, compact_json
 
-MULTI = "MultiConnector"
 CONFIG_DIR = "/etc/kvpp"
 MOONCAKE_CONFIG = "mooncake.json"
 MEMCACHE_CONFIG = "mmc-local.conf"
 MEMCACHE_META_CONFIG = "mmc-meta.conf"
-
-
-@dataclass(frozen=True)
-class Connector:
-    """One KV connector of an instance as it appears in --kv-transfer-config."""
-
-    name: str
-    role: str
-    extra: dict[str, Any]
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -83,16 +72,6 @@ def kv_transfer_config(spec: Spec, inst: Instance) -> dict[str, Any] | None:
     else:
         base = {}
     return deep_merge(base, inst.kv_transfer_config)
-
-
-def connectors(config: dict[str, Any] | None) -> list[Connector]:
-    """The connectors a --kv-transfer-config runs (MultiConnector unpacked)."""
-    if not config or "kv_connector" not in config:
-        return []
-    extra = config.get("kv_connector_extra_config") or {}
-    if config["kv_connector"] == MULTI:
-        return [c for sub in extra.get("connectors", []) for c in connectors(sub)]
-    return [Connector(config["kv_connector"], config.get("kv_role"), dict(extra))]
 
 
 def environment(spec: Spec, inst: Instance, config_dir: str = CONFIG_DIR) -> dict[str, str]:
