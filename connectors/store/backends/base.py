@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -71,12 +72,13 @@ class BoundedCalls:
         self._pool = ThreadPoolExecutor(max_workers=max_stuck + 2, thread_name_prefix="kvpp-pool-call")
         self._lock = threading.Lock()
         self._stuck = 0
+        self._running = 0
 
     def run(self, fn: Callable[[], T], on_timeout: Callable[[], T], on_error: Callable[[BaseException], T]) -> T:
         with self._lock:
             if self._stuck >= self._max_stuck:
                 return on_timeout()
-        future = self._pool.submit(fn)
+        future = self._pool.submit(self._tracked, fn)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -87,12 +89,31 @@ class BoundedCalls:
         except Exception as exc:  # the client library raised: a failure, not a crash
             return on_error(exc)
 
+    def _tracked(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            self._running += 1
+        try:
+            return fn()
+        finally:
+            with self._lock:
+                self._running -= 1
+
     def _unstick(self, _future) -> None:
         with self._lock:
             self._stuck -= 1
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Stop accepting calls; True once no call is running (within wait_s), so the client can be
+        closed safely (closing a native client under a running call crashes the process)."""
+        deadline = time.monotonic() + wait_s
         self._pool.shutdown(wait=False, cancel_futures=True)
+        while True:
+            with self._lock:
+                if self._stuck == 0 and self._running == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def all_status(n: int, status: Status) -> list[Status]:

@@ -136,5 +136,5 @@ class MemcacheBackend:
                                lambda _exc: all_status(n, Status.FAILED))
 
     def close(self) -> None:
-        self._calls.close()
-        self._store.close()
+        if self._calls.close(wait_s=self._calls.timeout_s):
+            self._store.close()

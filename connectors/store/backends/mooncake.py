@@ -123,7 +123,12 @@ class MooncakeBackend:
         def call() -> list[Status]:
             codes = self._store.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
-            return [_get_status(c, sum(s)) for c, s in zip(codes, sizes)]
+            status = [_get_status(c, sum(s)) for c, s in zip(codes, sizes)]
+            # A too-small object fails the transfer with a generic code; name it by its size.
+            for i, st in enumerate(status):
+                if st is Status.FAILED and 0 < self._store.get_size(keys[i]) != sum(sizes[i]):
+                    status[i] = Status.WRONG_SIZE
+            return status
 
         return self._bounded(call, len(keys))
 
@@ -144,5 +149,5 @@ class MooncakeBackend:
                                lambda _exc: all_status(n, Status.FAILED))
 
     def close(self) -> None:
-        self._calls.close()
-        self._store.close()
+        if self._calls.close(wait_s=self._calls.timeout_s):
+            self._store.close()

@@ -1,0 +1,177 @@
+"""The Mooncake store backend against a real `mooncake_master` plus the pool's own segment holder
+(`kvpp pool up`): bytes intact through zero-copy multi-page objects, wrong sizes refused, pooled
+objects outliving the client that wrote them, the shard hit rule on real keys, and a killed master
+turning every call into a failure within a bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from connectors.store.backends import Status, open_backend
+from connectors.store.keys import CacheLayout, block_hashes
+from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
+from connectors.store.worker import BlockPages
+from deploy.pool_cmd import pool_down, pool_up
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_TIMERS = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+BOUND_S = 4.0
+LAYERS, BLOCKS, PAGE = 3, 8, (16, 576)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    os.environ.update(FAST_TIMERS)
+    state = tmp_path_factory.mktemp("pool")
+    info = pool_up("mooncake", state, 64 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    yield info
+    pool_down(state)
+
+
+@pytest.fixture(scope="module")
+def backend(pool):
+    b = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+    yield b
+    b.close()
+
+
+def _caches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, *PAGE, generator=gen) for _ in range(LAYERS)]
+
+
+_REGISTERED: list[torch.Tensor] = []
+"""Registered tensors stay alive: a freed one's address could be reused and registered twice."""
+
+
+def _register(backend, caches):
+    _REGISTERED.extend(caches)
+    for c in caches:
+        backend.register(c.data_ptr(), c.numel() * c.element_size())
+    return BlockPages(caches)
+
+
+def _objects(pages, block_ids):
+    return [pages.ptrs(b) for b in block_ids], [pages.sizes()] * len(block_ids)
+
+
+def test_multi_page_objects_round_trip_bytes_intact(backend):
+    src, dst = _caches(1), [torch.zeros(BLOCKS, *PAGE) for _ in range(LAYERS)]
+    src_pages, dst_pages = _register(backend, src), _register(backend, dst)
+    keys = [f"test/intact/{i}" for i in range(4)]
+    assert backend.put(keys, *_objects(src_pages, [0, 1, 2, 3])) == [Status.OK] * 4
+    assert backend.exists(keys + ["test/intact/none"]) == [Status.OK] * 4 + [Status.MISSING]
+    # Load into other block ids: object i lands in block 7 - i of every layer.
+    assert backend.get(keys, *_objects(dst_pages, [7, 6, 5, 4])) == [Status.OK] * 4
+    for s, d in zip(src, dst):
+        assert torch.equal(d[[7, 6, 5, 4]], s[[0, 1, 2, 3]])
+        assert torch.count_nonzero(d[:4]) == 0, "nothing outside the target blocks was written"
+
+
+def test_missing_and_wrong_size_objects_are_refused(backend):
+    caches = _caches(2)
+    pages = _register(backend, caches)
+    small = torch.ones(100)
+    big = torch.ones(pages.object_bytes // 4 + 64)
+    _REGISTERED.extend((small, big))
+    for t in (small, big):
+        backend.register(t.data_ptr(), t.numel() * 4)
+    assert backend.put(["test/small", "test/big"], [[small.data_ptr()], [big.data_ptr()]],
+                       [[small.numel() * 4], [big.numel() * 4]]) == [Status.OK, Status.OK]
+    before = [c.clone() for c in caches]
+    got = backend.get(["test/small", "test/big", "test/absent"], *_objects(pages, [0, 1, 2]))
+    assert got == [Status.WRONG_SIZE, Status.WRONG_SIZE, Status.MISSING]
+    assert all(torch.equal(b[1:], c[1:]) for b, c in zip(before, caches)), "an oversized object wrote nothing"
+
+
+_WRITER = """
+import sys, torch
+from connectors.store.backends import open_backend
+b = open_backend("mooncake", {"master_server_address": sys.argv[1]}, call_timeout_s=4)
+t = torch.arange(4096, dtype=torch.float32)
+b.register(t.data_ptr(), t.numel() * 4)
+print(b.put(["test/survivor"], [[t.data_ptr()]], [[t.numel() * 4]]))
+b.close()
+"""
+
+
+def test_pooled_objects_outlive_the_process_that_wrote_them(pool, backend):
+    address = pool.kv_connector_extra_config["mooncake"]["master_server_address"]
+    out = subprocess.run([sys.executable, "-c", _WRITER, address], cwd=ROOT, env={**os.environ, **FAST_TIMERS},
+                         capture_output=True, text=True, timeout=60)
+    assert "[<Status.OK: 0>]" in out.stdout, out.stderr[-2000:]
+    time.sleep(3)  # beyond the master's client_ttl: the writer is gone for good
+    dst = torch.zeros(4096)
+    _REGISTERED.append(dst)
+    backend.register(dst.data_ptr(), dst.numel() * 4)
+    assert backend.get(["test/survivor"], [[dst.data_ptr()]], [[dst.numel() * 4]]) == [Status.OK]
+    assert torch.equal(dst, torch.arange(4096, dtype=torch.float32))
+
+
+def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
+    caches = _caches(3)
+    pages = _register(backend, caches)
+    layout = CacheLayout("itest-model", "float32", 16, pages.page_bytes)
+    shards = shard_keys(layout, all_shards([StageLayers(0, (0, 1, 2, 3))], 2, kvpp=True, replicated=True))
+    hashes = block_hashes(list(range(16 * 5)), 16)
+    for shard in shards:
+        assert backend.put(shard.keys(hashes), *_objects(pages, range(5))) == [Status.OK] * 5
+    assert count_pooled(backend, shards, hashes) == 5
+    assert backend.remove([shards[1].key(hashes[3])]) == [Status.OK]
+    assert count_pooled(backend, shards, hashes) == 3
+    assert count_pooled(backend, shards[:1], hashes) == 5, "the other owner's shard is still whole"
+
+
+def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
+    info = pool_up("mooncake", tmp_path / "doomed", 16 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    try:
+        b = open_backend("mooncake", info.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+        caches = _caches(4)
+        pages = _register(b, caches)
+        assert b.put(["test/doomed"], *_objects(pages, [0])) == [Status.OK]
+        os.kill(info.pids[0], signal.SIGKILL)  # the master
+        for call in (lambda: b.exists(["test/doomed", "x"]), lambda: b.get(["test/doomed"], *_objects(pages, [1])),
+                     lambda: b.put(["test/new"], *_objects(pages, [2]))):
+            start = time.monotonic()
+            status = call()
+            assert all(s in (Status.FAILED, Status.TIMEOUT, Status.MISSING) for s in status), status
+            assert Status.OK not in status
+            assert time.monotonic() - start <= BOUND_S + 1.0
+        b.close()
+    finally:
+        pool_down(tmp_path / "doomed")
+
+
+def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
+    env = {**os.environ, **FAST_TIMERS}
+    kvpp = [sys.executable, "-m", "deploy.cli", "pool"]
+    up = subprocess.run([*kvpp, "up", "--backend", "mooncake", "--segment-size", "32MB", "--json",
+                         "--state-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr
+    out = json.loads(up.stdout)
+    extra = out["kv_connector_extra_config"]
+    assert extra["backend"] == "mooncake" and extra["mooncake"]["master_server_address"].startswith("127.0.0.1:")
+    assert isinstance(extra["lookup_rpc_port"], int) and len(out["pids"]) == 2
+    b = open_backend("mooncake", extra["mooncake"], call_timeout_s=BOUND_S)
+    assert b.exists(["anything"]) == [Status.MISSING]
+    b.close()
+    again = subprocess.run([*kvpp, "up", "--backend", "mooncake", "--state-dir", str(tmp_path)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already running" in again.stderr
+    down = subprocess.run([*kvpp, "down", "--state-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    for pid in out["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
