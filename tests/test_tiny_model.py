@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from deploy.processes import VllmServer, free_port
-from deploy.tiny_model import build_tiny_model, sample_prompt
+from deploy.tiny_model import sample_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -47,10 +47,10 @@ def _complete(url, prompt):
         return json.loads(resp.read())["choices"][0]
 
 
-def test_vllm_matches_transformers_greedy(tmp_path_factory):
+def test_vllm_matches_transformers_greedy(tiny_model, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16", layers=16)
+    path = tiny_model  # 16 layers (conftest), the model every equality test relies on
     prompts = [sample_prompt(5, seed=1), sample_prompt(70, seed=2)]  # one block; several blocks
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
     server = VllmServer("vllm-tiny", path, free_port(), log, tp=1,
