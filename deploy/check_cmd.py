@@ -104,6 +104,11 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
                 out.append(_error(inst.where, "kv_port", (
                     f"P/D with {MOONCAKE} needs a kv_port on every prefill and decode instance (the base of "
                     "its handshake ports); set kv_port, e.g. 37000 for the prefill and 37010 for the decode")))
+    else:
+        for inst in spec.instances:
+            if inst.kv_port is not None:
+                out.append(_warning(inst.where, "kv_port", "kv_port is unused without decode instances (it is the "
+                                    "base of P/D handshake ports); remove it or add the decode instances"))
     for inst in spec.instances:
         if inst.uses_pool and spec.pool is None:
             out.append(_error(inst.where, "uses_pool", "uses_pool is true but the spec has no pool section; add "

@@ -209,3 +209,10 @@ def test_pd_plus_pool_runs_a_multiconnector_whose_children_are_each_checked(tmp_
         "MooncakeConnectorV2", "AscendStoreConnector"]
     assert launch.kv_transfer_config(parsed, parsed.decode[0])["kv_connector"] == "MooncakeConnectorV2"
     assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=POOL))[2] == 0
+
+
+def test_kv_port_without_decode_is_a_warning(tmp_path):
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(kv_port=37000)]))
+    assert code == 0 and errors == []
+    assert warnings == ["warning: prefill[0] (p): kv_port: kv_port is unused without decode instances (it is the "
+                        "base of P/D handshake ports); remove it or add the decode instances"]
