@@ -25,6 +25,13 @@ BACKENDS = ("mooncake", "memcache")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 
+META_LOCK = "/tmp/mmc_meta_service.lock"
+
+
+class MetaServiceBusy(ProcessError):
+    """Another memcache MetaService holds the host-wide lock."""
+
+
 @dataclass
 class PoolInfo:
     backend: str
@@ -94,7 +101,9 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
     return PoolInfo("mooncake", extra, [p.pid for p in procs], str(state_dir), [str(p.log_path) for p in procs])
 
 
-def start_memcache(state_dir: Path) -> PoolInfo:
+def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
+    """The MetaService (one per host). memcache data lives in the clients' local services: each
+    engine contributes `dram_size`; a driver-less machine runs lookups only."""
     meta, store, metrics = free_port(), free_port(), free_port()
     proc = ManagedProcess(
         "memcache-meta-service",
@@ -104,16 +113,26 @@ def start_memcache(state_dir: Path) -> PoolInfo:
     ).start()
     try:
         proc.wait_port(LOOPBACK, meta, timeout=30)
+        proc.wait_port(LOOPBACK, store, timeout=30)  # clients register through the config store too
+    except ProcessError as exc:
+        proc.stop()
+        if "already running" in proc.log_tail():
+            raise MetaServiceBusy(
+                f"a memcache MetaService is already running on this host (it holds {META_LOCK}); memcache "
+                "allows one per host: stop it, or point the engines at it instead of starting a pool"
+            ) from exc
+        raise
     except BaseException:
         proc.stop()
         raise
     settings = {"meta_service_url": f"tcp://{LOOPBACK}:{meta}", "config_store_url": f"tcp://{LOOPBACK}:{store}",
-                "protocol": "host_tcp"}
+                "protocol": "host_tcp", "dram_size": dram_size}
     conf = state_dir / "mmc-local.conf"
     conf.write_text(
         f"ock.mmc.meta_service_url = {settings['meta_service_url']}\n"
         f"ock.mmc.local_service.config_store_url = {settings['config_store_url']}\n"
         f"ock.mmc.local_service.protocol = {settings['protocol']}\n"
+        f"ock.mmc.local_service.dram.size = {dram_size}\n"
         "ock.mmc.log_level = error\n"
     )
     extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
