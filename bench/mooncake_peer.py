@@ -19,7 +19,7 @@ import torch
 
 from connectors.mooncake.channel import SideChannelServer
 from connectors.mooncake.holds import HoldTable
-from connectors.mooncake.messages import PROTOCOL_VERSION, Ack, DoneNotice, LayerDesc, MetaRequest, WorkerMeta
+from connectors.mooncake.messages import PROTOCOL_VERSION, DoneNotice, LayerDesc, MetaRequest, Released, WorkerMeta
 from connectors.mooncake.transfer import MooncakeTransfer
 
 BLOCK_SHAPE = (16, 576)  # block size 16 x MLA head 576, the tiny model's page
@@ -77,8 +77,8 @@ def main() -> int:
         if isinstance(message, MetaRequest):
             return meta
         if isinstance(message, DoneNotice):
-            holds.release(message.request_id, message.consumer, message.num_consumers)
-            return Ack(version=PROTOCOL_VERSION, ok=True)
+            held = holds.release(message.request_id, message.consumer, message.num_consumers)
+            return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=held)
         raise ValueError(f"unexpected {type(message).__name__}")
 
     server = SideChannelServer("127.0.0.1", args.port, handle, what="mooncake peer")

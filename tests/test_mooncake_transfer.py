@@ -127,7 +127,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
     assert not kv[:, 6:].any()  # nothing written outside the requested blocks
     assert nbytes == 4 * len(remote) * kv[0, 0].numel() * 4
     assert entries == 4 * 3  # per layer: runs 5-7, 20-21 and 3 coalesce to three entries
-    assert puller.notify(h, ok=True) == []
+    assert puller.notify(h, ok=True) == (True, [])
     assert peer.line(timeout=5) == {"released": "r1"}
 
 
@@ -173,8 +173,8 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     start = time.monotonic()
     with pytest.raises(ChannelError, match="no answer"):
         puller.read(h, [0, 1], [1, 2])
-    errors = puller.notify(h, ok=False)
-    assert len(errors) == 1 and time.monotonic() - start < 4
+    held, errors = puller.notify(h, ok=False)
+    assert held is None and len(errors) == 1 and time.monotonic() - start < 4
 
 
 def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, free_port):
@@ -198,11 +198,16 @@ def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_p
     assert meta.layers[0].name == layer_name(0)
 
 
-def test_hold_expires_when_no_decode_pulls(peers, free_port):
+def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "orphan", "--hold-timeout", "1")
     start = time.monotonic()
     assert peer.line(timeout=5) == {"expired": "orphan"}
     assert 0.9 < time.monotonic() - start < 4
+    # A decode that reads after the timeout must learn the blocks were no longer held.
+    _, puller = make_puller(decode_side, layers=1, blocks=4)
+    h = handle(free_port, "orphan", [0])
+    puller.read(h, [0], [0])
+    assert puller.notify(h, ok=True) == (False, [])
 
 
 def test_taken_handshake_port_is_a_clear_error(free_port):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -282,6 +283,7 @@ def test_prefill_holds_finished_request_and_returns_handle():
     h = m.parse_handle(params)
     assert (h.remote_block_ids, h.remote_num_tokens, h.remote_tp_size, h.remote_kv_port) == ([5, 6, 7], 40, 2, 37000)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert 6.0 < h.remote_hold_expires_at - time.time() <= 7.0
     meta_ = sched.build_connector_meta(None)
     assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(None).holds == {}
     sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}))
@@ -366,6 +368,8 @@ def test_hold_expires_after_timeout_and_early_notice_is_kept():
     assert table.pop_finished() == (set(), set())
     clock.now += 0.5
     assert table.pop_finished() == (set(), {"orphan"})
+    assert table.release("orphan", "d", 1) is False  # too late: the blocks may be reused
+    assert table.release("fresh", "d", 1) is True
 
 
 def test_stray_notice_is_forgotten_after_timeout():
@@ -378,3 +382,19 @@ def test_stray_notice_is_forgotten_after_timeout():
     assert table.pop_finished() == (set(), set())
     table.hold("never-held", 5)  # a late hold is not released by the forgotten notice
     assert table.pop_finished() == (set(), set()) and len(table) == 1
+
+
+def test_read_is_trusted_only_if_the_prefill_still_held_it():
+    from connectors.mooncake.worker import _read_was_held
+
+    def h(expires):
+        return m.PrefillHandle(remote_engine_id="p", remote_request_id="r", remote_host="127.0.0.1",
+                               remote_kv_port=1, remote_tp_size=1, remote_block_ids=[0], remote_num_tokens=1,
+                               remote_hold_expires_at=expires)
+
+    now = time.time()
+    assert _read_was_held(h(now - 100), True, now)  # confirmed by every prefill worker
+    assert not _read_was_held(h(now + 100), False, now)  # one worker had already freed them
+    assert _read_was_held(h(now + 100), None, now)  # unconfirmed, but far inside the hold window
+    assert not _read_was_held(h(now + 0.5), None, now)  # unconfirmed and too close to expiry
+    assert not _read_was_held(h(None), None, now)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import zmq
 
+from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.messages import PROTOCOL_VERSION, Ack, Message, MessageError, decode, encode
 
 
@@ -41,6 +42,7 @@ class SideChannelServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        unpin_current_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -3,6 +3,8 @@
 A hold ends when every decode worker sent its done-notice, or when its timeout passes (a decode
 that died or never pulls must not pin prefill memory forever). Notices can arrive before the
 scheduler's hold announcement reaches this worker; they are kept for one timeout, then dropped.
+A notice for a hold that already expired is answered "not held", so the decode discards what it
+read instead of decoding from blocks that may have been reused.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class HoldTable:
         self._clock = clock
         self._lock = threading.Lock()  # notices arrive on the side-channel thread
         self._holds: dict[str, _Hold] = {}
+        self._expired: dict[str, float] = {}  # request id -> when its hold timed out
 
     def _get(self, request_id: str) -> _Hold:
         hold = self._holds.get(request_id)
@@ -38,11 +41,15 @@ class HoldTable:
         with self._lock:
             self._get(request_id).deadline = self._clock() + seconds
 
-    def release(self, request_id: str, consumer: str, num_consumers: int) -> None:
+    def release(self, request_id: str, consumer: str, num_consumers: int) -> bool:
+        """Record a decode worker's done-notice; False if the blocks were already freed by timeout."""
         with self._lock:
+            if request_id in self._expired:
+                return False
             hold = self._get(request_id)
             hold.consumers.add(consumer)
             hold.needed = num_consumers
+            return True
 
     def pop_finished(self) -> tuple[set[str], set[str]]:
         """(released, expired) request ids whose blocks may be freed now."""
@@ -58,9 +65,13 @@ class HoldTable:
                     released.add(request_id)
                 elif now >= hold.deadline:
                     expired.add(request_id)
+                    self._expired[request_id] = now
                 else:
                     continue
                 del self._holds[request_id]
+            for request_id, when in list(self._expired.items()):
+                if now - when > self.timeout_s:
+                    del self._expired[request_id]
         return released, expired
 
     def __len__(self) -> int:

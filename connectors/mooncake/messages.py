@@ -108,7 +108,15 @@ class Ack(_Versioned, tag="ack"):
     error: str = ""
 
 
-Message = WorkerMeta | MetaRequest | DoneNotice | Ack
+class Released(_Versioned, tag="released"):
+    """Reply to a DoneNotice. `held` False: this worker had already freed the blocks (its hold timed
+    out), so what the decode read may have been overwritten and must not be used."""
+
+    request_id: str
+    held: bool
+
+
+Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
@@ -148,6 +156,8 @@ class PrefillHandle(msgspec.Struct, frozen=True):
     remote_pcp_size: Positive = 1
     remote_dp_size: Positive = 1
     remote_dp_rank: NonNeg = 0
+    remote_hold_expires_at: float | None = None
+    """Unix time after which the prefill may free the blocks (its hold timeout)."""
     protocol_version: int = PROTOCOL_VERSION
     do_remote_prefill: bool = True
 

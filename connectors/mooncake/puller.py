@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from connectors.mooncake.channel import ChannelError, call
 from connectors.mooncake.messages import (
     PROTOCOL_VERSION,
-    Ack,
     DoneNotice,
     MessageError,
     MetaRequest,
     PrefillHandle,
+    Released,
     WorkerMeta,
 )
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
@@ -91,15 +91,21 @@ class Puller:
             entries += e
         return nbytes, entries, time.perf_counter() - start
 
-    def notify(self, handle: PrefillHandle, ok: bool) -> list[str]:
-        """Tell every prefill worker to free the request's blocks; returns the workers that did
-        not answer (they free after their hold timeout)."""
+    def notify(self, handle: PrefillHandle, ok: bool) -> tuple[bool | None, list[str]]:
+        """Tell every prefill worker to free the request's blocks.
+
+        Returns (held, errors): held is False if any worker had already freed them (timeout), True
+        if every worker confirmed it still held them, None if some did not answer; errors name the
+        workers that did not answer (they free after their hold timeout).
+        """
         notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
-        errors = []
+        answers, errors = [], []
         for _, _, port in prefill_ports(handle):
             try:
-                call(handle.remote_host, port, notice, self.timeout_s, Ack)
+                answers.append(call(handle.remote_host, port, notice, self.timeout_s, Released).held)
             except (ChannelError, MessageError) as exc:
                 errors.append(f"{handle.remote_host}:{port}: {exc}")
-        return errors
+        if not all(answers):
+            return False, errors
+        return (None if errors else True), errors

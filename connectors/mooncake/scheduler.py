@@ -7,6 +7,7 @@ kv_transfer_params. vLLM's kv_role only decides which of the two ever happens.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -114,6 +115,7 @@ class MooncakeV2Scheduler:
         self._new_holds[request.request_id] = self.settings.hold_timeout_s
         self._held.add(request.request_id)
         handle = PrefillHandle(
+            remote_hold_expires_at=time.time() + self.settings.hold_timeout_s,
             remote_request_id=request.request_id,
             remote_block_ids=list(block_ids),
             remote_num_tokens=request.num_computed_tokens,

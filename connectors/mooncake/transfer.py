@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from connectors.mooncake.affinity import run_unpinned
+
 DEFAULT_MAX_BATCH_ENTRIES = 1024
 MIN_TRANSFER_TIMEOUT_S = 5  # Mooncake ignores smaller MC_TRANSFER_TIMEOUT values
 
@@ -85,7 +87,8 @@ class MooncakeTransfer:
         self.protocol = protocol
         self.max_batch_entries = max_batch_entries
         self._engine = _import_engine()()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        # The engine starts its I/O threads here; they inherit this thread's CPU mask.
+        rc = run_unpinned(lambda: self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name))
         if rc != 0:
             raise TransferError(
                 f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "

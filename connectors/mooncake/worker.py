@@ -8,6 +8,7 @@ failure becomes failed block ids so vLLM's kv_load_failure_policy decides (fail 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ from connectors.mooncake.messages import (
     Message,
     MessageError,
     MetaRequest,
+    PrefillHandle,
+    Released,
     WorkerMeta,
 )
 from connectors.mooncake.puller import Puller
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
+
+HOLD_MARGIN_S = 1.0  # clock skew between nodes we tolerate when trusting remote_hold_expires_at
 
 
 def model_key(vllm_config: VllmConfig) -> str:
@@ -65,6 +70,14 @@ def describe_layers(kv_caches: dict[str, torch.Tensor], owners: dict[str, int | 
             owner=owners.get(name),
         ))
     return layers, regions
+
+
+def _read_was_held(handle: PrefillHandle, held: bool | None, finished_at: float) -> bool:
+    """Whether the blocks read were still the request's: every prefill worker confirmed, or (some
+    did not answer) the read ended a safe margin before the prefill's hold could expire."""
+    if held is not None:
+        return held
+    return handle.remote_hold_expires_at is not None and finished_at < handle.remote_hold_expires_at - HOLD_MARGIN_S
 
 
 class MooncakeV2Worker:
@@ -138,8 +151,8 @@ class MooncakeV2Worker:
                 return Ack(version=PROTOCOL_VERSION, ok=False, error="KV caches not registered yet")
             return self._meta
         if isinstance(message, DoneNotice):
-            self.holds.release(message.request_id, message.consumer, message.num_consumers)
-            return Ack(version=PROTOCOL_VERSION, ok=True)
+            held = self.holds.release(message.request_id, message.consumer, message.num_consumers)
+            return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=held)
         raise MessageError(f"unexpected {type(message).__name__} on a handshake port")
 
     # ---- decode role -------------------------------------------------------------------------
@@ -153,22 +166,33 @@ class MooncakeV2Worker:
                 self._pulls[spec.request_id] = (future, spec)
 
     def _pull(self, spec: LoadSpec) -> bool:
-        """Background thread: read one request's blocks, then release them on the prefill."""
-        handle, ok = spec.handle, True
+        """Background thread: read one request's blocks, release them on the prefill, and keep the
+        result only if the prefill confirms it still held them (or the read ended well before the
+        hold could expire)."""
+        handle, ok, done = spec.handle, True, None
         if spec.local_block_ids:
             try:
-                nbytes, entries, seconds = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
-                self.stats.record_transfer(nbytes, seconds, entries)
-                logger.debug("request %s: pulled %d bytes in %d entries, %.4fs", spec.request_id, nbytes, entries, seconds)
+                done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
             except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
                 ok = False
-                self.stats.record_failure()
                 self._puller.forget(handle)
                 logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
                              handle.remote_engine_id, exc)
-        for error in self._puller.notify(handle, ok):
+        finished_at = time.time()
+        held, errors = self._puller.notify(handle, ok)
+        for error in errors:
             logger.warning("request %s: done-notice failed (%s); the prefill frees after its hold timeout",
                            spec.request_id, error)
+        if ok and done is not None and not _read_was_held(handle, held, finished_at):
+            ok = False
+            logger.error("request %s: prefill %s may have freed the blocks before the pull finished "
+                         "(hold_timeout_s too short for this load?); discarding what was read",
+                         spec.request_id, handle.remote_engine_id)
+        if done is not None and ok:
+            nbytes, entries, seconds = done
+            self.stats.record_transfer(nbytes, seconds, entries)
+        elif spec.local_block_ids:
+            self.stats.record_failure()
         return ok
 
     # ---- per-step reporting ------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""P/D end to end with real servers: a prefill (`vllm serve`-equivalent, TP=2, KVPP on) and a decode
+(TP=1) joined by MooncakeConnectorV2 over Mooncake TE (tcp, loopback), driven through `kvpp proxy`.
+
+One pair of servers serves every assertion; the fault test kills the prefill, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from deploy.processes import ManagedProcess, VllmServer, free_port
+from deploy.tiny_model import sample_prompt
+
+pytestmark = pytest.mark.engine
+
+LAYERS = 16
+PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
+MAX_TOKENS = 8
+HOLD_TIMEOUT_S = 20  # generous: a busy 2-core host delays pulls by seconds
+PROMPT_WORDS = (300, 45, 170)
+
+
+def free_port_range(n: int) -> int:
+    """Base of `n` consecutive ports free on loopback a moment ago (one instance's kv_port range)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def kv_config(role: str, kv_port: int, policy: str, **extra) -> str:
+    return json.dumps({
+        "kv_connector": "MooncakeConnectorV2",
+        "kv_connector_module_path": "connectors.mooncake.connector",
+        "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": extra,
+    })
+
+
+def server(name, model, tmp, tp, cores, role, kv_port, policy="fail", extra_args=(), **extra) -> VllmServer:
+    s = VllmServer(name, model, free_port(), tmp / f"{name}.log", tp=tp, cores=cores,
+                   env={"MC_LOG_LEVEL": "ERROR"},
+                   extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])
+    # The connector's counters reach /metrics only with stats on; VllmServer turns them off.
+    s.argv.remove("--disable-log-stats")
+    return s
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def metric(base_url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) on a server's /metrics."""
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    if not values:
+        raise AssertionError(f"{name} not on {base_url}/metrics")
+    return sum(values)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what} not within {timeout}s")
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def completion(url: str, model: str, prompt: str, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, **extra}
+    return post(f"{url}/v1/completions", body)
+
+
+def tokens_and_logprobs(resp: dict) -> tuple[list[str], list[float]]:
+    lp = resp["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    started: list[ManagedProcess] = []
+    try:
+        prefill = server("prefill", tiny_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
+                         kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S,
+                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
+        decode = server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
+                        policy="recompute", transfer_timeout_s=5)
+        for s in (prefill, decode):
+            started.append(s.start())
+        for s in (prefill, decode):
+            s.wait_ready(timeout=400)
+        proxy_port = free_port()
+        proxy = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli", "proxy", "--prefill", prefill.url,
+                                              "--decode", decode.url, "--port", str(proxy_port)], tmp / "proxy.log")
+        started.append(proxy.start())
+        proxy.wait_http(f"http://127.0.0.1:{proxy_port}/health", timeout=60)
+        yield {"prefill": prefill, "decode": decode, "proxy": f"http://127.0.0.1:{proxy_port}",
+               "model": tiny_model, "tmp": tmp, "started": started}
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(pd):
+    """Reference answers: the decode engine serving each prompt by itself (prefill and decode in one
+    engine, no connector involved: no kv_transfer_params)."""
+    return {n: completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n)) for n in PROMPT_WORDS}
+
+
+def test_proxy_completions_equal_colocated_engine(pd, colocated):
+    for n in PROMPT_WORDS:
+        got = completion(pd["proxy"], pd["model"], sample_prompt(n, seed=n))
+        ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
+        tokens, lps = tokens_and_logprobs(got)
+        assert len(tokens) == MAX_TOKENS and tokens == ref_tokens, f"{n}-token prompt"
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, f"{n}-token prompt: {lps} vs {ref_lps}"
+
+
+def test_decode_really_loaded_the_prefill_kv(pd, colocated):
+    """Swap the first word of the decode's prompt: the answer must follow the prefill's KV (prompt A),
+    not the decode's own text (prompt B) - impossible unless the KV was pulled - and the connector's
+    counters and the engine's external-cache-hit count must account for exactly the prompt's pages."""
+    decode, n = pd["decode"], 170
+    prompt_a = sample_prompt(n, seed=n)
+    words = prompt_a.split()
+    prompt_b = " ".join(["water" if words[0] != "water" else "city", *words[1:]])
+    own_b = completion(decode.url, pd["model"], prompt_b)
+    assert tokens_and_logprobs(own_b)[1] != tokens_and_logprobs(colocated[n])[1]  # B alone differs from A
+
+    bytes_before = metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total")
+    pulls_before = metric(decode.url, "vllm:mooncake_v2_pulls_total")
+    hits_before = metric(decode.url, "vllm:external_prefix_cache_hits_total")
+    first = post(f"{pd['prefill'].url}/v1/completions",
+                 {"model": pd["model"], "prompt": prompt_a, "max_tokens": 1, "temperature": 0,
+                  "kv_transfer_params": {"do_remote_decode": True}})
+    params = first["kv_transfer_params"]
+    assert params["remote_tp_size"] == 2 and params["remote_num_tokens"] == n
+    got = completion(decode.url, pd["model"], prompt_b, kv_transfer_params=params)
+    tokens, lps = tokens_and_logprobs(got)
+    ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
+    assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    # vLLM reports the prefill's own cache hits in usage.prompt_tokens_details (0 here); the engine's
+    # count of prompt tokens that came through the connector is this counter.
+    assert metric(decode.url, "vllm:external_prefix_cache_hits_total") - hits_before == n
+
+    pages = -(-n // 16)
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls_before + 1, 30, "pull counted")
+    assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == LAYERS * pages * PAGE_BYTES
+    assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == 0
+
+
+def test_no_blocks_leak_after_pulls(pd):
+    for s in (pd["prefill"], pd["decode"]):
+        wait_for(lambda: metric(s.url, "vllm:kv_cache_usage_perc") == 0, 20, f"{s.name} KV usage back to 0")
+
+
+def test_prefill_frees_blocks_when_decode_never_pulls(pd):
+    prefill = pd["prefill"]
+    post(f"{prefill.url}/v1/completions",
+         {"model": pd["model"], "prompt": sample_prompt(200, seed=5), "max_tokens": 1, "temperature": 0,
+          "kv_transfer_params": {"do_remote_decode": True}})
+    answered = time.monotonic()
+    wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") > 0, 10, "prefill holds the blocks")
+    wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, HOLD_TIMEOUT_S + 15,
+             "prefill frees unpulled blocks")
+    assert time.monotonic() - answered >= HOLD_TIMEOUT_S - 2  # freed by the timeout, not right away
+    assert "within hold_timeout_s" in prefill.log_path.read_text()
+
+
+def test_prefill_killed_before_pull(pd, colocated):
+    """The prefill dies between its answer and the decode's pull: the recompute-policy decode still
+    answers correctly (it recomputes the prompt), a fail-policy decode returns an error, both within
+    bounded time, and both keep serving."""
+    tmp, model = pd["tmp"], pd["model"]
+    decode_fail = server("decode-fail", model, tmp, tp=1, cores=[1], role="kv_consumer",
+                         kv_port=free_port_range(2), policy="fail", transfer_timeout_s=5)
+    pd["started"].append(decode_fail.start())
+    decode_fail.wait_ready(timeout=400)
+
+    n = 45
+    prompt = sample_prompt(n, seed=n)
+    params = [post(f"{pd['prefill'].url}/v1/completions",
+                   {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"] for _ in range(2)]
+    pd["prefill"].stop()
+
+    start = time.monotonic()
+    recomputed = completion(pd["decode"].url, model, prompt, kv_transfer_params=params[0])
+    assert time.monotonic() - start < 45
+    assert tokens_and_logprobs(recomputed) == tokens_and_logprobs(colocated[n])
+    assert metric(pd["decode"].url, "vllm:mooncake_v2_failed_pulls_total") >= 1
+
+    start = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        completion(decode_fail.url, model, prompt, kv_transfer_params=params[1])
+    assert time.monotonic() - start < 45
+    assert failed.value.code >= 400
+
+    for s in (pd["decode"], decode_fail):
+        assert tokens_and_logprobs(completion(s.url, model, prompt)) == tokens_and_logprobs(colocated[n])
+        wait_for(lambda: metric(s.url, "vllm:kv_cache_usage_perc") == 0, 20, f"{s.name} KV usage back to 0")
