@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = [
     "deploy.render",
     "deploy.proxy",
     "deploy.pool_cmd",
+    "deploy.demo",
 ]
 
 
