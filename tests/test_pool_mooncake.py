@@ -19,7 +19,7 @@ import torch
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
-from connectors.store.worker import BlockPages
+from connectors.store.transfer import BlockPages
 from deploy.pool_cmd import pool_down, pool_up
 
 pytestmark = pytest.mark.integration

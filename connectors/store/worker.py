@@ -25,12 +25,13 @@ from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
 from connectors.store.config import StoreConfig
-from connectors.store.keys import CacheLayout, ShardKey
+from connectors.store.keys import CacheLayout
 from connectors.store.lookup import LookupServer, lookup_path
 from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.scheduler import role_actions
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
+from connectors.store.transfer import BlockPages, ShardIO
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,35 +41,6 @@ logger = init_logger(__name__)
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-class BlockPages:
-    """Addresses of one object's pieces: for each block, one page per layer, in shard order."""
-
-    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
-        page_bytes = {t[0].numel() * t.element_size() for t in caches}
-        if len(page_bytes) != 1:
-            raise ValueError(f"pool objects need equal per-block pages across layers, got {sorted(page_bytes)}")
-        for t in caches:
-            if not t[0].is_contiguous():
-                raise ValueError(f"cache of shape {tuple(t.shape)} has non-contiguous block pages; "
-                                 "the pool connector needs [num_blocks, ...] caches")
-        self.page_bytes = page_bytes.pop()
-        self._bases = [t.data_ptr() for t in caches]
-        self._strides = [t.stride(0) * t.element_size() for t in caches]
-        self.num_blocks = caches[0].shape[0]
-
-    @property
-    def object_bytes(self) -> int:
-        return self.page_bytes * len(self._bases)
-
-    def ptrs(self, block_id: int) -> list[int]:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id} outside a cache of {self.num_blocks} blocks")
-        return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
-
-    def sizes(self) -> list[int]:
-        return [self.page_bytes] * len(self._bases)
 
 
 def order_caches(names: Sequence[str], layer_of: dict[str, int | None]) -> tuple[list[str], tuple[int | str, ...]]:
@@ -146,6 +118,7 @@ class StoreWorker:
                                      device_memory=first.device.type != "cpu")
         for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
             self._backend.register(ptr, size)
+        self._io = ShardIO(self._backend, self._shard, self._pages) if self._shard else None
         self._thread.start()
         if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
             self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
@@ -265,28 +238,15 @@ class StoreWorker:
                     self._in_flight -= 1
                     self._idle.notify_all()
 
-    def _objects(self, job: BlockJob):
-        keys = self._shard.keys(job.block_hashes)
-        return keys, [self._pages.ptrs(b) for b in job.block_ids], [self._pages.sizes()] * len(keys)
-
     def _save(self, job: BlockJob) -> None:
         try:
-            if not self._writes:
-                return
-            keys, ptrs, sizes = self._objects(job)
-            present = self._backend.exists(keys)
-            if any(s in (Status.FAILED, Status.TIMEOUT) for s in present):
+            if self._writes:
+                result = self._io.save(job.block_ids, job.block_hashes)
                 with self._lock:
-                    self._count("save_failures", len(keys))
-                return
-            todo = [i for i, s in enumerate(present) if s is Status.MISSING]
-            status = self._backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
-            ok = sum(s is Status.OK for s in status)
-            with self._lock:
-                self._count("save_skipped_blocks", len(keys) - len(todo))
-                self._count("saved_blocks", ok)
-                self._count("saved_bytes", ok * self._pages.object_bytes)
-                self._count("save_failures", len(todo) - ok)
+                    self._count("saved_blocks", result.saved)
+                    self._count("saved_bytes", result.saved * self._pages.object_bytes)
+                    self._count("save_skipped_blocks", result.skipped)
+                    self._count("save_failures", result.failed)
         finally:
             with self._lock:
                 self._save_pending[job.req_id] -= 1
@@ -294,16 +254,13 @@ class StoreWorker:
     def _load(self, job: BlockJob) -> None:
         status: list[Status] = [Status.FAILED] * len(job.block_ids)
         try:
-            if self._shard is None:  # this rank keeps no persistent pages: nothing to restore
-                status = [Status.OK] * len(job.block_ids)
-                return
-            keys, ptrs, sizes = self._objects(job)
-            status = self._backend.get(keys, ptrs, sizes)
+            # A rank without persistent pages (KVPP owner of nothing) has nothing to restore.
+            status = self._io.load(job.block_ids, job.block_hashes) if self._io else [Status.OK] * len(status)
         finally:
             bad = next((i for i, s in enumerate(status) if s is not Status.OK), len(status))
             with self._lock:
                 self._count("loaded_blocks", bad)
-                self._count("loaded_bytes", bad * self._pages.object_bytes if self._shard else 0)
+                self._count("loaded_bytes", bad * self._pages.object_bytes if self._io else 0)
                 if bad < len(status):
                     # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
                     self._load_errors.update(job.block_ids[bad:])

@@ -1,0 +1,74 @@
+"""One rank's shard I/O: block pages <-> pool objects, with the connector's save and load rules.
+
+Separate from the worker's bookkeeping so the benchmark times exactly the path the engine uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from connectors.store.backends import Backend, Status
+from connectors.store.keys import ShardKey
+
+
+class BlockPages:
+    """Addresses of one object's pieces: for each block, one page per layer, in shard order."""
+
+    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+        page_bytes = {t[0].numel() * t.element_size() for t in caches}
+        if len(page_bytes) != 1:
+            raise ValueError(f"pool objects need equal per-block pages across layers, got {sorted(page_bytes)}")
+        for t in caches:
+            if not t[0].is_contiguous():
+                raise ValueError(f"cache of shape {tuple(t.shape)} has non-contiguous block pages; "
+                                 "the pool connector needs [num_blocks, ...] caches")
+        self.page_bytes = page_bytes.pop()
+        self._bases = [t.data_ptr() for t in caches]
+        self._strides = [t.stride(0) * t.element_size() for t in caches]
+        self.num_blocks = caches[0].shape[0]
+
+    @property
+    def object_bytes(self) -> int:
+        return self.page_bytes * len(self._bases)
+
+    def ptrs(self, block_id: int) -> list[int]:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} outside a cache of {self.num_blocks} blocks")
+        return [base + block_id * stride for base, stride in zip(self._bases, self._strides)]
+
+    def sizes(self) -> list[int]:
+        return [self.page_bytes] * len(self._bases)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    saved: int
+    skipped: int
+    """Already pooled (by this or any other instance): not written again."""
+    failed: int
+
+
+class ShardIO:
+    def __init__(self, backend: Backend, shard: ShardKey, pages: BlockPages) -> None:
+        self.backend, self.shard, self.pages = backend, shard, pages
+
+    def _objects(self, block_ids: Sequence[int], hashes: Sequence[str]):
+        keys = self.shard.keys(hashes)
+        return keys, [self.pages.ptrs(b) for b in block_ids], [self.pages.sizes()] * len(keys)
+
+    def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> SaveResult:
+        """Write the blocks not yet pooled; if the pool cannot say which those are, write nothing."""
+        keys, ptrs, sizes = self._objects(block_ids, hashes)
+        present = self.backend.exists(keys)
+        if any(s in (Status.FAILED, Status.TIMEOUT) for s in present):
+            return SaveResult(0, 0, len(keys))
+        todo = [i for i, s in enumerate(present) if s is Status.MISSING]
+        status = self.backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
+        ok = sum(s is Status.OK for s in status)
+        return SaveResult(ok, len(keys) - len(todo), len(todo) - ok)
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> list[Status]:
+        return self.backend.get(*self._objects(block_ids, hashes))

