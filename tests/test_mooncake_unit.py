@@ -12,7 +12,8 @@ import pytest
 from connectors.mooncake import messages as m
 from connectors.mooncake.plan import IncompatiblePeerError, build_descs, check_compatible, choose_sources
 from connectors.mooncake.settings import parse_settings
-from connectors.mooncake.transfer import Desc, coalesce, split_batches
+from connectors.mooncake.plan import block_runs
+from connectors.mooncake.transfer import Desc, coalesce, cut_entries, split_batches
 
 pytestmark = pytest.mark.unit
 
@@ -157,6 +158,20 @@ def test_split_batches_respects_limit():
         split_batches(descs, 0)
 
 
+def test_cut_entries_bounds_each_copy():
+    cut = cut_entries([Desc(0, 1000, 25), Desc(100, 2000, 10)], max_bytes=10)
+    assert cut == [Desc(0, 1000, 10), Desc(10, 1010, 10), Desc(20, 1020, 5), Desc(100, 2000, 10)]
+    with pytest.raises(ValueError):
+        cut_entries([], 0)
+
+
+def test_block_runs_follow_both_sides():
+    assert block_runs([4, 5, 6, 9, 10, 11], [1, 2, 9, 10, 11, 3]) == [(4, 1, 2), (6, 9, 1), (9, 10, 2), (11, 3, 1)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError, match="2 local blocks for 1 remote"):
+        block_runs([1, 2], [1])
+
+
 # ---- read planning -----------------------------------------------------------------------------
 
 def test_kvpp_layers_come_from_their_owner_and_mtp_is_spread():
@@ -226,6 +241,8 @@ def test_build_descs_addresses_and_coalescing():
     dense = meta(0, [layer(name, 1 << 20)])
     merged = coalesce(build_descs(local, {name: (dense, dense.layers[0])}, [4, 5, 6], [1, 2, 3])["127.0.0.1:20000"])
     assert merged == [Desc((8 << 20) + 4 * BLOCK, (1 << 20) + BLOCK, 3 * BLOCK)]
+    # dense pages: one copy per run before any coalescing
+    assert build_descs(local, {name: (dense, dense.layers[0])}, [4, 5, 6], [1, 2, 3])["127.0.0.1:20000"] == merged
 
 
 def test_build_descs_rejects_out_of_range_blocks():

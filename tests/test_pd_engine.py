@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 import time
 import urllib.error
@@ -16,7 +15,8 @@ import urllib.request
 
 import pytest
 
-from deploy.processes import ManagedProcess, VllmServer, free_port
+from bench.pd_servers import free_port_range, pd_server
+from deploy.processes import ManagedProcess, free_port
 from deploy.tiny_model import sample_prompt
 
 pytestmark = pytest.mark.engine
@@ -26,47 +26,6 @@ PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 MAX_TOKENS = 8
 HOLD_TIMEOUT_S = 20  # generous: a busy 2-core host delays pulls by seconds
 PROMPT_WORDS = (300, 45, 170)
-
-
-def free_port_range(n: int) -> int:
-    """Base of `n` consecutive ports free on loopback a moment ago (one instance's kv_port range)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def kv_config(role: str, kv_port: int, policy: str, **extra) -> str:
-    return json.dumps({
-        "kv_connector": "MooncakeConnectorV2",
-        "kv_connector_module_path": "connectors.mooncake.connector",
-        "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": extra,
-    })
-
-
-def server(name, model, tmp, tp, cores, role, kv_port, policy="fail", extra_args=(), **extra) -> VllmServer:
-    s = VllmServer(name, model, free_port(), tmp / f"{name}.log", tp=tp, cores=cores,
-                   env={"MC_LOG_LEVEL": "ERROR"},
-                   extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])
-    # The connector's counters reach /metrics only with stats on; VllmServer turns them off.
-    s.argv.remove("--disable-log-stats")
-    return s
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -108,10 +67,10 @@ def pd(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     started: list[ManagedProcess] = []
     try:
-        prefill = server("prefill", tiny_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
+        prefill = pd_server("prefill", tiny_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S,
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
-        decode = server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
+        decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5)
         for s in (prefill, decode):
             started.append(s.start())
@@ -201,7 +160,7 @@ def test_prefill_killed_before_pull(pd, colocated):
     answers correctly (it recomputes the prompt), a fail-policy decode returns an error, both within
     bounded time, and both keep serving."""
     tmp, model = pd["tmp"], pd["model"]
-    decode_fail = server("decode-fail", model, tmp, tp=1, cores=[1], role="kv_consumer",
+    decode_fail = pd_server("decode-fail", model, tmp, tp=1, cores=[1], role="kv_consumer",
                          kv_port=free_port_range(2), policy="fail", transfer_timeout_s=5)
     pd["started"].append(decode_fail.start())
     decode_fail.wait_ready(timeout=400)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import zmq
 
-from connectors.mooncake.affinity import unpin_current_thread
+from connectors.mooncake.affinity import run_unpinned, unpin_current_thread
 from connectors.mooncake.messages import PROTOCOL_VERSION, Ack, Message, MessageError, decode, encode
 
 
@@ -27,19 +27,28 @@ class SideChannelServer:
     """A ROUTER socket served by a daemon thread; `handler` maps a request to a reply message."""
 
     def __init__(self, host: str, port: int, handler: Callable[[Message], Message], what: str) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            self._ctx.term()
-            raise PortInUseError(f"{what} cannot bind tcp://{host}:{port}: {exc}") from exc
+        # libzmq starts its I/O thread with the first socket: do that off the rank's pinned cores.
+        self._ctx, self._sock = run_unpinned(self._bind_router(host, port, what))
         self._handler = handler
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvpp-sidechannel-{port}", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _bind_router(host: str, port: int, what: str):
+        def bind():
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                sock.close()
+                ctx.term()
+                raise PortInUseError(f"{what} cannot bind tcp://{host}:{port}: {exc}") from exc
+            return ctx, sock
+
+        return bind
 
     def _serve(self) -> None:
         unpin_current_thread()

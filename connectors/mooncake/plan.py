@@ -77,32 +77,51 @@ def choose_sources(
     return chosen
 
 
+def block_runs(local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, count) of runs where both block ids go up by one together."""
+    if len(local_blocks) != len(remote_blocks):
+        raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+    runs: list[list[int]] = []
+    for lb, rb in zip(local_blocks, remote_blocks):
+        if runs and runs[-1][0] + runs[-1][2] == lb and runs[-1][1] + runs[-1][2] == rb:
+            runs[-1][2] += 1
+        else:
+            runs.append([lb, rb, 1])
+    return [tuple(run) for run in runs]
+
+
 def build_descs(
     local_layers: Mapping[str, LayerDesc],
     sources: Mapping[str, tuple[WorkerMeta, LayerDesc]],
     local_blocks: Sequence[int],
     remote_blocks: Sequence[int],
 ) -> dict[str, list[Desc]]:
-    """Copies per prefill transfer-engine session, layer by layer then block by block, so that
-    consecutive blocks of a layer sit next to each other and coalesce."""
-    if len(local_blocks) != len(remote_blocks):
-        raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
+    """Copies per prefill transfer-engine session, layer by layer: one copy per run of consecutive
+    blocks where pages are dense, else one per block (the engine coalesces adjacent copies)."""
+    runs = block_runs(local_blocks, remote_blocks)
+    if not runs:
+        return {}
+    lo_l, hi_l, lo_r, hi_r = min(local_blocks), max(local_blocks), min(remote_blocks), max(remote_blocks)
     per_peer: dict[str, list[Desc]] = {}
     for name, mine in local_layers.items():
         peer, theirs = sources[name]
-        for lb, rb in zip(local_blocks, remote_blocks):
-            if not 0 <= lb < mine.num_blocks:
-                raise ValueError(f"local block {lb} outside layer {name}'s {mine.num_blocks} blocks")
-            if not 0 <= rb < theirs.num_blocks:
-                raise IncompatiblePeerError(
-                    f"remote block {rb} outside layer {name}'s {theirs.num_blocks} blocks on "
-                    f"prefill tp_rank {peer.tp_rank}"
-                )
-            per_peer.setdefault(peer.te_session, []).append(
-                Desc(
-                    mine.base_addr + lb * mine.block_stride,
-                    theirs.base_addr + rb * theirs.block_stride,
-                    mine.block_len,
-                )
+        if lo_l < 0 or hi_l >= mine.num_blocks:
+            raise ValueError(f"local block {lo_l if lo_l < 0 else hi_l} outside layer {name}'s {mine.num_blocks} blocks")
+        if lo_r < 0 or hi_r >= theirs.num_blocks:
+            raise IncompatiblePeerError(
+                f"remote block {lo_r if lo_r < 0 else hi_r} outside layer {name}'s {theirs.num_blocks} blocks on "
+                f"prefill tp_rank {peer.tp_rank}"
             )
+        out = per_peer.setdefault(peer.te_session, [])
+        dense = mine.block_stride == mine.block_len and theirs.block_stride == theirs.block_len
+        for ls, rs, count in runs:
+            if dense:
+                out.append(Desc(mine.base_addr + ls * mine.block_stride, theirs.base_addr + rs * theirs.block_stride,
+                                count * mine.block_len))
+            else:
+                out.extend(
+                    Desc(mine.base_addr + (ls + i) * mine.block_stride, theirs.base_addr + (rs + i) * theirs.block_stride,
+                         mine.block_len)
+                    for i in range(count)
+                )
     return per_peer

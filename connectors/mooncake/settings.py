@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from connectors.mooncake.transfer import DEFAULT_MAX_BATCH_ENTRIES, MIN_TRANSFER_TIMEOUT_S
+from connectors.mooncake.transfer import DEFAULT_MAX_BATCH_ENTRIES, DEFAULT_MAX_ENTRY_BYTES, MIN_TRANSFER_TIMEOUT_S
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -23,6 +23,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How long a prefill keeps a finished request's blocks for a decode that never pulls."""
     max_batch_entries: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BATCH_ENTRIES
     """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
+    max_entry_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_MAX_ENTRY_BYTES
+    """Longest single copy; coalesced runs are cut to this so the engine spreads them over threads."""
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> Settings:

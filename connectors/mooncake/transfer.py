@@ -1,7 +1,9 @@
 """Thin wrapper over the Mooncake TransferEngine for pulling KV blocks.
 
-Two measured transport facts shape it (BRIEF section 5): every batch entry costs ~75 us, so
-contiguous block runs are coalesced into one entry; and a batch over ~1024 entries fails
+Measured transport facts shape it (BRIEF section 5 and bench/pd_transfer.py): every batch entry
+costs ~75 us, so contiguous block runs are coalesced; one huge entry is moved by too few engine
+threads (a 300 MB read took 0.26 s as one entry, 0.13 s as 256 entries of ~1.2 MB), so merged
+runs are cut into pieces of at most `max_entry_bytes`; and a batch over ~1024 entries can fail
 half-written on tcp, so batches are split. A hung peer is bounded by MC_TRANSFER_TIMEOUT.
 """
 
@@ -14,6 +16,7 @@ from typing import NamedTuple
 from connectors.mooncake.affinity import run_unpinned
 
 DEFAULT_MAX_BATCH_ENTRIES = 1024
+DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 MIN_TRANSFER_TIMEOUT_S = 5  # Mooncake ignores smaller MC_TRANSFER_TIMEOUT values
 
 
@@ -42,6 +45,18 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
                 continue
         merged.append(d)
     return merged
+
+
+def cut_entries(descs: Iterable[Desc], max_bytes: int) -> list[Desc]:
+    """Cut copies longer than `max_bytes` into consecutive pieces (the engine parallelises over
+    entries, not within one)."""
+    if max_bytes < 1:
+        raise ValueError(f"entry limit must be >= 1 byte, got {max_bytes}")
+    out = []
+    for d in descs:
+        for offset in range(0, d.length, max_bytes):
+            out.append(Desc(d.local + offset, d.remote + offset, min(max_bytes, d.length - offset)))
+    return out
 
 
 def split_batches(descs: Sequence[Desc], limit: int) -> list[Sequence[Desc]]:
@@ -73,6 +88,7 @@ class MooncakeTransfer:
         device_name: str = "",
         timeout_s: int | None = None,
         max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
     ) -> None:
         if timeout_s is not None:
             if timeout_s < MIN_TRANSFER_TIMEOUT_S:
@@ -86,6 +102,7 @@ class MooncakeTransfer:
         self.host = host
         self.protocol = protocol
         self.max_batch_entries = max_batch_entries
+        self.max_entry_bytes = max_entry_bytes
         self._engine = _import_engine()()
         # The engine starts its I/O threads here; they inherit this thread's CPU mask.
         rc = run_unpinned(lambda: self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name))
@@ -118,7 +135,7 @@ class MooncakeTransfer:
 
     def read(self, peer_session: str, descs: Iterable[Desc]) -> tuple[int, int]:
         """Pull every copy from the peer; returns (bytes, batch entries). Raises TransferError."""
-        merged = coalesce(descs)
+        merged = cut_entries(coalesce(descs), self.max_entry_bytes)
         total = 0
         for batch in split_batches(merged, self.max_batch_entries):
             rc = self._engine.batch_transfer_sync_read(

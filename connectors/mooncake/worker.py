@@ -16,6 +16,7 @@ import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.logger import init_logger
 
+from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.messages import (
@@ -96,12 +97,16 @@ class MooncakeV2Worker:
         self.port = ports.handshake_port(dp_rank=parallel.data_parallel_rank, pp_rank=self.pp_rank, tp_rank=self.tp_rank)
         self.transfer = MooncakeTransfer(self.host, protocol=settings.protocol, device_name=settings.device_name,
                                          timeout_s=settings.transfer_timeout_s,
-                                         max_batch_entries=settings.max_batch_entries)
+                                         max_batch_entries=settings.max_batch_entries,
+                                         max_entry_bytes=settings.max_entry_bytes)
         self.stats = MooncakeV2Stats()
         self.holds = HoldTable(settings.hold_timeout_s)
         self._meta: WorkerMeta | None = None
         self._puller: Puller | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-mooncake-pull")
+        # Unpinned: the pull thread (and the ZeroMQ I/O thread it starts) must not queue behind this
+        # rank's compute threads on one core.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-mooncake-pull",
+                                        initializer=unpin_current_thread)
         self._pulls: dict[str, tuple[Future[bool], LoadSpec]] = {}
         self._failed_blocks: set[int] = set()
         try:
