@@ -75,7 +75,7 @@ class Scenario:
         if pool:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag))]
         env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if self.tp == 2 else "0"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
         (self.tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):

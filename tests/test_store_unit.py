@@ -230,3 +230,32 @@ def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_rules(engine
 
     assert check_kvpp_rules(_with(engine_config, {"load_async": True})) is True
     assert check_kvpp_rules(_with(engine_config, {"use_layerwise": True}, "kv_consumer", kvpp=False)) is False
+
+
+def test_a_request_whose_load_failed_is_not_looked_up_again():
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connectors.store.scheduler import StoreScheduler
+
+    class _Client:
+        calls = 0
+
+        def hit_blocks(self, hashes, request_id=""):
+            self.calls += 1
+            return 2, ""
+
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
+                                  kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
+                                  parallel_config=SimpleNamespace(data_parallel_rank=0))
+    sched = StoreScheduler(vllm_config, parse_store_config({**BASE, "load_async": True}))
+    sched._client.close()
+    sched._client = client = _Client()
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)))
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 32)
+    assert [j.block_ids for j in sched.build_connector_meta(_output()).loads] == [(5, 6)]
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={6}))
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False), "vLLM retries it: recompute, no new lookup"
+    assert client.calls == 1
+    sched.request_finished(request, [])
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True), "the failure is forgotten with the request"

@@ -112,5 +112,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> StoreMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -50,11 +51,15 @@ class StoreScheduler:
         self._pending_loads: list[BlockJob] = []
         self._trackers: dict[str, _SaveTracker] = {}
         self._saving: set[str] = set()
+        self._loading: dict[str, set[int]] = {}
+        self._pool_failed: set[str] = set()
+        """Requests whose pool load failed: served by recomputation from then on, never looked up again
+        (vLLM re-queues a request whose load failed; looking it up again would repeat the failure)."""
         self._stats = StoreStats()
 
     # ---- loads -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if self._client is None or request.prompt_token_ids is None:
+        if self._client is None or request.prompt_token_ids is None or request.request_id in self._pool_failed:
             return 0, False
         prompt = request.prompt_token_ids
         # Whole blocks only, and never the block holding the last prompt token: it must be computed
@@ -79,7 +84,18 @@ class StoreScheduler:
         block_ids = blocks.get_block_ids()[0]
         end = len(hashes)
         start = end - num_external_tokens // self._block_size
-        self._pending_loads.append(BlockJob(request.request_id, tuple(block_ids[start:end]), tuple(hashes[start:end])))
+        job = BlockJob(request.request_id, tuple(block_ids[start:end]), tuple(hashes[start:end]))
+        self._pending_loads.append(job)
+        self._loading[request.request_id] = set(job.block_ids)
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Note which requests' loads failed (workers report their blocks) before they are retried."""
+        if output.invalid_block_ids:
+            for req_id, blocks in self._loading.items():
+                if blocks & output.invalid_block_ids:
+                    self._pool_failed.add(req_id)
+        for req_id in output.finished_recving or ():
+            self._loading.pop(req_id, None)
 
     # ---- saves -------------------------------------------------------------------------------
     def _track(self, scheduler_output: "SchedulerOutput") -> list[BlockJob]:
@@ -134,6 +150,8 @@ class StoreScheduler:
         """Keep the blocks until the workers report the request's saves done."""
         self._trackers.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
+        self._pool_failed.discard(request.request_id)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
             return True, None
