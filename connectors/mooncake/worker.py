@@ -35,7 +35,7 @@ from connectors.mooncake.puller import Puller
 from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
-from connectors.mooncake.transfer import MooncakeTransfer
+from connectors.mooncake.transfer import MooncakeTransfer, TransferError
 from kvpp_core.ports import PortLayout
 from kvpp_core.runtime import active_layout
 
@@ -183,6 +183,11 @@ class MooncakeV2Worker:
                 self._puller.forget(handle)
                 logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
                              handle.remote_engine_id, exc)
+                if isinstance(exc, TransferError):
+                    # A timed-out read may still have pieces in flight into these blocks; keep them
+                    # out of vLLM's hands (the request stays waiting) until such pieces have landed,
+                    # so they cannot overwrite what a recompute writes there.
+                    time.sleep(self.settings.transfer_timeout_s)
         finished_at = time.time()
         held, errors = self._puller.notify(handle, ok)
         for error in errors:
