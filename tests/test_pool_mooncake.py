@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from connectors.store.backends import Status, open_backend
-from connectors.store.keys import CacheLayout, block_hashes
+from connectors.store.keys import CacheLayout, ShardKey, block_hashes
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
-from connectors.store.transfer import BlockPages
+from connectors.store.transfer import BlockPages, ShardIO
 from deploy.pool_cmd import pool_down, pool_up
 
 pytestmark = pytest.mark.integration
@@ -93,6 +93,11 @@ def test_missing_and_wrong_size_objects_are_refused(backend):
     got = backend.get(["test/small", "test/big", "test/absent"], *_objects(pages, [0, 1, 2]))
     assert got == [Status.WRONG_SIZE, Status.WRONG_SIZE, Status.MISSING]
     assert all(torch.equal(b[1:], c[1:]) for b, c in zip(before, caches)), "an oversized object wrote nothing"
+    # Through the connector's path the bad object is also dropped from the pool.
+    layout_key = ShardKey("fp", 0, 0)
+    assert backend.put([layout_key.key("a" * 64)], [[small.data_ptr()]], [[small.numel() * 4]]) == [Status.OK]
+    assert ShardIO(backend, layout_key, pages).load([3], ["a" * 64]) == [Status.WRONG_SIZE]
+    assert backend.exists([layout_key.key("a" * 64)]) == [Status.MISSING]
 
 
 _WRITER = """

@@ -160,6 +160,8 @@ def test_off_wrong_size_object_is_refused_counted_and_recomputed(off):
     sc, ref, _, fresh = off
     s = sc.stats("fresh")
     assert s["load_wrong_size"] == 1 and s["load_failures"] >= 1
+    # The bad object was dropped, so all 4 recomputed blocks were saved (plus block 6 of prefix_plus).
+    assert s["saved_blocks"] == 1 + 4
     _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
 
 

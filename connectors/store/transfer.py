@@ -71,4 +71,11 @@ class ShardIO:
         return SaveResult(ok, len(keys) - len(todo), len(todo) - ok)
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> list[Status]:
-        return self.backend.get(*self._objects(block_ids, hashes))
+        """Fill the blocks' pages; an object of the wrong size is refused and dropped from the pool, so
+        that the recomputed block is saved correctly instead of being skipped as already pooled."""
+        keys, ptrs, sizes = self._objects(block_ids, hashes)
+        status = self.backend.get(keys, ptrs, sizes)
+        wrong = [k for k, s in zip(keys, status) if s is Status.WRONG_SIZE]
+        if wrong:
+            self.backend.remove(wrong)
+        return status
