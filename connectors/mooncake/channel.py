@@ -76,12 +76,21 @@ class SideChannelServer:
         self._ctx.term()
 
 
-_CLIENT_CTX = zmq.Context.instance
+_client_ctx: zmq.Context | None = None
+
+
+def _client_context() -> zmq.Context:
+    """Our own context, not zmq.Context.instance(): vLLM's workers share that one (and its single
+    I/O thread, pinned to the rank's core) with their per-step notify sockets."""
+    global _client_ctx
+    if _client_ctx is None:
+        _client_ctx = zmq.Context()
+    return _client_ctx
 
 
 def call(host: str, port: int, message: Message, timeout_s: float, expected: type) -> Message:
     """Send one request and wait at most `timeout_s` for its reply of type `expected`."""
-    sock = _CLIENT_CTX().socket(zmq.REQ)
+    sock = _client_context().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     ms = max(1, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, ms)
