@@ -7,8 +7,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.metrics.utils import create_metric_per_engine
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from connectors.metrics import CounterPromMetrics
 
 _FIELDS = ("bytes", "transfers", "failures", "seconds", "entries")
 
@@ -75,29 +76,10 @@ class MooncakeV2Stats(KVConnectorStats):
         return not any(self.data.get(key) for key in _FIELDS)
 
 
-_PROM = {
-    "bytes": ("vllm:mooncake_v2_pulled_bytes", "KV bytes pulled from prefill workers."),
-    "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
-    "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
-    "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
-}
-
-
-class MooncakeV2PromMetrics(KVConnectorPromMetrics):
-    """Counters on the server's /metrics (vLLM appends `_total`), one child per engine."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            key: create_metric_per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
-                per_engine_labelvalues,
-            )
-            for key, (name, doc) in _PROM.items()
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, per_engine in self._counters.items():
-            value = transfer_stats_data.get(key, 0)
-            if value:
-                per_engine[engine_idx].inc(value)
+class MooncakeV2PromMetrics(CounterPromMetrics):
+    COUNTERS = {
+        "bytes": ("vllm:mooncake_v2_pulled_bytes", "KV bytes pulled from prefill workers."),
+        "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
+        "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
+        "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+    }

@@ -14,7 +14,7 @@ from vllm.logger import init_logger
 from kvpp_core.config import parse_additional_config
 from connectors.store.config import parse_store_config
 from connectors.store.metadata import StoreMetadata
-from connectors.store.stats import StoreStats
+from connectors.store.stats import StorePromMetrics, StoreStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,6 +95,10 @@ class AscendStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return StoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:
