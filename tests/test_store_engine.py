@@ -52,14 +52,15 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 
 class Scenario:
-    def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool):
+    def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool, load_async: bool):
         self.model, self.tmp, self.tp, self.kvpp, self.by_name = model, tmp, tp, kvpp, by_name
+        self.load_async = load_async
         self.prompts = _prompts(json.loads(Path(model, "config.json").read_text())["vocab_size"])
         os.environ.update(POOL_ENV)
         self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
 
     def transfer_config(self, tag: str) -> dict:
-        extra = {**self.pool.kv_connector_extra_config, "load_async": True, "lookup_timeout_ms": 5000,
+        extra = {**self.pool.kv_connector_extra_config, "load_async": self.load_async, "lookup_timeout_ms": 5000,
                  "backend_timeout_ms": 4000, "stats_file": str(self.tmp / f"stats-{tag}")}
         cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": extra}
@@ -117,10 +118,11 @@ def _assert_same_output(got: dict, ref: dict):
     assert worst <= LOGPROB_TOL
 
 
-# ---- KVPP off, TP=1 -------------------------------------------------------------------------------
+# ---- KVPP off, TP=1, synchronous loads -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def off(tiny_model, tmp_path_factory):
-    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-off"), tp=1, kvpp=False, by_name=False)
+    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-off"), tp=1, kvpp=False, by_name=False,
+                  load_async=False)  # the default without KVPP: loads finish before the step's forward
     p = sc.prompts
     try:
         ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "wrong_size", "after_kill")], pool=False)
@@ -174,10 +176,11 @@ def test_off_killed_master_means_misses_dropped_saves_and_correct_tokens(off):
     _assert_same_output(fresh["after_kill"], ref["after_kill"])
 
 
-# ---- KVPP on, TP=2 ---------------------------------------------------------------------------------
+# ---- KVPP on, TP=2, asynchronous loads ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def on(tiny_model, tmp_path_factory):
-    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True)
+    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True,
+                  load_async=True)  # what KVPP requires
     p = sc.prompts
     try:
         ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "other_plus")], pool=False)

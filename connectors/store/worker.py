@@ -170,7 +170,7 @@ class StoreWorker:
     def start_load_kv(self, meta: StoreMetadata) -> None:
         for job in meta.loads:
             if meta.sync_loads:
-                self._load(job)
+                self._load(job, report=False)  # the request runs in this very step: nothing to report
             else:
                 self._submit(self._load, job)
 
@@ -251,7 +251,9 @@ class StoreWorker:
             with self._lock:
                 self._save_pending[job.req_id] -= 1
 
-    def _load(self, job: BlockJob) -> None:
+    def _load(self, job: BlockJob, report: bool = True) -> None:
+        """Restore the job's blocks; failed blocks (and all after them) go to the load-error set, and an
+        asynchronous load is reported finished so vLLM schedules the request."""
         status: list[Status] = [Status.FAILED] * len(job.block_ids)
         try:
             # A rank without persistent pages (KVPP owner of nothing) has nothing to restore.
@@ -266,7 +268,8 @@ class StoreWorker:
                     self._load_errors.update(job.block_ids[bad:])
                     self._count("load_failures", len(status) - bad)
                     self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
-                self._loaded.add(job.req_id)
+                if report:
+                    self._loaded.add(job.req_id)
 
     def _count(self, name: str, value: int = 1) -> None:
         """Caller holds self._lock."""
