@@ -94,8 +94,10 @@ class StoreWorker:
         names, layer_of = self._persistent_caches(kv_caches, layout)
         ordered, tags = order_caches(names, layer_of)
         caches = [kv_caches[n] for n in ordered]
-        self._pages = BlockPages(caches)
-        first = caches[0]
+        # A KVPP rank may own no layer (layers < group size): it stores and restores nothing, but the
+        # layout (for the other ranks' keys) is the same on every rank.
+        first = next(iter(kv_caches.values()))
+        self._pages = BlockPages(caches or [first])
         self._layout = CacheLayout(
             model=self._vllm_config.model_config.model,
             dtype=dtype_name(first.dtype),
