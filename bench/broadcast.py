@@ -16,12 +16,13 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from deploy.processes import run_in_group  # noqa: E402
 GENERATE = ROOT / "tests" / "scripts" / "generate.py"
 
 
@@ -31,7 +32,7 @@ def _run(model: str, prompts: Path, kv_bytes: int, decode: int, *extra: str) -> 
            "--kv-bytes", str(kv_bytes), "--max-tokens", str(decode), "--first-wave", "1",
            "--steps-between-waves", "0", *extra]
     print(f"[bench] engine {' '.join(extra) or 'kvpp off'} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_in_group(cmd, timeout=900, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("KVPP_RESULT "):
             return json.loads(line.removeprefix("KVPP_RESULT "))
@@ -49,7 +50,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            sys.path.insert(0, str(ROOT))
             from deploy.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -215,7 +216,13 @@ def run_demo(workdir: Path) -> dict:
                 "pulls": int(_metric(decode_metrics, "vllm:mooncake_v2_pulls_total")),
                 "failures": int(_metric(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
             },
-            "pool": {"hit_tokens": int(_metric(prefill_metrics, "vllm:external_prefix_cache_hits_total"))},
+            "pool": {
+                # The engine's own count of prompt tokens that came through a connector: on the
+                # prefill only the pool loads anything.
+                "hit_tokens": int(_metric(prefill_metrics, "vllm:external_prefix_cache_hits_total")),
+                "loaded_bytes": int(_metric(prefill_metrics, "vllm:kv_pool_loaded_bytes_total")),
+                "saved_bytes": int(_metric(prefill_metrics, "vllm:kv_pool_saved_bytes_total")),
+            },
             "requests": {
                 r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
                          "matches_reference": _matches(answers[r.name], expected[r.name])}
@@ -238,7 +245,8 @@ def _print_report(report: dict) -> None:
     rate = xfer["bytes"] / xfer["seconds"] / 1e6 if xfer["seconds"] else 0.0
     print(f"  P/D transfer   {xfer['pulls']} pulls, {xfer['bytes']:,} bytes in {xfer['seconds']:.3f} s "
           f"({rate:.0f} MB/s), {xfer['failures']} failed")
-    print(f"  KV pool        {pool['hit_tokens']} prompt tokens loaded from the pool")
+    print(f"  KV pool        {pool['hit_tokens']} prompt tokens loaded from the pool "
+          f"({pool['loaded_bytes']:,} bytes loaded, {pool['saved_bytes']:,} bytes saved)")
     for name, r in report["requests"].items():
         mark = "same as colocated" if r["matches_reference"] else "DIFFERS from colocated"
         print(f"  {name:<18} {r['seconds']:6.2f} s  {mark}: {r['text']!r}")
@@ -253,7 +261,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_demo's cleanup, unlike the default action
+
+
 def _run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-demo-") as tmp:

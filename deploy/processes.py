@@ -43,6 +43,37 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def run_in_group(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(capture_output=True, text=True)` in a process group of its own.
+
+    On a timeout or an interrupt the whole group is stopped (SIGTERM, then SIGKILL), so a vLLM engine
+    core or TP worker the child spawned cannot outlive it as an orphan eating the machine's cores.
+    """
+    proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=None if env is None else dict(env),
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(20)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers that outlived the leader
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 class ManagedProcess:
     """One child process in its own group, logging to `log_path`; stop() ends the whole group."""
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from deploy.processes import run_in_group
 
 pytestmark = pytest.mark.engine
 
@@ -17,8 +18,8 @@ LAYERS, PAGE_BYTES = 16, 16 * 576 * 4
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "--json", "--workdir", str(workdir)],
-                          capture_output=True, text=True, timeout=1500)
+    proc = run_in_group([sys.executable, "-m", "deploy.cli", "demo", "--json", "--workdir", str(workdir)],
+                        timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[kvpp demo] 5/5" in proc.stderr  # progress lines while it works
     return json.loads(proc.stdout)

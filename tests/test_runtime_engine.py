@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from deploy.processes import run_in_group
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
@@ -30,7 +30,7 @@ def _generate(model: str, prompts: Path, *extra: str) -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     cmd = [sys.executable, str(SCRIPT), "--model", model, "--tp", "2", "--prompts", str(prompts),
            "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_in_group(cmd, timeout=600, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("KVPP_RESULT "):
             return json.loads(line.removeprefix("KVPP_RESULT "))
