@@ -129,13 +129,14 @@ def _server(name: str, model: str, workdir: Path, tp: int, cores: list[int], ext
 def _pd_configs(pool_extra: dict) -> tuple[dict, dict]:
     mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": _free_port_range(3)}
     store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
+    # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
+    store = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+             "kv_connector_extra_config": store_extra}
     prefill = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"connectors": [
-            mooncake,
-            {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": store_extra},
-        ]},
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [mooncake, store]},
     }
     decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": _free_port_range(2),
               "kv_load_failure_policy": "recompute"}
