@@ -123,7 +123,8 @@ class MooncakeV2Worker:
         layout = active_layout()  # None: KVPP off, this worker holds every layer
         if layout is not None:
             # Staging views alias each other and hold other ranks' layers: never publish them.
-            kv_caches = {n: t for n, t in kv_caches.items() if n in set(layout.persistent_layer_names)}
+            keep = set(layout.persistent_layer_names)
+            kv_caches = {n: t for n, t in kv_caches.items() if n in keep}
             owners = {n: layout.layer_owner(n) for n in kv_caches}
         else:
             owners = {}
