@@ -43,7 +43,8 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
     dst = [torch.zeros(blocks, 16, 576) for _ in range(layers)]
     src_pages, dst_pages = BlockPages(src), BlockPages(dst)
     total = blocks * src_pages.object_bytes
-    segment = 2 * repeats * total + (64 << 20)
+    # Room for every pass's objects with the master's eviction watermark far away.
+    segment = 4 * repeats * total + (64 << 20)
     state = Path(tempfile.mkdtemp(prefix="kvpp-bench-pool-"))
     pool = pool_up("mooncake", state, segment)
     try:
@@ -79,7 +80,8 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
                 start = time.perf_counter()
                 for ids in batches:
                     if who == "connector":
-                        assert load_io.load(ids, [hashes[i] for i in ids]) == [Status.OK] * len(ids)
+                        got = load_io.load(ids, [hashes[i] for i in ids])
+                        assert got == [Status.OK] * len(ids), got
                     else:
                         codes = raw.batch_get_into_multi_buffers([raw_keys[i] for i in ids],
                                                                  [dst_pages.ptrs(i) for i in ids],
