@@ -118,6 +118,7 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     bytes_before = metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total")
     pulls_before = metric(decode.url, "vllm:mooncake_v2_pulls_total")
     hits_before = metric(decode.url, "vllm:external_prefix_cache_hits_total")
+    failed_before = metric(decode.url, "vllm:mooncake_v2_failed_pulls_total")
     first = post(f"{pd['prefill'].url}/v1/completions",
                  {"model": pd["model"], "prompt": prompt_a, "max_tokens": 1, "temperature": 0,
                   "kv_transfer_params": {"do_remote_decode": True}})
@@ -134,7 +135,7 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     pages = -(-n // 16)
     wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls_before + 1, 30, "pull counted")
     assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == LAYERS * pages * PAGE_BYTES
-    assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == 0
+    assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed_before
 
 
 def test_no_blocks_leak_after_pulls(pd):
