@@ -31,7 +31,7 @@ _installed = False
 def _logger():
     from vllm.logger import init_logger
 
-    return init_logger("kvpp_core.vllm_adapter")
+    return init_logger("vllm.kvpp.adapter")  # under "vllm" so vLLM's handlers print it
 
 
 def _vllm_version() -> str:

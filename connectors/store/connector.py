@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 
 
 def check_kvpp_rules(vllm_config: "VllmConfig") -> bool:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 
 
 @dataclass

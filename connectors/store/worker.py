@@ -36,7 +36,7 @@ from connectors.store.transfer import BlockPages, ShardIO
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 
 
 def dtype_name(dtype: torch.dtype) -> str:
