@@ -30,7 +30,7 @@ test-fast: setup
 	$(PYTEST) -m unit
 
 demo: setup
-	$(VENV)/bin/kvpp plan --model glm-5.2 --tp 8
+	$(VENV)/bin/kvpp demo
 
 clean-venv:
 	rm -rf $(VENV)

@@ -15,6 +15,9 @@ from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.plan import block_runs
 from connectors.mooncake.transfer import Desc, coalesce, cut_entries, split_batches
 
+# A scheduler step that computes tokens (the connector only reads its token count).
+STEP = SimpleNamespace(total_num_scheduled_tokens=1)
+
 pytestmark = pytest.mark.unit
 
 V = m.PROTOCOL_VERSION
@@ -301,8 +304,8 @@ def test_prefill_holds_finished_request_and_returns_handle():
     assert (h.remote_block_ids, h.remote_num_tokens, h.remote_tp_size, h.remote_kv_port) == ([5, 6, 7], 40, 2, 37000)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert 6.0 < h.remote_hold_expires_at - time.time() <= 7.0
-    meta_ = sched.build_connector_meta(None)
-    assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(None).holds == {}
+    meta_ = sched.build_connector_meta(STEP)
+    assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(STEP).holds == {}
     sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}))
     assert not sched.has_pending_block_frees()
 
@@ -312,7 +315,7 @@ def test_prefill_frees_aborted_request_at_once():
 
     sched = _scheduler()
     assert sched.request_finished(_request({"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED), [5]) == (False, None)
-    assert sched.build_connector_meta(None).holds == {}
+    assert sched.build_connector_meta(STEP).holds == {}
 
 
 def test_decode_counts_remote_tokens_and_maps_blocks():
@@ -325,7 +328,7 @@ def test_decode_counts_remote_tokens_and_maps_blocks():
     assert sched.get_num_new_matched_tokens(req, 40) == (0, False)
     blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None) for b in (3, 4, 5)]])
     sched.update_state_after_alloc(req, blocks, 40)
-    (load,) = sched.build_connector_meta(None).loads
+    (load,) = sched.build_connector_meta(STEP).loads
     assert (load.local_block_ids, load.remote_block_ids) == ((3, 4, 5), (10, 11, 12))
     assert req.kv_transfer_params["do_remote_prefill"] is False
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # one pull per request
@@ -343,7 +346,7 @@ def test_decode_abort_before_schedule_still_frees_prefill():
                              remote_kv_port=37000, remote_tp_size=1, remote_block_ids=[1],
                              remote_num_tokens=10).to_params()
     assert sched.request_finished(_request(params), []) == (False, None)
-    (load,) = sched.build_connector_meta(None).loads
+    (load,) = sched.build_connector_meta(STEP).loads
     assert load.local_block_ids == () and load.handle.remote_request_id == "pr"
 
 

@@ -30,6 +30,7 @@ class HoldTable:
         self._lock = threading.Lock()  # notices arrive on the side-channel thread
         self._holds: dict[str, _Hold] = {}
         self._expired: dict[str, float] = {}  # request id -> when its hold timed out
+        self._noticed = threading.Event()
 
     def _get(self, request_id: str) -> _Hold:
         hold = self._holds.get(request_id)
@@ -49,7 +50,13 @@ class HoldTable:
             hold = self._get(request_id)
             hold.consumers.add(consumer)
             hold.needed = num_consumers
-            return True
+        self._noticed.set()
+        return True
+
+    def wait_for_notice(self, timeout: float) -> None:
+        """Block until a done-notice arrives or `timeout` passes (instead of polling in a busy loop)."""
+        self._noticed.wait(timeout)
+        self._noticed.clear()
 
     def pop_finished(self) -> tuple[set[str], set[str]]:
         """(released, expired) request ids whose blocks may be freed now."""

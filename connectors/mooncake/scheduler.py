@@ -132,6 +132,7 @@ class MooncakeV2Scheduler:
     # ---- both --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeV2Metadata:
-        meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds)
+        meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds,
+                                  idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._new_holds = [], {}
         return meta

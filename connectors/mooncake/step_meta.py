@@ -28,3 +28,5 @@ class MooncakeV2Metadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     holds: dict[str, float] = field(default_factory=dict)
     """Producer: requests whose blocks the workers keep for a decode, -> seconds to keep them."""
+    idle: bool = False
+    """The step schedules no tokens: the engine only polls for finished pulls."""

@@ -9,7 +9,7 @@ failure becomes failed block ids so vLLM's kv_load_failure_policy decides (fail 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
+IDLE_POLL_S = 0.02
 
 HOLD_MARGIN_S = 1.0  # clock skew between nodes we tolerate when trusting remote_hold_expires_at
 
@@ -108,6 +109,7 @@ class MooncakeV2Worker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-mooncake-pull",
                                         initializer=unpin_current_thread)
         self._pulls: dict[str, tuple[Future[bool], LoadSpec]] = {}
+        self._idle_step = False
         self._failed_blocks: set[int] = set()
         try:
             self._server = SideChannelServer(self.host, self.port, self._on_message,
@@ -164,6 +166,7 @@ class MooncakeV2Worker:
     # ---- decode role -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: MooncakeV2Metadata) -> None:
+        self._idle_step = meta.idle
         for request_id, seconds in meta.holds.items():
             self.holds.hold(request_id, seconds)
         for spec in meta.loads:
@@ -209,6 +212,15 @@ class MooncakeV2Worker:
     # ---- per-step reporting ------------------------------------------------------------------
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._idle_step:
+            # An engine that only waits for transfers (decode: pulls; prefill: done-notices) steps
+            # empty in a busy loop, which on a small host starves the transfer threads it waits
+            # for. Block briefly on what it waits for instead; a step with tokens never waits.
+            if self._pulls:
+                wait([future for future, _ in self._pulls.values()], timeout=IDLE_POLL_S,
+                     return_when=FIRST_COMPLETED)
+            elif len(self.holds):
+                self.holds.wait_for_notice(IDLE_POLL_S)
         released, expired = self.holds.pop_finished()
         if expired:
             logger.warning("no decode pulled %s within hold_timeout_s=%.1f; freeing their blocks",
