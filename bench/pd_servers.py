@@ -3,33 +3,9 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 from deploy.processes import VllmServer, free_port
-
-
-def free_port_range(n: int) -> int:
-    """Base of `n` consecutive ports free on loopback a moment ago (one instance's kv_port range)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 def kv_config(role: str, kv_port: int, policy: str = "fail", **extra) -> str:
@@ -46,8 +22,6 @@ def kv_config(role: str, kv_port: int, policy: str = "fail", **extra) -> str:
 def pd_server(name: str, model: str, log_dir: Path, tp: int, cores: list[int], role: str, kv_port: int,
               policy: str = "fail", extra_args: tuple[str, ...] = (), **extra) -> VllmServer:
     """A VllmServer running the connector, with stats on so its counters reach /metrics."""
-    server = VllmServer(name, model, free_port(), Path(log_dir) / f"{name}.log", tp=tp, cores=cores,
-                        env={"MC_LOG_LEVEL": "ERROR"},
-                        extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])
-    server.argv.remove("--disable-log-stats")  # VllmServer turns stats off; the counters need them
-    return server
+    return VllmServer(name, model, free_port(), Path(log_dir) / f"{name}.log", tp=tp, cores=cores,
+                      env={"MC_LOG_LEVEL": "ERROR"}, log_stats=True,
+                      extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])

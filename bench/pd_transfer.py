@@ -36,18 +36,11 @@ from bench.mooncake_peer import BLOCK_SHAPE, local_meta, pages
 from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
+from deploy.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _seconds(fn) -> float:
@@ -58,7 +51,7 @@ def _seconds(fn) -> float:
 
 def transport(tokens: int, repeat: int) -> dict:
     blocks = -(-tokens // BLOCK_TOKENS)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
     peer = subprocess.Popen([sys.executable, str(REPO / "bench" / "mooncake_peer.py"), "--port", str(port),
                              "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11"],
@@ -153,7 +146,9 @@ def _ttft(url: str, model: str, prompt: str, max_tokens: int = 4) -> float:
 
 
 def engine(words: int, repeat: int) -> dict:
-    from bench.pd_servers import free_port_range, pd_server
+    from bench.pd_servers import pd_server
+    from deploy.processes import free_port_range
+    from deploy.proxy import start_proxy
     from deploy.processes import ManagedProcess
     from deploy.tiny_model import build_tiny_model, sample_prompt
 
@@ -168,12 +163,8 @@ def engine(words: int, repeat: int) -> dict:
             started.append(s.start())
         for s in (prefill, decode):
             s.wait_ready(timeout=400)
-        proxy_port = _free_port()
-        proxy = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli", "proxy", "--prefill", prefill.url,
-                                              "--decode", decode.url, "--port", str(proxy_port)], tmp / "proxy.log")
-        started.append(proxy.start())
-        proxy_url = f"http://127.0.0.1:{proxy_port}"
-        proxy.wait_http(f"{proxy_url}/health", timeout=60)
+        proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
+        started.append(proxy)
         prompts = [sample_prompt(words, seed=100 + i) for i in range(repeat)]
         _ttft(decode.url, model, sample_prompt(words, seed=99))  # warm both paths
         _ttft(proxy_url, model, sample_prompt(words, seed=98))

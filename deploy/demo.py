@@ -14,7 +14,6 @@ import argparse
 import json
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -23,7 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, VllmServer, free_port
+from deploy.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range
+from deploy.proxy import start_proxy
 from deploy.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -98,27 +98,6 @@ def _complete(base_url: str, model: str, prompt: str) -> dict:
     return _answer(_post(f"{base_url}/v1/completions", body))
 
 
-def _free_port_range(n: int) -> int:
-    """Base of `n` consecutive free loopback ports: one instance's handshake and control ports."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind((LOOPBACK, 0))
-            base = probe.getsockname()[1]
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind((LOOPBACK, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports on {LOOPBACK}")
-
-
 def _server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str]) -> VllmServer:
     # log_stats: the connectors' counters reach /metrics only with stats on.
     return VllmServer(name, model, free_port(), workdir / f"{name}.log", tp=tp, cores=cores,
@@ -127,7 +106,7 @@ def _server(name: str, model: str, workdir: Path, tp: int, cores: list[int], ext
 
 
 def _pd_configs(pool_extra: dict) -> tuple[dict, dict]:
-    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": _free_port_range(3)}
+    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port_range(3)}
     store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
     # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
     store = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -138,7 +117,7 @@ def _pd_configs(pool_extra: dict) -> tuple[dict, dict]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"connectors": [mooncake, store]},
     }
-    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": _free_port_range(2),
+    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": free_port_range(2),
               "kv_load_failure_policy": "recompute"}
     return prefill, decode
 
@@ -184,13 +163,8 @@ def run_demo(workdir: Path) -> dict:
             started.append(server.start())
         for server in (prefill, decode):
             server.wait_ready(timeout=600)
-        proxy_port = free_port()
-        proxy = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli", "proxy", "--prefill", prefill.url,
-                                              "--decode", decode.url, "--port", str(proxy_port)],
-                               workdir / "proxy.log")
-        started.append(proxy.start())
-        proxy_url = f"http://{LOOPBACK}:{proxy_port}"
-        proxy.wait_http(f"{proxy_url}/health", timeout=60)
+        proxy, proxy_url = start_proxy([prefill.url], [decode.url], workdir / "proxy.log")
+        started.append(proxy)
 
         _progress("5/5 requests through the proxy")
         answers, seconds = {}, {}

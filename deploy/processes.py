@@ -35,6 +35,27 @@ def free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
+def free_port_range(n: int, host: str = LOOPBACK) -> int:
+    """Base of `n` consecutive ports free on `host` a moment ago (one instance's kv_port range)."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise ProcessError(f"no {n} consecutive free ports on {host}")
+
+
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

@@ -15,12 +15,16 @@ import copy
 import itertools
 import json
 import logging
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+
+from deploy.processes import LOOPBACK, ManagedProcess, free_port
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -232,6 +236,21 @@ def _urls(value: str, flag: str) -> list[str]:
     if not urls:
         raise ValueError(f"{flag} needs at least one URL")
     return urls
+
+
+def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_path: Path) -> tuple[ManagedProcess, str]:
+    """Run `kvpp proxy` as a managed process on a free loopback port; returns it and its URL once healthy."""
+    port = free_port()
+    proc = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli", "proxy",
+                                         "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
+                                         "--port", str(port)], log_path).start()
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        proc.wait_http(f"{url}/health", timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
 
 
 def register(subparsers) -> None:

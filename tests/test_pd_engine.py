@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from bench.pd_servers import free_port_range, pd_server
-from deploy.processes import ManagedProcess, free_port
+from bench.pd_servers import pd_server
+from deploy.processes import ManagedProcess, free_port_range
+from deploy.proxy import start_proxy
 from deploy.tiny_model import sample_prompt
 
 pytestmark = pytest.mark.engine
@@ -76,12 +76,9 @@ def pd(tiny_model, tmp_path_factory):
             started.append(s.start())
         for s in (prefill, decode):
             s.wait_ready(timeout=400)
-        proxy_port = free_port()
-        proxy = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli", "proxy", "--prefill", prefill.url,
-                                              "--decode", decode.url, "--port", str(proxy_port)], tmp / "proxy.log")
-        started.append(proxy.start())
-        proxy.wait_http(f"http://127.0.0.1:{proxy_port}/health", timeout=60)
-        yield {"prefill": prefill, "decode": decode, "proxy": f"http://127.0.0.1:{proxy_port}",
+        proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
+        started.append(proxy)
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy_url,
                "model": tiny_model, "tmp": tmp, "started": started}
     finally:
         for proc in reversed(started):

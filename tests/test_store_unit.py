@@ -145,8 +145,10 @@ def _scheduler(role="kv_producer"):
 def _output(new=(), cached=None, scheduled=None, preempted=None):
     from vllm.v1.core.sched.output import CachedRequestData
 
+    scheduled = scheduled or {}
     return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
-                           num_scheduled_tokens=scheduled or {}, preempted_req_ids=preempted)
+                           num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                           preempted_req_ids=preempted)
 
 
 def test_whole_prompt_blocks_are_saved_once_as_they_complete():

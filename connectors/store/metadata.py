@@ -28,3 +28,5 @@ class StoreMetadata(KVConnectorMetadata):
     """Loads must finish before this step's forward (load_async=false)."""
     drain_saves: bool = False
     """Finish in-flight saves before the forward: a preempted request's blocks are being reused."""
+    idle: bool = False
+    """The step schedules no tokens: the engine only polls for finished loads and saves."""

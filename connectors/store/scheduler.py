@@ -142,6 +142,7 @@ class StoreScheduler:
             # A preempted request's blocks are about to be reused: in-flight saves reading them
             # must finish first.
             drain_saves=bool(preempted & self._saving),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._pending_loads = []
         return meta

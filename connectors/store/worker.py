@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
+IDLE_POLL_S = 0.02
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,6 +81,7 @@ class StoreWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
+        self._idle_step = False
         self._thread = threading.Thread(target=self._run_jobs, name="kvpp-pool-io", daemon=True)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -170,6 +172,7 @@ class StoreWorker:
 
     # ---- per-step hooks --------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreMetadata) -> None:
+        self._idle_step = meta.idle
         for job in meta.loads:
             if meta.sync_loads:
                 self._load(job, report=False)  # the request runs in this very step: nothing to report
@@ -198,6 +201,11 @@ class StoreWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
+            if self._idle_step and self._in_flight and not self._loaded:
+                # An engine that only waits for pool I/O steps empty in a busy loop, which on a small
+                # host starves the I/O (a slow get then outlives its store lease). Block briefly on
+                # the I/O instead; a step with tokens to compute never waits.
+                self._idle.wait(IDLE_POLL_S)
             self._finishing |= finished_req_ids & self._save_reqs
             sent = {r for r in self._finishing if not self._save_pending.get(r)}
             self._finishing -= sent
