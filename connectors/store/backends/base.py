@@ -118,3 +118,11 @@ class BoundedCalls:
 
 def all_status(n: int, status: Status) -> list[Status]:
     return [status] * n
+
+
+def exist_statuses(codes: Sequence[int]) -> list[Status]:
+    """A store's batch_is_exist codes (1 present, 0 absent, <0 error) as statuses; any error fails
+    them all, since a partial answer cannot tell a miss from a fault."""
+    if any(c < 0 for c in codes):
+        return all_status(len(codes), Status.FAILED)
+    return [Status.OK if c == 1 else Status.MISSING for c in codes]

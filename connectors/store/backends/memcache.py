@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status
+from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status, exist_statuses
 
 CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 # memfabric copy directions (memfabric_hybrid.bm.BmCopyType): host DRAM or device HBM <-> pool.
@@ -85,10 +85,7 @@ class MemcacheBackend:
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:
-            codes = self._store.batch_is_exist(list(keys))
-            if any(c < 0 for c in codes):
-                return all_status(len(keys), Status.FAILED)
-            return [Status.OK if c == 1 else Status.MISSING for c in codes]
+            return exist_statuses(self._store.batch_is_exist(list(keys)))
 
         return self._bounded(call, len(keys))
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status
+from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status, exist_statuses
 
 # Mooncake store error codes (mooncake-store/include/types.h) the pool reacts to.
 _OBJECT_NOT_FOUND = -704
@@ -98,10 +98,7 @@ class MooncakeBackend:
             return []
 
         def call() -> list[Status]:
-            codes = self._store.batch_is_exist(list(keys))
-            if any(c < 0 for c in codes):
-                return all_status(len(keys), Status.FAILED)
-            return [Status.OK if c == 1 else Status.MISSING for c in codes]
+            return exist_statuses(self._store.batch_is_exist(list(keys)))
 
         return self._bounded(call, len(keys))
 
