@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import sys
 
 import pytest
@@ -44,9 +43,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from deploy.processes import free_port as pick
+
+    return pick()
 
 
 @pytest.fixture(scope="session")

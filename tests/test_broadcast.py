@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 
+from deploy.processes import free_port
 from kvpp_core.broadcast import KvppBroadcastError, LayerBroadcaster, coalesce
 from kvpp_core.ownership import rank_layout
 
@@ -79,16 +79,10 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world, num_layers, staging=2, scenario="plain", timeout=60.0):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, num_layers, staging, scenario, results))
         for r in range(world)
