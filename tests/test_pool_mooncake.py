@@ -12,12 +12,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from connectors.store.backends import Status, open_backend
+from connectors.store.config import parse_store_config
 from connectors.store.keys import CacheLayout, ShardKey, block_hashes
+from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
 from connectors.store.transfer import BlockPages, ShardIO
 from deploy.pool_cmd import pool_down, pool_up
@@ -34,7 +37,7 @@ LAYERS, BLOCKS, PAGE = 3, 8, (16, 576)
 def pool(tmp_path_factory):
     os.environ.update(FAST_TIMERS)
     state = tmp_path_factory.mktemp("pool")
-    info = pool_up("mooncake", state, 64 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    info = pool_up("mooncake", state, 256 << 20, lease_ttl_ms=500, client_ttl_s=2)
     yield info
     pool_down(state)
 
@@ -156,6 +159,105 @@ def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
         b.close()
     finally:
         pool_down(tmp_path / "doomed")
+
+
+# ---- calls that outlive their bound -------------------------------------------------------------------
+# A store call that misses its bound keeps running natively and keeps reading or writing the blocks it
+# was given. The worker must not hand those blocks back to vLLM (which frees and reuses them at once)
+# before the call has returned. Objects of 4 x 1 MiB pages make a 4-block call last well beyond 1 ms.
+BIG_LAYERS, BIG_BLOCKS, BIG_PAGE = 4, 4, (512, 512)
+
+
+def _store_worker(pool, monkeypatch, bound_ms: float, caches):
+    """A real StoreWorker on the real pool; only vLLM's rank lookups are stubbed (no process group)."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    from connectors.store.worker import StoreWorker
+
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(model="late-calls", use_mla=True,
+                                     hf_text_config=SimpleNamespace(num_hidden_layers=BIG_LAYERS)),
+    )
+    cfg = parse_store_config({**pool.kv_connector_extra_config, "backend_timeout_ms": bound_ms})
+    worker = StoreWorker(vllm_config, cfg)
+    _REGISTERED.extend(caches)
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)})
+    return worker
+
+
+def _wait_reported(worker, req_id: str, sending: bool) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sent, recv = worker.get_finished({req_id} if sending else set())
+        if req_id in ((sent if sending else recv) or ()):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{req_id} never reported finished")
+
+
+def _big_caches(fill=None):
+    gen = torch.Generator().manual_seed(5)
+    shape = (BIG_BLOCKS, *BIG_PAGE)
+    return [torch.randn(shape, generator=gen) if fill is None else torch.full(shape, fill) for _ in range(BIG_LAYERS)]
+
+
+def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(pool, monkeypatch):
+    src = _big_caches()
+    hashes = tuple(block_hashes(list(range(16 * BIG_BLOCKS)), 16))
+    blocks = tuple(range(BIG_BLOCKS))
+    writer = _store_worker(pool, monkeypatch, 10_000, src)
+    writer.wait_for_save(StoreMetadata(saves=[BlockJob("w", blocks, hashes)]))
+    _wait_reported(writer, "w", sending=True)
+    assert writer.get_stats().data["saved_blocks"] == BIG_BLOCKS
+    writer.close()
+
+    dst = _big_caches(fill=0.0)
+    reader = _store_worker(pool, monkeypatch, 1, dst)  # a 16 MiB get cannot return within 1 ms
+    reader.start_load_kv(StoreMetadata(loads=[BlockJob("r", blocks, hashes)]))
+    _wait_reported(reader, "r", sending=False)
+    # Reported as failed (vLLM recomputes), but only once the native get stopped writing: the blocks
+    # hold exactly what it wrote, and nothing writes them after this point.
+    assert reader.get_block_ids_with_load_errors() == set(blocks)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    reader.close()
+
+
+def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(pool, monkeypatch):
+    """vLLM reuses a request's blocks once its saves are reported: a put still reading them would pool
+    another request's KV under this prompt's keys."""
+    src = _big_caches()
+    original = [c.clone() for c in src]
+    # Bound: the existence check (one small RPC) fits, the 16 MiB put does not; retried on a slow check.
+    for attempt in range(5):
+        worker = _store_worker(pool, monkeypatch, 5, src)
+        hashes = tuple(block_hashes([attempt + 1] * 16 * BIG_BLOCKS, 16))
+        worker.wait_for_save(StoreMetadata(saves=[BlockJob("s", tuple(range(BIG_BLOCKS)), hashes)]))
+        _wait_reported(worker, "s", sending=True)
+        for c in src:
+            c.zero_()  # what the next request would do to the freed blocks
+        stats = worker.get_stats().data
+        keys = worker._shard.keys(hashes)
+        worker.close()
+        for c, o in zip(src, original):
+            c.copy_(o)
+        if stats.get("save_failures") != BIG_BLOCKS or stats.get("saved_blocks"):
+            continue  # the existence check itself ran late: nothing was put
+        reader = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+        if reader.exists(keys) != [Status.OK] * BIG_BLOCKS:
+            reader.close()
+            continue
+        dst = _big_caches(fill=0.0)
+        pages = _register(reader, dst)
+        assert reader.get(keys, *_objects(pages, range(BIG_BLOCKS))) == [Status.OK] * BIG_BLOCKS
+        reader.close()
+        assert all(torch.equal(d, o) for d, o in zip(dst, original)), "the late put read reused blocks"
+        return
+    pytest.fail("no save ran late in 5 attempts: the 16 MiB put returned within 5 ms")
 
 
 def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):

@@ -43,10 +43,11 @@ POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIE
 def _prompts(vocab: int) -> dict[str, list[int]]:
     rng = random.Random(7)
     draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
-    prefix, other = draw(100), draw(100)  # 6 whole blocks + 4 tokens each
+    prefix, other, torn = draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
     return {
         "prefix": prefix, "prefix_plus": prefix + draw(20),
         "other": other, "other_plus": other + draw(20),
+        "torn": torn, "torn_plus": torn + draw(20),
         "wrong_size": draw(70), "after_kill": draw(60),
     }
 
@@ -183,16 +184,27 @@ def on(tiny_model, tmp_path_factory):
                   load_async=True)  # what KVPP requires
     p = sc.prompts
     try:
-        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "other_plus")], pool=False)
-        saved = sc.run("save", [["gen", "prefix", p["prefix"]], ["gen", "other", p["other"]]])
-        # Evict one owner's shard of block 3 of the other prompt: blocks 3.. of it must miss.
+        served = ("prefix_plus", "other_plus", "torn_plus", "wrong_size")
+        ref = sc.run("ref", [["gen", n, p[n]] for n in served], pool=False)
+        saved = sc.run("save", [["gen", n, p[n]] for n in ("prefix", "other", "torn")])
         backend = sc.backend()
         owner0, owner1 = sc.shard_keys()
+        # Evict one owner's shard of block 3 of the other prompt: blocks 3.. of it must miss.
         hashes = block_hashes(p["other"], BLOCK)
         assert backend.exists(owner0.keys(hashes) + owner1.keys(hashes)) == [Status.OK] * 12
         assert backend.remove([owner1.key(hashes[3])]) == [Status.OK]
+        # Faults the lookup cannot see, so the asynchronous loads themselves fail: rank 1's shard of
+        # block 2 of "torn" is replaced by an object of the wrong size (rank 0 loads all its blocks,
+        # rank 1 fails from block 2 on), and both shards of block 0 of "wrong_size" are junk.
+        junk = torch.ones(1000)
+        backend.register(junk.data_ptr(), junk.numel() * 4)
+        torn_key = owner1.key(block_hashes(p["torn"], BLOCK)[2])
+        first = block_hashes(p["wrong_size"], BLOCK)[0]
+        assert backend.remove([torn_key]) == [Status.OK]
+        assert backend.put([torn_key, owner0.key(first), owner1.key(first)], [[junk.data_ptr()]] * 3,
+                           [[junk.numel() * 4]] * 3) == [Status.OK] * 3
         backend.close()
-        fresh = sc.run("fresh", [["gen", "prefix_plus", p["prefix_plus"]], ["gen", "other_plus", p["other_plus"]]])
+        fresh = sc.run("fresh", [["gen", n, p[n]] for n in served])
         yield sc, ref, saved, fresh
     finally:
         sc.close()
@@ -202,8 +214,8 @@ def test_on_each_rank_saves_its_own_layers(on):
     sc, _, _, _ = on
     for rank in (0, 1):
         s = json.loads((sc.tmp / f"stats-save.pp0.tp{rank}.json").read_text())
-        assert s["saved_blocks"] == 12, "6 blocks of each prompt"
-        assert s["saved_bytes"] == 12 * (LAYERS // 2) * PAGE_BYTES, "8 owned layers per object, staging never"
+        assert s["saved_blocks"] == 18, "6 blocks of each prompt"
+        assert s["saved_bytes"] == 18 * (LAYERS // 2) * PAGE_BYTES, "8 owned layers per object, staging never"
 
 
 def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
@@ -218,5 +230,19 @@ def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
 def test_on_a_missing_owner_shard_ends_the_hit(on):
     sc, ref, _, fresh = on
     assert fresh["other_plus"]["num_cached_tokens"] == 3 * BLOCK, "blocks 0-2 hit, block 3 lost a shard"
-    assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3
+    assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3 + 6 + 1
     _assert_same_output(fresh["other_plus"], ref["other_plus"])
+
+
+def test_on_an_async_load_failing_on_one_rank_recomputes_from_the_torn_block(on):
+    sc, ref, _, fresh = on
+    rank0, rank1 = (json.loads((sc.tmp / f"stats-fresh.pp0.tp{r}.json").read_text()) for r in (0, 1))
+    assert rank1["load_wrong_size"] == 2 and rank0["load_wrong_size"] == 1
+    # Rank 1 lost blocks 2-5 of "torn" and block 0 of "wrong_size"; rank 0 only the latter.
+    assert rank1["load_failures"] == 4 + 1 and rank0["load_failures"] == 1
+    _assert_same_output(fresh["torn_plus"], ref["torn_plus"])
+
+
+def test_on_an_async_load_failing_on_every_rank_recomputes_the_whole_prompt(on):
+    _, ref, _, fresh = on
+    _assert_same_output(fresh["wrong_size"], ref["wrong_size"])

@@ -49,6 +49,8 @@ class SaveResult:
     skipped: int
     """Already pooled (by this or any other instance): not written again."""
     failed: int
+    late: bool = False
+    """The put outlived its bound and may still be reading the blocks (see Backend.late_calls)."""
 
 
 class ShardIO:
@@ -68,7 +70,7 @@ class ShardIO:
         todo = [i for i, s in enumerate(present) if s is Status.MISSING]
         status = self.backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
         ok = sum(s is Status.OK for s in status)
-        return SaveResult(ok, len(keys) - len(todo), len(todo) - ok)
+        return SaveResult(ok, len(keys) - len(todo), len(todo) - ok, Status.TIMEOUT in status)
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> list[Status]:
         """Fill the blocks' pages; an object of the wrong size is refused and dropped from the pool, so

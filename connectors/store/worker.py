@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent import futures
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.scheduler import role_actions
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
-from connectors.store.transfer import BlockPages, ShardIO
+from connectors.store.transfer import BlockPages, SaveResult, ShardIO
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -187,8 +188,10 @@ class StoreWorker:
             self._submit(self._save, job)
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:
+        # A preempted request's blocks are reused by this very step: no save may still be reading them.
         if meta.drain_saves:
-            self.drain(self._cfg.backend_timeout_s * 2)
+            while not self.drain(self._cfg.backend_timeout_s):
+                logger.warning("pool I/O on preempted blocks still running; the step waits for it")
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until no job is queued or running; False if that took longer than timeout_s."""
@@ -240,26 +243,60 @@ class StoreWorker:
                 return
             fn, job = item
             try:
-                fn(job)
+                fn(job)  # the job ends itself (_job_done) once its store calls have returned
             except Exception:  # a failed job is a miss or a dropped save, never a dead I/O thread
                 logger.exception("pool job for %s failed", job.req_id)
-            finally:
-                with self._idle:
-                    self._in_flight -= 1
-                    self._idle.notify_all()
+
+    def _job_done(self) -> None:
+        """Caller holds self._lock."""
+        self._in_flight -= 1
+        self._idle.notify_all()
+
+    def _when_settled(self, timed_out: bool, finish, what: str, block: bool = False) -> None:
+        """Run `finish` (which releases the job's blocks to vLLM) once no store call that outlived its
+        bound is still running: such a call may still write or read those blocks, and vLLM would free
+        and reuse them the moment the job is reported. Asynchronous jobs wait in the background; a
+        synchronous load (`block`) holds the step, whose forward reads the same blocks."""
+        pending = self._backend.late_calls() if timed_out else []
+        if not pending:
+            finish()
+            return
+        logger.warning("pool %s outlived its %.1f s bound and is counted as failed; its blocks stay held until "
+                       "the store call returns", what, self._cfg.backend_timeout_s)
+        if block:
+            while futures.wait(pending, timeout=self._cfg.backend_timeout_s).not_done:
+                logger.warning("pool %s: the store call is still running; the step waits for it", what)
+            finish()
+            return
+        left = [len(pending)]
+        counter = threading.Lock()
+
+        def one_done(_future) -> None:
+            with counter:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                finish()
+
+        for future in pending:
+            future.add_done_callback(one_done)
 
     def _save(self, job: BlockJob) -> None:
+        result = SaveResult(0, 0, len(job.block_ids) if self._writes else 0)
         try:
             if self._writes:
                 result = self._io.save(job.block_ids, job.block_hashes)
-                with self._lock:
-                    self._count("saved_blocks", result.saved)
-                    self._count("saved_bytes", result.saved * self._pages.object_bytes)
-                    self._count("save_skipped_blocks", result.skipped)
-                    self._count("save_failures", result.failed)
         finally:
-            with self._lock:
-                self._save_pending[job.req_id] -= 1
+            self._when_settled(result.late, lambda: self._finish_save(job, result), f"save of {job.req_id}")
+
+    def _finish_save(self, job: BlockJob, result: SaveResult) -> None:
+        with self._lock:
+            self._count("saved_blocks", result.saved)
+            self._count("saved_bytes", result.saved * self._pages.object_bytes)
+            self._count("save_skipped_blocks", result.skipped)
+            self._count("save_failures", result.failed)
+            self._save_pending[job.req_id] -= 1
+            self._job_done()
 
     def _load(self, job: BlockJob, report: bool = True) -> None:
         """Restore the job's blocks; failed blocks (and all after them) go to the load-error set, and an
@@ -269,17 +306,22 @@ class StoreWorker:
             # A rank without persistent pages (KVPP owner of nothing) has nothing to restore.
             status = self._io.load(job.block_ids, job.block_hashes) if self._io else [Status.OK] * len(status)
         finally:
-            bad = next((i for i, s in enumerate(status) if s is not Status.OK), len(status))
-            with self._lock:
-                self._count("loaded_blocks", bad)
-                self._count("loaded_bytes", bad * self._pages.object_bytes if self._io else 0)
-                if bad < len(status):
-                    # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
-                    self._load_errors.update(job.block_ids[bad:])
-                    self._count("load_failures", len(status) - bad)
-                    self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
-                if report:
-                    self._loaded.add(job.req_id)
+            self._when_settled(Status.TIMEOUT in status, lambda: self._finish_load(job, status, report),
+                               f"load of {job.req_id}", block=not report)
+
+    def _finish_load(self, job: BlockJob, status: list[Status], report: bool) -> None:
+        bad = next((i for i, s in enumerate(status) if s is not Status.OK), len(status))
+        with self._lock:
+            self._count("loaded_blocks", bad)
+            self._count("loaded_bytes", bad * self._pages.object_bytes if self._io else 0)
+            if bad < len(status):
+                # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
+                self._load_errors.update(job.block_ids[bad:])
+                self._count("load_failures", len(status) - bad)
+                self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
+            if report:
+                self._loaded.add(job.req_id)
+                self._job_done()
 
     def _count(self, name: str, value: int = 1) -> None:
         """Caller holds self._lock."""

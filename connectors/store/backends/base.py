@@ -11,7 +11,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol, TypeVar
 
@@ -54,6 +54,10 @@ class Backend(Protocol):
     def remove(self, keys: Sequence[str]) -> list[Status]:
         ...
 
+    def late_calls(self) -> list[Future]:
+        """Calls that returned TIMEOUT but are still running natively: until each is done it may read or
+        write the buffers it was given, so the caller must keep them allocated."""
+
     def close(self) -> None:
         ...
 
@@ -61,9 +65,9 @@ class Backend(Protocol):
 class BoundedCalls:
     """Runs blocking client calls with a deadline.
 
-    A call that misses its deadline keeps running in its thread (C++ calls cannot be cancelled); while
-    `max_stuck` such calls are outstanding the backend is treated as stalled and new calls fail at once
-    instead of piling up threads.
+    A call that misses its deadline keeps running in its thread (C++ calls cannot be cancelled) and is
+    listed by `late()` until it returns; while `max_stuck` such calls are outstanding the backend is
+    treated as stalled and new calls fail at once instead of piling up threads.
     """
 
     def __init__(self, timeout_s: float, max_stuck: int = 2) -> None:
@@ -71,19 +75,19 @@ class BoundedCalls:
         self._max_stuck = max_stuck
         self._pool = ThreadPoolExecutor(max_workers=max_stuck + 2, thread_name_prefix="kvpp-pool-call")
         self._lock = threading.Lock()
-        self._stuck = 0
+        self._late: set[Future] = set()
         self._running = 0
 
     def run(self, fn: Callable[[], T], on_timeout: Callable[[], T], on_error: Callable[[BaseException], T]) -> T:
         with self._lock:
-            if self._stuck >= self._max_stuck:
+            if len(self._late) >= self._max_stuck:
                 return on_timeout()
         future = self._pool.submit(self._tracked, fn)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
             with self._lock:
-                self._stuck += 1
+                self._late.add(future)
             future.add_done_callback(self._unstick)
             return on_timeout()
         except Exception as exc:  # the client library raised: a failure, not a crash
@@ -98,9 +102,13 @@ class BoundedCalls:
             with self._lock:
                 self._running -= 1
 
-    def _unstick(self, _future) -> None:
+    def _unstick(self, future: Future) -> None:
         with self._lock:
-            self._stuck -= 1
+            self._late.discard(future)
+
+    def late(self) -> list[Future]:
+        with self._lock:
+            return list(self._late)
 
     def close(self, wait_s: float = 0.0) -> bool:
         """Stop accepting calls; True once no call is running (within wait_s), so the client can be
@@ -109,7 +117,7 @@ class BoundedCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
         while True:
             with self._lock:
-                if self._stuck == 0 and self._running == 0:
+                if not self._late and self._running == 0:
                     return True
             if time.monotonic() >= deadline:
                 return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status, exist_statuses
@@ -131,6 +132,9 @@ class MemcacheBackend:
             return []
         return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
                                lambda _exc: all_status(n, Status.FAILED))
+
+    def late_calls(self) -> list[Future]:
+        return self._calls.late()
 
     def close(self) -> None:
         if self._calls.close(wait_s=self._calls.timeout_s):
