@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -38,6 +39,7 @@ def test_answer_comes_from_the_worker(endpoint):
     finally:
         client.close()
         server.close()
+    assert not os.path.exists(endpoint.removeprefix("ipc://")), "the socket file is removed on close"
 
 
 def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):

@@ -62,6 +62,7 @@ class LookupServer:
 
     def __init__(self, endpoint: str, count_hits: Callable[[Sequence[str]], int]) -> None:
         self._count_hits = count_hits
+        self._endpoint = endpoint
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -95,6 +96,9 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
+        path = self._endpoint.removeprefix("ipc://")
+        if path != self._endpoint and os.path.exists(path):
+            os.unlink(path)  # not every libzmq removes its socket file; /tmp would fill with them
 
 
 class LookupClient:
