@@ -147,9 +147,8 @@ def _ttft(url: str, model: str, prompt: str, max_tokens: int = 4) -> float:
 
 def engine(words: int, repeat: int) -> dict:
     from bench.pd_servers import pd_server
-    from deploy.processes import free_port_range
+    from deploy.processes import ManagedProcess, free_port_range, start_servers
     from deploy.proxy import start_proxy
-    from deploy.processes import ManagedProcess
     from deploy.tiny_model import build_tiny_model, sample_prompt
 
     tmp = Path(tempfile.mkdtemp(prefix="kvpp-pd-bench-"))
@@ -159,10 +158,7 @@ def engine(words: int, repeat: int) -> dict:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
         decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2))
-        for s in (prefill, decode):
-            started.append(s.start())
-        for s in (prefill, decode):
-            s.wait_ready(timeout=400)
+        start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
         prompts = [sample_prompt(words, seed=100 + i) for i in range(repeat)]

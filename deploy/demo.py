@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range
+from deploy.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range, start_servers
 from deploy.proxy import start_proxy
 from deploy.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.capacity import plan_capacity
@@ -142,8 +142,7 @@ def run_demo(workdir: Path) -> dict:
 
         _progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
         reference = _server("reference", model, workdir, 2, [0, 1], [])
-        started.append(reference.start())
-        reference.wait_ready(timeout=600)
+        start_servers((reference,), started, timeout=600)
         blocks_off = _num_blocks(reference.url)
         expected = {r.name: _complete(reference.url, model, r.prompt) for r in requests}
         reference.stop()
@@ -159,10 +158,7 @@ def run_demo(workdir: Path) -> dict:
             "--additional-config", json.dumps({"enable_kvpp": True}),
             "--kv-transfer-config", json.dumps(prefill_cfg)])
         decode = _server("decode", model, workdir, 1, [1], ["--kv-transfer-config", json.dumps(decode_cfg)])
-        for server in (prefill, decode):
-            started.append(server.start())
-        for server in (prefill, decode):
-            server.wait_ready(timeout=600)
+        start_servers((prefill, decode), started, timeout=600)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], workdir / "proxy.log")
         started.append(proxy)
 

@@ -262,3 +262,12 @@ class VllmServer(ManagedProcess):
     def wait_ready(self, timeout: float = 300.0) -> VllmServer:
         self.wait_http(f"{self.url}/health", timeout)
         return self
+
+
+def start_servers(servers: Sequence[VllmServer], started: list[ManagedProcess], timeout: float) -> None:
+    """Start every server, then wait for each, so engines load side by side. Each is added to `started`
+    as soon as it runs, so the caller's cleanup stops it even when another one fails to come up."""
+    for server in servers:
+        started.append(server.start())
+    for server in servers:
+        server.wait_ready(timeout)

@@ -9,7 +9,7 @@ is what keeps owners and receivers matched without any extra coordination.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,14 +36,29 @@ class BroadcastStats:
         return dict(vars(self))
 
 
-def coalesce(block_ids: Sequence[int]) -> list[range]:
-    """Sorted, de-duplicated block ids as maximal contiguous ranges (one collective each)."""
+MAX_RANGES = 16
+"""Collectives per layer and region: past this, the smallest gaps between ranges are sent too, since
+one more small collective costs more than a few unneeded blocks."""
+
+
+def coalesce(block_ids: Sequence[int], max_ranges: int = MAX_RANGES) -> list[range]:
+    """Sorted, de-duplicated block ids as contiguous ranges (one collective each), at most max_ranges."""
     ranges: list[range] = []
     for b in sorted(set(block_ids)):
         if ranges and ranges[-1].stop == b:
             ranges[-1] = range(ranges[-1].start, b + 1)
         else:
             ranges.append(range(b, b + 1))
+    if len(ranges) > max_ranges:
+        gaps = sorted(range(1, len(ranges)), key=lambda i: (ranges[i].start - ranges[i - 1].stop, i))
+        bridged = set(gaps[: len(ranges) - max_ranges])
+        merged = [ranges[0]]
+        for i in range(1, len(ranges)):
+            if i in bridged:
+                merged[-1] = range(merged[-1].start, ranges[i].stop)
+            else:
+                merged.append(ranges[i])
+        ranges = merged
     return ranges
 
 
@@ -81,7 +96,7 @@ class LayerBroadcaster:
         self._pending: dict[int, list[dist.Work]] = {}
         self._delivered: set[int] = set()
         self._active = False
-        self._ranges: list[range] | None = None
+        self._ranges: list[range] | Callable[[], Sequence[range] | None] | None = None
         self.stats = BroadcastStats()
 
     @property
@@ -89,12 +104,14 @@ class LayerBroadcaster:
         """A group of one has nobody to send to."""
         return self.layout.group_size > 1
 
-    def begin_step(self, active: bool, block_ranges: Sequence[range] | None = None) -> None:
-        """Arm the broadcast for one forward pass; `block_ranges=None` sends every block."""
+    def begin_step(self, active: bool,
+                   block_ranges: Sequence[range] | Callable[[], Sequence[range] | None] | None = None) -> None:
+        """Arm the broadcast for one forward pass. `block_ranges` are the blocks to send (None: every
+        block); a callable is asked at the step's first broadcast, once the batch is known."""
         if self._pending:
             raise KvppBroadcastError("a new step started while layer broadcasts were still pending")
         self._active = active and self.enabled
-        self._ranges = None if block_ranges is None else list(block_ranges)
+        self._ranges = list(block_ranges) if isinstance(block_ranges, Sequence) else block_ranges
         self._delivered.clear()
         self.stats.steps += 1
         self.stats.broadcast_steps += int(self._active)
@@ -125,6 +142,9 @@ class LayerBroadcaster:
             raise errors[0]
 
     def _issue(self, layer_id: int) -> None:
+        if callable(self._ranges):
+            found = self._ranges()
+            self._ranges = None if found is None else list(found)
         src = self.group_ranks[self.layout.owner_of(layer_id)]
         works = []
         for blocks in self._blocks[layer_id]:

@@ -17,12 +17,15 @@ import torch.distributed as dist
 
 from kvpp_core import runtime
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
-from kvpp_core.broadcast import LayerBroadcaster
+from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.ownership import RankLayout, layer_index, rank_layout
 
 SUPPORTED_VLLM = ("0.32.0",)
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
+WHOLE_CACHE_ENV = "KVPP_BROADCAST_WHOLE_CACHE"
+"""Set to 1 to broadcast every allocated block, not only the batch's history (the anchor's behaviour;
+for comparison in bench/broadcast.py)."""
 DEFAULT_BROADCAST_TIMEOUT_S = 120.0
 
 _installed = False
@@ -234,7 +237,8 @@ def _patch_execute_model(orig):
             (r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs),
             len(scheduler_output.scheduled_cached_reqs.req_ids),
         )
-        rt.broadcaster.begin_step(need)
+        whole = os.environ.get(WHOLE_CACHE_ENV) == "1"
+        rt.broadcaster.begin_step(need, None if whole else lambda: _history_blocks(self, scheduler_output))
         try:
             output = orig(self, scheduler_output)
         except BaseException:
@@ -246,6 +250,25 @@ def _patch_execute_model(orig):
         return output
 
     return execute_model
+
+
+def _history_blocks(worker, scheduler_output) -> list[range] | None:
+    """Blocks holding KV computed before this step for the requests it runs: the only blocks a foreign
+    layer needs (this step's tokens are computed by every rank). Read from the model runner's request
+    states, which it has updated by the time the first layer runs; None (send every block) whenever
+    the runner does not keep them the way vLLM 0.32's GPU/CPU runner does."""
+    states = getattr(worker.model_runner, "requests", None)
+    if not isinstance(states, dict):
+        return None
+    block_size = worker.vllm_config.cache_config.block_size
+    ids: list[int] = []
+    for req_id in scheduler_output.num_scheduled_tokens:
+        state = states.get(req_id)
+        groups, computed = getattr(state, "block_ids", None), getattr(state, "num_computed_tokens", None)
+        if groups is None or computed is None or len(groups) != 1:
+            return None
+        ids.extend(groups[0][: -(-computed // block_size)])
+    return coalesce(ids)
 
 
 def _patch_layer_forward(orig, cache_name_of):

@@ -50,7 +50,8 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):
             if scenario == "narrow":
                 for s in slots:
                     s.zero_()
-            bc.begin_step(True, ranges)
+            # Odd steps pass the ranges the way the engine does: asked for at the first broadcast.
+            bc.begin_step(True, ranges if step % 2 == 0 or ranges is None else (lambda: ranges))
             for l in layout.target_layers:
                 if scenario == "die" and step == 1 and rank == world - 1 and l == layout.target_layers[-1]:
                     os._exit(3)  # a rank vanishes mid-step, in the middle of a layer sequence
@@ -144,3 +145,11 @@ def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time():
 def test_coalesce_merges_contiguous_blocks():
     assert coalesce([5, 1, 2, 3, 9, 2]) == [range(1, 4), range(5, 6), range(9, 10)]
     assert coalesce([]) == []
+
+
+@pytest.mark.unit
+def test_coalesce_bridges_the_smallest_gaps_past_the_range_limit():
+    ids = [0, 1, 3, 10, 11, 30, 32]  # gaps of 1 (1->3), 6 (3->10), 18 (11->30), 1 (30->32)
+    assert coalesce(ids, max_ranges=3) == [range(0, 4), range(10, 12), range(30, 33)]
+    assert coalesce(ids, max_ranges=1) == [range(0, 33)]
+    assert len(coalesce(list(range(0, 100, 2)))) == 16, "the default limit"

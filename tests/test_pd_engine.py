@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from bench.pd_servers import pd_server
-from deploy.processes import ManagedProcess, free_port_range
+from deploy.processes import ManagedProcess, free_port_range, start_servers
 from deploy.proxy import start_proxy
 from deploy.tiny_model import sample_prompt
 
@@ -72,10 +72,7 @@ def pd(tiny_model, tmp_path_factory):
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
         decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5)
-        for s in (prefill, decode):
-            started.append(s.start())
-        for s in (prefill, decode):
-            s.wait_ready(timeout=400)
+        start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
         yield {"prefill": prefill, "decode": decode, "proxy": proxy_url,
