@@ -13,7 +13,7 @@ decode server (TP=1) joined by the connector plus `kvpp proxy`; TTFT of a stream
 through the proxy against the decode server serving the same prompt by itself (colocated), and
 the connector's in-engine pull throughput from the decode's /metrics.
 
-    .venv/bin/python -m bench.pd_transfer [--tokens 8192] [--repeat 5] [--engine]
+    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine]
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from bench.mooncake_peer import BLOCK_SHAPE, local_meta, pages
-from connectors.mooncake.messages import PrefillHandle
-from connectors.mooncake.puller import Puller
-from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
-from deploy.processes import free_port
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable as `python bench/pd_transfer.py` like the other benchmarks
+from bench.mooncake_peer import BLOCK_SHAPE, local_meta, pages  # noqa: E402
+from connectors.mooncake.messages import PrefillHandle  # noqa: E402
+from connectors.mooncake.puller import Puller  # noqa: E402
+from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries  # noqa: E402
+from deploy.processes import free_port  # noqa: E402
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
 
