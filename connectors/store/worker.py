@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from concurrent import futures
 from collections.abc import Sequence
+from concurrent import futures
 from typing import TYPE_CHECKING
 
 import torch
