@@ -190,8 +190,8 @@ def _store_worker(pool, monkeypatch, bound_ms: float, caches):
     return worker
 
 
-def _wait_reported(worker, req_id: str, sending: bool) -> None:
-    deadline = time.monotonic() + 30
+def _wait_reported(worker, req_id: str, sending: bool, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         sent, recv = worker.get_finished({req_id} if sending else set())
         if req_id in ((sent if sending else recv) or ()):
@@ -225,6 +225,39 @@ def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(p
     assert reader.get_block_ids_with_load_errors() == set(blocks)
     assert all(torch.equal(d, s) for d, s in zip(dst, src))
     reader.close()
+
+
+def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, monkeypatch):
+    """The segment holder stops answering mid-get: the get misses its 1 s bound and the load is
+    reported failed only when the native call gives up: held past the bound, but not forever.
+    Mooncake bounds a stalled transfer by MC_TCP_PROGRESS_TIMEOUT_SEC (default 30 s; measured 20-60 s
+    for a 4-object batch against a stopped holder, 5 s for one object with the setting at 5)."""
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")  # read by each new store client
+    pool = pool_up("mooncake", tmp_path / "stalled", 64 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    holder = pool.pids[1]
+    try:
+        hashes = tuple(block_hashes(list(range(7, 7 + 16 * BIG_BLOCKS)), 16))
+        blocks = tuple(range(BIG_BLOCKS))
+        writer = _store_worker(pool, monkeypatch, 10_000, _big_caches())
+        writer.wait_for_save(StoreMetadata(saves=[BlockJob("w", blocks, hashes)]))
+        _wait_reported(writer, "w", sending=True)
+        writer.close()
+        reader = _store_worker(pool, monkeypatch, 1_000, _big_caches(fill=0.0))
+        # A first load, while the holder runs, succeeds.
+        reader.start_load_kv(StoreMetadata(loads=[BlockJob("warm", blocks, hashes)]))
+        _wait_reported(reader, "warm", sending=False)
+        assert reader.get_block_ids_with_load_errors() == set()
+        os.kill(holder, signal.SIGSTOP)
+        start = time.monotonic()
+        reader.start_load_kv(StoreMetadata(loads=[BlockJob("r", blocks[:1], hashes[:1])]))
+        _wait_reported(reader, "r", sending=False)
+        held = time.monotonic() - start
+        assert reader.get_block_ids_with_load_errors() == {blocks[0]}
+        assert 3.0 <= held <= 20.0, f"reported after {held:.1f} s: not at the 1 s bound, but once the get gave up"
+        reader.close()
+    finally:
+        os.kill(holder, signal.SIGCONT)
+        pool_down(tmp_path / "stalled")
 
 
 def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(pool, monkeypatch):
