@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -122,6 +122,28 @@ class BoundedCalls:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
+
+
+class BoundedClient:
+    """What both backends share: a native client (`_store`) whose every call runs through `_calls`."""
+
+    _store: Any
+    _calls: BoundedCalls
+
+    def _bounded(self, call: Callable[[], list[Status]], n: int) -> list[Status]:
+        """`call` for n keys, as n TIMEOUT statuses past the bound and n FAILED if the client raised."""
+        if n == 0:
+            return []
+        return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
+                               lambda _exc: all_status(n, Status.FAILED))
+
+    def late_calls(self) -> list[Future]:
+        return self._calls.late()
+
+    def close(self) -> None:
+        # Closing a native client under a running call crashes the process: leave it open then.
+        if self._calls.close(wait_s=self._calls.timeout_s):
+            self._store.close()
 
 
 def all_status(n: int, status: Status) -> list[Status]:

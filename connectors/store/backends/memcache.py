@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
 
-from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status, exist_statuses
+from connectors.store.backends.base import (BackendError, BoundedCalls, BoundedClient, Status, all_status,
+                                           exist_statuses)
 
 CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 # memfabric copy directions (memfabric_hybrid.bm.BmCopyType): host DRAM or device HBM <-> pool.
@@ -38,7 +38,7 @@ def local_config(settings: Mapping[str, Any]):
     return cfg
 
 
-class MemcacheBackend:
+class MemcacheBackend(BoundedClient):
     name = "memcache"
 
     def __init__(self, settings: Mapping[str, Any], *, call_timeout_s: float, device_memory: bool = False) -> None:
@@ -126,16 +126,3 @@ class MemcacheBackend:
             return [Status.OK if c == 0 else Status.FAILED for c in self._store.remove_batch(list(keys))]
 
         return self._bounded(call, len(keys))
-
-    def _bounded(self, call, n: int) -> list[Status]:
-        if n == 0:
-            return []
-        return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
-                               lambda _exc: all_status(n, Status.FAILED))
-
-    def late_calls(self) -> list[Future]:
-        return self._calls.late()
-
-    def close(self) -> None:
-        if self._calls.close(wait_s=self._calls.timeout_s):
-            self._store.close()

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
 
-from connectors.store.backends.base import BackendError, BoundedCalls, Status, all_status, exist_statuses
+from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
 
 # Mooncake store error codes (mooncake-store/include/types.h) the pool reacts to.
 _OBJECT_NOT_FOUND = -704
@@ -59,7 +58,7 @@ def _get_status(code: int, expected: int) -> Status:
     return Status.FAILED
 
 
-class MooncakeBackend:
+class MooncakeBackend(BoundedClient):
     name = "mooncake"
 
     def __init__(self, settings: Mapping[str, Any], *, call_timeout_s: float) -> None:
@@ -95,18 +94,12 @@ class MooncakeBackend:
             raise BackendError(f"Mooncake register_buffer({size} bytes) failed with {rc}")
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
-        if not keys:
-            return []
-
         def call() -> list[Status]:
             return exist_statuses(self._store.batch_is_exist(list(keys)))
 
         return self._bounded(call, len(keys))
 
     def put(self, keys, ptrs, sizes) -> list[Status]:
-        if not keys:
-            return []
-
         def call() -> list[Status]:
             codes = self._store.batch_put_from_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
@@ -115,9 +108,6 @@ class MooncakeBackend:
         return self._bounded(call, len(keys))
 
     def get(self, keys, ptrs, sizes) -> list[Status]:
-        if not keys:
-            return []
-
         def call() -> list[Status]:
             codes = self._store.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
@@ -141,14 +131,3 @@ class MooncakeBackend:
     def raw(self):
         """The underlying client, for benchmarks comparing the connector with raw batch calls."""
         return self._store
-
-    def _bounded(self, call, n: int) -> list[Status]:
-        return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
-                               lambda _exc: all_status(n, Status.FAILED))
-
-    def late_calls(self) -> list[Future]:
-        return self._calls.late()
-
-    def close(self) -> None:
-        if self._calls.close(wait_s=self._calls.timeout_s):
-            self._store.close()
