@@ -108,6 +108,12 @@ def _broadcast_timeout_s() -> float:
     return float(os.environ.get(BROADCAST_TIMEOUT_ENV, DEFAULT_BROADCAST_TIMEOUT_S))
 
 
+@functools.cache
+def _whole_cache() -> bool:
+    """Read once per worker, not on every step."""
+    return os.environ.get(WHOLE_CACHE_ENV) == "1"
+
+
 def _kvpp_group(vllm_config) -> tuple[dist.ProcessGroup, list[int]]:
     """A process group per cache-replica group, dedicated so broadcasts never queue behind TP collectives.
 
@@ -237,8 +243,7 @@ def _patch_execute_model(orig):
             (r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs),
             len(scheduler_output.scheduled_cached_reqs.req_ids),
         )
-        whole = os.environ.get(WHOLE_CACHE_ENV) == "1"
-        rt.broadcaster.begin_step(need, None if whole else lambda: _history_blocks(self, scheduler_output))
+        rt.broadcaster.begin_step(need, None if _whole_cache() else lambda: _history_blocks(self, scheduler_output))
         try:
             output = orig(self, scheduler_output)
         except BaseException:
