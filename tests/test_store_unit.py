@@ -155,12 +155,22 @@ def _output(new=(), cached=None, scheduled=None, preempted=None):
                            preempted_req_ids=preempted)
 
 
+def _admit(sched, req_id, tokens, block_ids, **extras):
+    """What vLLM does with a waiting request before it first schedules it: ask the connector."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request(req_id, tokens, SamplingParams(max_tokens=1), None, **extras)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=tokens, block_ids=(block_ids,), num_computed_tokens=0)
+
+
 def test_whole_prompt_blocks_are_saved_once_as_they_complete():
     from vllm.v1.core.sched.output import CachedRequestData
 
     sched = _scheduler()
     prompt = list(range(50))  # 3 whole blocks + 2 tokens
-    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=([7, 8],), num_computed_tokens=0)
+    new = _admit(sched, "r", prompt, [7, 8])
     meta = sched.build_connector_meta(_output([new], scheduled={"r": 20}))  # chunk 1: 20 tokens
     assert [(j.block_ids, j.block_hashes) for j in meta.saves] == [((7,), tuple(block_hashes(prompt, 16)[:1]))]
     cached = CachedRequestData(req_ids=["r"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
@@ -173,9 +183,17 @@ def test_whole_prompt_blocks_are_saved_once_as_they_complete():
 
 def test_preempting_a_request_with_saves_in_flight_drains_them():
     sched = _scheduler()
-    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(32)), block_ids=([1, 2],), num_computed_tokens=0)
+    new = _admit(sched, "r", list(range(32)), [1, 2])
     assert sched.build_connector_meta(_output([new], scheduled={"r": 32})).drain_saves is False
     assert sched.build_connector_meta(_output(preempted={"r"})).drain_saves is True
+
+
+def test_saves_are_keyed_by_the_tenant():
+    sched = _scheduler()
+    new = [_admit(sched, "a", list(range(32)), [1, 2], cache_salt="tenant-a"), _admit(sched, "p", list(range(32)), [3, 4])]
+    saves = {j.req_id: j.block_hashes for j in sched.build_connector_meta(_output(new, scheduled={"a": 32, "p": 32})).saves}
+    assert saves["p"] == tuple(block_hashes(list(range(32)), 16))
+    assert not set(saves["a"]) & set(saves["p"]), "a salted prompt never writes the unsalted keys"
 
 
 def test_a_consumer_saves_only_with_write_back():
@@ -256,7 +274,10 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     sched = StoreScheduler(vllm_config, parse_store_config({**BASE, "load_async": True}))
     sched._client.close()
     sched._client = client = _Client()
-    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(40)))
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=1), None)
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True)
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 32)
     assert [j.block_ids for j in sched.build_connector_meta(_output()).loads] == [(5, 6)]

@@ -2,6 +2,11 @@
 
 Every process of every node must derive the same key for the same tokens, so nothing here may depend
 on Python's salted `hash()` or on process state: sha256 over a canonical encoding only.
+
+A block's hash also covers its *extra keys*: what vLLM's own prefix-cache hasher adds to the tokens
+(cache_salt, LoRA adapter, multimodal feature hashes, prompt-embedding digests), taken per block from
+vLLM itself (connectors.store.request_keys). Two requests share a pooled block exactly when vLLM would
+let them share a prefix-cache block, so one tenant's prefix never serves another.
 """
 
 from __future__ import annotations
@@ -11,23 +16,48 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-_CHAIN_ROOT = hashlib.sha256(b"kvpp-pool/v1").digest()
+import msgspec
+
+# v2: block hashes cover vLLM's extra keys; v1 objects (token ids only) are never matched.
+_CHAIN_ROOT = hashlib.sha256(b"kvpp-pool/v2").digest()
 HASH_HEX_LEN = 64
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+class UnhashableExtraKeys(ValueError):
+    """vLLM produced an extra key this module cannot encode canonically: the request is not pooled."""
+
+
+def encode_extra_keys(extra: tuple[Any, ...] | None) -> bytes:
+    """Canonical bytes of one block's extra keys (msgpack: str, bytes, ints and tuples are unambiguous)."""
+    if extra is None:
+        return b""
+    try:
+        return msgspec.msgpack.encode(extra)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise UnhashableExtraKeys(f"extra key {extra!r} has no canonical encoding: {exc}") from exc
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, extra_keys: Sequence[tuple[Any, ...] | None] | None = None
+) -> list[str]:
     """sha256 chain over the whole blocks of `token_ids` (a trailing partial block gets no hash).
 
     Hash i covers blocks 0..i, so equal hashes mean equal prefixes, not just equal blocks.
+    `extra_keys[i]` (vLLM's extra keys of block i, or None) is hashed with block i's tokens; blocks
+    without an entry have none.
     """
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, got {block_size}")
+    extra_keys = extra_keys or ()
     hashes: list[str] = []
     parent = _CHAIN_ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
         block = token_ids[start : start + block_size]
-        digest = hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block)).digest()
+        extra = encode_extra_keys(extra_keys[i] if i < len(extra_keys) else None)
+        # Tokens have a fixed width, so the variable-length extra bytes cannot alias them.
+        digest = hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block) + extra).digest()
         hashes.append(digest.hex())
         parent = digest
     return hashes

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from connectors.store.config import StoreConfig
-from connectors.store.keys import block_hashes
+from connectors.store.keys import UnhashableExtraKeys
 from connectors.store.lookup import LookupClient, lookup_path
 from connectors.store.metadata import BlockJob, StoreMetadata
+from connectors.store.request_keys import prompt_block_hashes
 from connectors.store.stats import StoreStats
 
 if TYPE_CHECKING:
@@ -27,10 +28,10 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers prin
 class _SaveTracker:
     """A request whose prompt blocks are saved as they become complete."""
 
-    prompt: list[int]
+    hashes: list[str]
+    """One per whole prompt block."""
     block_ids: list[int]
     saved_blocks: int = 0
-    hashes: list[str] = field(default_factory=list)
 
 
 def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
@@ -47,6 +48,8 @@ class StoreScheduler:
         self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(lookup_path(cfg.lookup_rpc_port, dp_rank), cfg.lookup_timeout_s) if self._loads else None
+        self._prompt_hashes: dict[str, list[str] | None] = {}
+        """Per live request: its prompt blocks' pool hashes (None: not poolable)."""
         self._hits: dict[str, list[str]] = {}
         self._pending_loads: list[BlockJob] = []
         self._trackers: dict[str, _SaveTracker] = {}
@@ -57,15 +60,26 @@ class StoreScheduler:
         (vLLM re-queues a request whose load failed; looking it up again would repeat the failure)."""
         self._stats = StoreStats()
 
+    def _hashes(self, request: "Request") -> list[str] | None:
+        """The request's prompt block hashes, computed once while it lives (saves need them too)."""
+        req_id = request.request_id
+        if req_id not in self._prompt_hashes:
+            try:
+                self._prompt_hashes[req_id] = prompt_block_hashes(request, self._block_size)
+            except UnhashableExtraKeys as exc:
+                logger.warning("request %s bypasses the pool (neither loaded nor saved): %s", req_id, exc)
+                self._stats.add("unpoolable_requests")
+                self._prompt_hashes[req_id] = None
+        return self._prompt_hashes[req_id]
+
     # ---- loads -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if self._client is None or request.prompt_token_ids is None or request.request_id in self._pool_failed:
+        hashes = self._hashes(request)
+        if self._client is None or hashes is None or request.request_id in self._pool_failed:
             return 0, False
-        prompt = request.prompt_token_ids
         # Whole blocks only, and never the block holding the last prompt token: it must be computed
         # to sample the first output token.
-        usable = (len(prompt) - 1) // self._block_size * self._block_size
-        hashes = block_hashes(prompt[:usable], self._block_size)
+        hashes = hashes[: (request.num_prompt_tokens - 1) // self._block_size]
         hit, error = self._client.hit_blocks(hashes, request.request_id)
         if error:
             logger.warning("pool lookup for %s counted as a miss: %s", request.request_id, error)
@@ -78,6 +92,9 @@ class StoreScheduler:
         return hit_tokens - num_computed_tokens, self._cfg.load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        # A MultiConnector stops asking its children once one is still looking up, but tells every
+        # child about the allocation: the save side's hashes are made here at the latest.
+        self._hashes(request)
         hashes = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or not hashes:
             return
@@ -100,8 +117,9 @@ class StoreScheduler:
     # ---- saves -------------------------------------------------------------------------------
     def _track(self, scheduler_output: "SchedulerOutput") -> list[BlockJob]:
         for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids is not None:
-                self._trackers[new.req_id] = _SaveTracker(list(new.prompt_token_ids), list(new.block_ids[0]))
+            hashes = self._prompt_hashes.get(new.req_id)
+            if hashes:
+                self._trackers[new.req_id] = _SaveTracker(hashes, list(new.block_ids[0]))
         cached = scheduler_output.scheduled_cached_reqs
         computed_before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         for i, req_id in enumerate(cached.req_ids):
@@ -120,16 +138,14 @@ class StoreScheduler:
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
             if scheduled is None:
                 continue
-            done = min(computed_before[req_id] + scheduled, len(tracker.prompt)) // self._block_size
+            done = min((computed_before[req_id] + scheduled) // self._block_size, len(tracker.hashes))
             if done <= tracker.saved_blocks:
                 continue
-            if not tracker.hashes:
-                tracker.hashes = block_hashes(tracker.prompt, self._block_size)
             jobs.append(BlockJob(req_id, tuple(tracker.block_ids[tracker.saved_blocks:done]),
                                  tuple(tracker.hashes[tracker.saved_blocks:done])))
             tracker.saved_blocks = done
             self._saving.add(req_id)
-            if done == len(tracker.prompt) // self._block_size:
+            if done == len(tracker.hashes):
                 del self._trackers[req_id]
         return jobs
 
@@ -150,6 +166,7 @@ class StoreScheduler:
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the workers report the request's saves done."""
         self._trackers.pop(request.request_id, None)
+        self._prompt_hashes.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._pool_failed.discard(request.request_id)

@@ -9,7 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from connectors.metrics import CounterPromMetrics
 
 COUNTERS = (
-    "lookups", "lookup_hit_blocks", "lookup_hit_tokens", "lookup_failures",
+    "lookups", "lookup_hit_blocks", "lookup_hit_tokens", "lookup_failures", "unpoolable_requests",
     "saved_blocks", "saved_bytes", "save_skipped_blocks", "save_failures",
     "loaded_blocks", "loaded_bytes", "load_failures", "load_wrong_size",
 )
