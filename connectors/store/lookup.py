@@ -7,15 +7,15 @@ anything unexpected (timeout, dead worker, malformed reply) is a miss.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
+from connectors.store.ipc import SocketOwnership, socket_path
 from connectors.store.keys import HASH_HEX_LEN
 
 MAX_BLOCKS = 1 << 20
@@ -51,22 +51,42 @@ def validate_reply(msg: LookupReply, asked: int) -> LookupReply:
     return msg
 
 
-def lookup_path(lookup_rpc_port: int, dp_rank: int) -> str:
-    """IPC endpoint of one DP rank's lookup channel; scheduler and workers of a node derive the same."""
-    base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    return f"ipc://{base}/kvpp-pool-lookup-{lookup_rpc_port}-dp{dp_rank}"
+OPTION = "kv_connector_extra_config.lookup_rpc_port"
+
+
+@dataclass(frozen=True)
+class LookupChannel:
+    """One DP rank's lookup channel: a Unix socket in this user's private directory, named by
+    lookup_rpc_port (a name, not a TCP port) so that the scheduler and worker rank 0 derive the same."""
+
+    lookup_rpc_port: int
+    dp_rank: int = 0
+
+    @property
+    def path(self) -> str:
+        return socket_path(f"pool-lookup-{self.lookup_rpc_port}-dp{self.dp_rank}.sock")
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.path}"
 
 
 class LookupServer:
-    """Answers lookups on worker rank 0 in a daemon thread, with `count_hits(hashes) -> int`."""
+    """Answers lookups on worker rank 0 in a daemon thread, with `count_hits(hashes) -> int`. Owns its
+    socket name exclusively (connectors.store.ipc): a second engine on the same lookup_rpc_port fails here."""
 
-    def __init__(self, endpoint: str, count_hits: Callable[[Sequence[str]], int]) -> None:
+    def __init__(self, channel: LookupChannel, count_hits: Callable[[Sequence[str]], int]) -> None:
         self._count_hits = count_hits
-        self._endpoint = endpoint
+        self._owner = SocketOwnership(channel.path, OPTION, channel.lookup_rpc_port)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(channel.endpoint)  # replaces a stale socket file of a dead owner
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            self._owner.release(remove_socket=False)
+            raise
         self._stop = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(LookupRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -96,16 +116,16 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
-        path = self._endpoint.removeprefix("ipc://")
-        if path != self._endpoint and os.path.exists(path):
-            os.unlink(path)  # not every libzmq removes its socket file; /tmp would fill with them
+        self._owner.release()  # not every libzmq removes its socket file; only its owner may
+
+
 
 
 class LookupClient:
     """Scheduler side. `hit_blocks` returns (blocks, error); errors and timeouts are misses."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
-        self._endpoint = endpoint
+    def __init__(self, channel: LookupChannel, timeout_s: float) -> None:
+        self._endpoint = channel.endpoint
         self._timeout_ms = int(timeout_s * 1000)
         self._ctx = zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder()

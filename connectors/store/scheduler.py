@@ -9,7 +9,7 @@ from vllm.logger import init_logger
 
 from connectors.store.config import StoreConfig
 from connectors.store.keys import UnhashableExtraKeys
-from connectors.store.lookup import LookupClient, lookup_path
+from connectors.store.lookup import LookupChannel, LookupClient
 from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.request_keys import prompt_block_hashes
 from connectors.store.stats import StoreStats
@@ -47,7 +47,7 @@ class StoreScheduler:
         self._block_size = vllm_config.cache_config.block_size
         self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
-        self._client = LookupClient(lookup_path(cfg.lookup_rpc_port, dp_rank), cfg.lookup_timeout_s) if self._loads else None
+        self._client = LookupClient(LookupChannel(cfg.lookup_rpc_port, dp_rank), cfg.lookup_timeout_s) if self._loads else None
         self._prompt_hashes: dict[str, list[str] | None] = {}
         """Per live request: its prompt blocks' pool hashes (None: not poolable)."""
         self._hits: dict[str, list[str]] = {}

@@ -27,7 +27,7 @@ from kvpp_core.runtime import ActiveLayout, active_layout
 from connectors.store.backends import Backend, Status, open_backend
 from connectors.store.config import StoreConfig
 from connectors.store.keys import CacheLayout
-from connectors.store.lookup import LookupServer, lookup_path
+from connectors.store.lookup import LookupChannel, LookupServer
 from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.scheduler import role_actions
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
@@ -128,7 +128,7 @@ class StoreWorker:
         if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
             self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
                                                                    kvpp=self._kvpp, replicated=True))
-            self._server = LookupServer(lookup_path(self._cfg.lookup_rpc_port, self._dp_rank), self.count_hits)
+            self._server = LookupServer(LookupChannel(self._cfg.lookup_rpc_port, self._dp_rank), self.count_hits)
         logger.info("pool connector: %s backend, kvpp=%s, shard=%s, %d caches x %d bytes per block, writes=%s",
                     self._cfg.backend, self._kvpp, self._shard, len(caches), self._pages.page_bytes, self._writes)
 
