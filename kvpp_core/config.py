@@ -1,10 +1,15 @@
-"""KVPP settings as users write them in vLLM's `--additional-config`."""
+"""KVPP settings as users write them in vLLM's `--additional-config`, and the one way this project
+reads user settings: `parse_bool` for flags, `parse_struct` for a typed settings object."""
 
 from __future__ import annotations
 
+import difflib
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import msgspec
 
 ENABLE_KEY = "enable_kvpp"
 STAGING_KEY = "kvpp_staging_buffers"
@@ -22,11 +27,76 @@ class KvppConfig:
     staging_buffers: int = DEFAULT_STAGING
 
 
-def _parse_bool(value: Any) -> bool:
+def parse_bool(value: Any) -> bool | None:
+    """A JSON bool, or the string "true"/"false" in any case (CLI JSON often quotes them); None otherwise."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
+    return None
+
+
+BOOL_HINT = 'must be true or false (a JSON bool, or the string "true"/"false")'
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+@dataclass
+class Parsed(Generic[S]):
+    value: S | None
+    """The struct, or None if any problem was found."""
+    given: dict[str, Any] = field(default_factory=dict)
+    """Every field the user set that converted cleanly (even when another field failed)."""
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    """(option, message) pairs, every problem at once; option is `<where>.<key>`."""
+
+
+def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
+                 hints: Mapping[str, str] | None = None) -> Parsed[S]:
+    """Read user settings into the msgspec struct `cls`: unknown keys are refused with the closest valid
+    one and the full list, flags go through `parse_bool`, every other field through msgspec's own
+    typed conversion (constraints included); `hints[key]` is appended to that key's problem."""
+    raw, hints = dict(raw or {}), hints or {}
+    info = msgspec.inspect.type_info(cls)
+    types = typing.get_type_hints(cls, include_extras=True)
+    names = [f.name for f in info.fields]
+    out: Parsed[S] = Parsed(None)
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            guess = f"did you mean {close[0]}? " if close else ""
+            out.problems.append((f"{where}.{key}", f"unknown option; {guess}valid options: {', '.join(names)}"))
+    for f in info.fields:
+        option, hint = f"{where}.{f.name}", f"; {hints[f.name]}" if f.name in hints else ""
+        if f.name not in raw:
+            if f.required:
+                out.problems.append((option, f"is required{hint}"))
+            continue
+        value = raw[f.name]
+        if isinstance(f.type, msgspec.inspect.BoolType):
+            parsed = parse_bool(value)
+            if parsed is None:
+                out.problems.append((option, f"{BOOL_HINT}, got {value!r}{hint}"))
+            else:
+                out.given[f.name] = parsed
+            continue
+        try:
+            out.given[f.name] = msgspec.convert(value, types[f.name])
+        except msgspec.ValidationError as exc:
+            if isinstance(f.type, msgspec.inspect.LiteralType):
+                choices = typing.get_args(types[f.name]) or sorted(f.type.values)  # declared order if plain
+                message = f"must be one of {', '.join(map(str, choices))}, got {value!r}"
+            else:
+                message = str(exc) if "got" in str(exc) else f"{exc}, got {value!r}"
+            out.problems.append((option, f"{message}{hint}"))
+    if not out.problems:
+        out.value = cls(**out.given)
+    return out
+
+
+def _parse_enable(value: Any) -> bool:
+    parsed = parse_bool(value)
+    if parsed is not None:
+        return parsed
     raise KvppConfigError(
         f"additional_config.{ENABLE_KEY} must be true or false (a JSON bool, or the string "
         f'"true"/"false"), got {value!r}; write --additional-config \'{{"{ENABLE_KEY}": true}}\''
@@ -59,6 +129,6 @@ def parse_additional_config(additional: Mapping[str, Any] | None) -> KvppConfig:
             f"additional_config has unknown KVPP option(s) {', '.join(unknown)}; the only KVPP keys "
             f"are {ENABLE_KEY} and {STAGING_KEY} (broadcast granularity and group size are not knobs)"
         )
-    enabled = _parse_bool(additional[ENABLE_KEY]) if ENABLE_KEY in additional else False
+    enabled = _parse_enable(additional[ENABLE_KEY]) if ENABLE_KEY in additional else False
     staging = _parse_staging(additional[STAGING_KEY]) if STAGING_KEY in additional else DEFAULT_STAGING
     return KvppConfig(enabled=enabled, staging_buffers=staging)

@@ -1,8 +1,10 @@
-"""Checks a KVPP deployment against the constraints KVPP is known to work under.
+"""Checks a launch: the connectors' settings always, and KVPP against the constraints it is known to
+work under when it is on.
 
 Every problem is reported at once, each naming the option to change and how, so that an operator
-fixes a launch command in one pass. Pure Python: the vLLM adapter and `kvpp check`/`kvpp plan` build
-a `KvppSetup` and call `validate`.
+fixes a launch command in one pass. `validate` is pure Python (`kvpp check`/`kvpp plan` build a
+`KvppSetup`); `validate_vllm_config` is the one startup entry point of a running vLLM: the engine
+adapter and both connectors call it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError
+from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
 
@@ -20,13 +22,8 @@ STORE = "AscendStoreConnector"
 MULTI = "MultiConnector"
 _DISABLE = f"remove {ENABLE_KEY} from --additional-config"
 
-# AscendStoreConnector extra-config keys KVPP depends on: (required value, the connector's default).
-_STORE_FLAGS = {
-    "use_layerwise": (False, False),
-    "load_async": (True, False),
-    "discard_partial_chunks": (True, True),
-    "consumer_is_to_put": (False, False),
-}
+# AscendStoreConnector extra-config keys KVPP depends on, and the value it needs.
+_STORE_FLAGS = {"use_layerwise": False, "load_async": True, "discard_partial_chunks": True, "consumer_is_to_put": False}
 _STORE_FLAG_WHY = {
     "use_layerwise": "layerwise pooling would save/load layers this rank does not own",
     "load_async": "KVPP restores its persistent buffers with asynchronous loads only",
@@ -51,7 +48,8 @@ class Problem:
 class KvppSetup:
     """The parts of a vLLM launch that decide whether KVPP may run."""
 
-    model: ModelSpec
+    model: ModelSpec | None
+    """None only when KVPP is off (then only the connectors' settings are checked)."""
     topology: Topology
     enforce_eager: bool
     kvpp: KvppConfig
@@ -62,14 +60,40 @@ class KvppSetup:
 
 
 def validate(setup: KvppSetup) -> list[Problem]:
-    """All problems of `setup`; empty when KVPP is off or everything is supported."""
-    if not setup.kvpp.enabled:
-        return []
-    problems = [*_model_rules(setup.model), *_parallel_rules(setup)]
-    if not setup.enforce_eager:
-        problems.append(_error("enforce_eager", "KVPP runs in eager mode only; add --enforce-eager"))
-    problems += _connector_rules(setup)
-    return problems
+    """All problems of `setup`: the connectors' settings, and KVPP's rules when it is on."""
+    problems = []
+    if setup.kvpp.enabled:
+        problems += [*_model_rules(setup.model), *_parallel_rules(setup)]
+        if not setup.enforce_eager:
+            problems.append(_error("enforce_eager", "KVPP runs in eager mode only; add --enforce-eager"))
+    return problems + _connector_rules(setup)
+
+
+_logged: set[Problem] = set()
+
+
+def validate_vllm_config(vllm_config) -> list[Problem]:
+    """Refuse an unsupported launch with every error at once (KvppConfigError); log each warning once
+    per process however many callers (engine, scheduler and worker connectors) ask; return them."""
+    from vllm.logger import init_logger
+
+    from kvpp_core.setup import setup_from_vllm_config
+
+    kvpp = parse_additional_config(vllm_config.additional_config)
+    if kvpp.enabled:
+        setup = setup_from_vllm_config(vllm_config, kvpp)
+    else:  # only the connectors' settings are checked: never describe a model KVPP does not run on
+        transfer = vllm_config.kv_transfer_config
+        setup = KvppSetup(model=None, topology=Topology(tp=1), enforce_eager=True, kvpp=kvpp,
+                          kv_connector=None if transfer is None else transfer.kv_connector,
+                          kv_role=None if transfer is None else transfer.kv_role,
+                          kv_extra={} if transfer is None else dict(transfer.kv_connector_extra_config or {}))
+    warnings = raise_for_errors(validate(setup))
+    for warning in warnings:
+        if warning not in _logged:
+            _logged.add(warning)
+            init_logger(f"vllm.{__name__}").warning("KVPP: %s", warning)
+    return warnings
 
 
 def raise_for_errors(problems: Iterable[Problem]) -> list[Problem]:
@@ -121,6 +145,8 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
         return []
     if connector == MULTI:
         return _multi_connector_rules(setup)
+    if not setup.kvpp.enabled:
+        return _settings_rules(connector, setup.kv_extra)
     problems = []
     if role == "kv_consumer":
         problems.append(_error("kv_role", (
@@ -131,12 +157,13 @@ def _connector_rules(setup: KvppSetup) -> list[Problem]:
             problems.append(_error("kv_role", (
                 f"{MOONCAKE} supports KVPP only with kv_role kv_producer (the prefill node), got {role!r}; "
                 'set "kv_role": "kv_producer"')))
+        problems += _settings_rules(connector, setup.kv_extra)
     elif connector == STORE:
         if role not in ("kv_producer", "kv_both", "kv_consumer"):
             problems.append(_error("kv_role", (
                 f"{STORE} supports KVPP with kv_role kv_producer or kv_both, got {role!r}; "
                 'set "kv_role": "kv_producer" or "kv_both"')))
-        problems += _store_flag_rules(setup.kv_extra)
+        problems += _store_rules(setup.kv_extra)
         if setup.kv_events:
             problems.append(_error("kv_events_config", (
                 f"KV cache events are not supported by {STORE} with KVPP; disable enable_kv_cache_events "
@@ -176,26 +203,39 @@ def _multi_connector_rules(setup: KvppSetup) -> list[Problem]:
     return problems
 
 
-def _store_flag_rules(extra: dict[str, Any]) -> list[Problem]:
-    problems = []
-    for key, (required, default) in _STORE_FLAGS.items():
+def _settings_rules(connector: str, extra: dict[str, Any]) -> list[Problem]:
+    """Each connector's own reading of its kv_connector_extra_config (the struct its constructor uses)."""
+    if connector == STORE:
+        return _store_rules(extra, kvpp=False)
+    if connector == MOONCAKE:
+        from connectors.mooncake.settings import parse_settings
+
+        try:
+            parse_settings(extra)
+        except ValueError as exc:
+            return [_error("kv_connector_extra_config", str(exc))]
+    return []
+
+
+def _store_rules(extra: dict[str, Any], kvpp: bool = True) -> list[Problem]:
+    """The pool's own settings problems, then (with KVPP) what KVPP needs of the flags that parsed."""
+    import msgspec
+
+    from connectors.store.config import StoreConfig, read_store_config
+
+    parsed = read_store_config(extra)
+    problems = [_error(option, message) for option, message in parsed.problems]
+    if not kvpp:
+        return problems
+    reported = {p.option for p in problems}
+    defaults = {f.name: f.default for f in msgspec.inspect.type_info(StoreConfig).fields}
+    for key, required in _STORE_FLAGS.items():
         option = f"kv_connector_extra_config.{key}"
-        fix = f'set "{key}": {str(required).lower()}'
-        value = extra.get(key, default)
-        parsed = _as_bool(value)
-        if parsed is None:
-            problems.append(_error(option, f"must be true or false, got {value!r}; {fix}"))
-        elif parsed != required:
-            source = "defaults to" if key not in extra else "is"
-            problems.append(_error(option, (
-                f"{source} {str(parsed).lower()} but KVPP needs {str(required).lower()} "
-                f"({_STORE_FLAG_WHY[key]}); {fix}")))
+        value = parsed.given.get(key, defaults[key])
+        if option in reported or value == required:
+            continue
+        source = "is" if key in parsed.given else "defaults to"
+        problems.append(_error(option, (
+            f"{source} {str(value).lower()} but KVPP needs {str(required).lower()} ({_STORE_FLAG_WHY[key]}); "
+            f'set "{key}": {str(required).lower()}')))
     return problems
-
-
-def _as_bool(value: Any) -> bool | None:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    return None

@@ -60,18 +60,11 @@ def kvpp_config(vllm_config) -> KvppConfig:
 
 def validate(vllm_config) -> None:
     """Refuse an unsupported setup at startup with every problem at once."""
-    from kvpp_core.setup import setup_from_vllm_config
-    from kvpp_core.validation import raise_for_errors, validate as validate_setup
+    from kvpp_core.validation import validate_vllm_config
 
-    cfg = kvpp_config(vllm_config)
-    if not cfg.enabled:
-        return
-    check_vllm_version()
-    problems = validate_setup(setup_from_vllm_config(vllm_config, cfg))
-    for problem in problems:
-        if problem.severity == "warning":
-            _logger().warning("KVPP: %s: %s", problem.option, problem.message)
-    raise_for_errors(problems)
+    if kvpp_config(vllm_config).enabled:
+        check_vllm_version()
+    validate_vllm_config(vllm_config)
 
 
 # --- layout of this worker -------------------------------------------------------------------

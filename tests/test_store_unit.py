@@ -242,18 +242,56 @@ def _with(cfg, extra=None, role="kv_both", events=False, kvpp=True):
 ])
 def test_kvpp_refuses_unsupported_pool_settings(engine_config, extra, role, events, option):
     from kvpp_core.config import KvppConfigError
-
-    from connectors.store.connector import check_kvpp_rules
+    from kvpp_core.validation import validate_vllm_config
 
     with pytest.raises(KvppConfigError, match=option):
-        check_kvpp_rules(_with(engine_config, extra, role, events))
+        validate_vllm_config(_with(engine_config, extra, role, events))
 
 
-def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_rules(engine_config):
-    from connectors.store.connector import check_kvpp_rules
+def test_the_connector_refuses_a_mistyped_key_through_the_one_entry_point(engine_config):
+    """`"load_asnyc": true` used to leave load_async false in silence; KVPP on or off it now stops the start."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    assert check_kvpp_rules(_with(engine_config, {"load_async": True})) is True
-    assert check_kvpp_rules(_with(engine_config, {"use_layerwise": True}, "kv_consumer", kvpp=False)) is False
+    from kvpp_core.config import KvppConfigError
+
+    from connectors.store.connector import AscendStoreConnector
+
+    for kvpp in (False, True):
+        with pytest.raises(KvppConfigError) as err:
+            AscendStoreConnector(_with(engine_config, {"load_asnyc": True}, kvpp=kvpp), KVConnectorRole.SCHEDULER)
+        assert "kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async?" in str(err.value)
+        assert "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async" in str(err.value)
+
+
+def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_kvpp_rules(engine_config, caplog):
+    from kvpp_core.validation import validate_vllm_config
+
+    assert validate_vllm_config(_with(engine_config, {"load_async": True})) == []
+    assert validate_vllm_config(_with(engine_config, {"consumer_is_to_put": True}, "kv_consumer", kvpp=False)) == []
+
+
+def test_warnings_are_logged_once_per_process(engine_config):
+    import logging
+
+    from kvpp_core import validation
+
+    cfg = _with(engine_config, {"load_async": True})
+    cfg.parallel_config.tensor_parallel_size = 1  # KVPP inert: a warning, not an error
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("vllm.kvpp_core.validation").addHandler(handler)
+    validation._logged.clear()
+    try:
+        for _ in range(3):  # engine, then each connector of the process
+            assert [p.option for p in validation.validate_vllm_config(cfg)] == ["tensor_parallel_size"]
+    finally:
+        logging.getLogger("vllm.kvpp_core.validation").removeHandler(handler)
+    assert len([r for r in records if "tensor_parallel_size" in r]) == 1
 
 
 def test_a_request_whose_load_failed_is_not_looked_up_again():
@@ -286,3 +324,33 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     assert client.calls == 1
     sched.request_finished(request, [])
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True), "the failure is forgotten with the request"
+
+
+def test_every_unknown_key_is_named_at_once():
+    with pytest.raises(StoreConfigError) as err:
+        parse_store_config({**BASE, "load_asnyc": True, "lookup_timout_ms": 5, "load_async": "yes"})
+    lines = str(err.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["kv_connector_extra_config.load_asnyc",
+                                                      "kv_connector_extra_config.lookup_timout_ms",
+                                                      "kv_connector_extra_config.load_async"]
+    assert "did you mean lookup_timeout_ms?" in lines[1]
+
+
+@pytest.mark.parametrize("kvpp", [True, False])
+def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, kvpp):
+    import yaml
+
+    from deploy.check_cmd import run_check
+
+    spec = {"model": {"path": "/models/x", "preset": "glm-5.2"},
+            "prefill": [{"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": kvpp, "enforce_eager": True}],
+            "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
+                     "extra_config": {"load_async": True, "load_asnyc": True}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    findings, code = run_check(str(path))
+    assert code == 1
+    assert [str(f) for f in findings if f.severity == "error"] == [
+        "error: prefill[0] (p): kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async? "
+        "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async, "
+        "discard_partial_chunks, consumer_is_to_put, lookup_timeout_ms, backend_timeout_ms, stats_file"]

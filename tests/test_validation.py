@@ -10,7 +10,8 @@ from kvpp_core.validation import KvppSetup, Problem, raise_for_errors, validate
 pytestmark = pytest.mark.unit
 
 ON = KvppConfig(enabled=True)
-GOOD_STORE_EXTRA = {"use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
+POOL = {"backend": "mooncake", "lookup_rpc_port": 6000}
+GOOD_STORE_EXTRA = {**POOL, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
 
 
 def setup(**overrides):
@@ -101,23 +102,26 @@ def test_store_unknown_role():
 @pytest.mark.parametrize(
     "key, value, fix",
     [
-        ("use_layerwise", True, '"use_layerwise": false'),
-        ("load_async", False, '"load_async": true'),
-        ("discard_partial_chunks", False, '"discard_partial_chunks": true'),
-        ("consumer_is_to_put", True, '"consumer_is_to_put": false'),
-        ("use_layerwise", "true", '"use_layerwise": false'),
+        ("load_async", False, 'but KVPP needs true (KVPP restores its persistent buffers with asynchronous loads only); '
+                              'set "load_async": true'),
+        ("consumer_is_to_put", True, 'but KVPP needs false (consumer write-back is not supported with KVPP); '
+                                     'set "consumer_is_to_put": false'),
+        # Not implemented by the connector at all: its own refusal, once.
+        ("use_layerwise", True, "not implemented by this connector; set it to false"),
+        ("use_layerwise", "true", "not implemented by this connector; set it to false"),
+        ("discard_partial_chunks", False, "not implemented: only whole blocks are pooled"),
     ],
 )
 def test_store_flags(key, value, fix):
     p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_both",
                             kv_extra=dict(GOOD_STORE_EXTRA, **{key: value}))))
     assert p.option == f"kv_connector_extra_config.{key}"
-    assert "but KVPP needs" in p.message and f"set {fix}" in p.message
+    assert fix in p.message
 
 
 def test_store_load_async_default_is_an_error():
     p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer",
-                            kv_extra={"use_layerwise": False})))
+                            kv_extra={**POOL, "use_layerwise": False})))
     assert p.option == "kv_connector_extra_config.load_async"
     assert p.message.startswith("defaults to false but KVPP needs true") and 'set "load_async": true' in p.message
 
@@ -125,7 +129,7 @@ def test_store_load_async_default_is_an_error():
 def test_store_flag_with_garbage_value():
     p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer",
                             kv_extra=dict(GOOD_STORE_EXTRA, load_async="maybe"))))
-    assert p.message == "must be true or false, got 'maybe'; set \"load_async\": true"
+    assert p.message == """must be true or false (a JSON bool, or the string "true"/"false"), got 'maybe'"""
 
 
 def test_store_kv_events_refused():
@@ -143,12 +147,13 @@ def test_unknown_connector():
 def test_every_problem_is_reported_at_once():
     bad = setup(model=ModelSpec("llama-3", 32, 0, 0, 0, attention="mha"), enforce_eager=False,
                 topology=Topology(tp=8, pcp=2, dcp=2, runner="v1"),
-                kv_connector="AscendStoreConnector", kv_role="kv_consumer", kv_extra={"use_layerwise": True},
-                kv_events=True)
+                kv_connector="AscendStoreConnector", kv_role="kv_consumer",
+                kv_extra={"use_layerwise": True, "load_asnyc": True}, kv_events=True)
     options = [p.option for p in validate(bad)]
     assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size", "enforce_eager",
-                       "kv_role", "kv_connector_extra_config.use_layerwise", "kv_connector_extra_config.load_async",
-                       "kv_events_config", "prefill_context_parallel_size"]
+                       "kv_role", "kv_connector_extra_config.load_asnyc", "kv_connector_extra_config.backend",
+                       "kv_connector_extra_config.lookup_rpc_port", "kv_connector_extra_config.use_layerwise",
+                       "kv_connector_extra_config.load_async", "kv_events_config", "prefill_context_parallel_size"]
 
 
 def test_raise_for_errors_lists_every_error_one_per_line():
@@ -170,12 +175,12 @@ def test_multi_connector_children_each_follow_their_rules():
     pd_and_pool = {"connectors": [
         {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer"},
         {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
-         "kv_connector_extra_config": {"load_async": True}},
+         "kv_connector_extra_config": {**POOL, "load_async": True}},
     ]}
     assert validate(setup(kv_connector="MultiConnector", kv_role="kv_both", kv_extra=pd_and_pool)) == []
     bad = {"connectors": [
         {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_both"},
-        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both"},
+        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": POOL},
         "nonsense",
     ]}
     options = [p.option for p in validate(setup(kv_connector="MultiConnector", kv_role="kv_both", kv_extra=bad))]
@@ -184,3 +189,24 @@ def test_multi_connector_children_each_follow_their_rules():
                        "kv_connector_extra_config.connectors[2]"]
     empty = validate(setup(kv_connector="MultiConnector", kv_role="kv_both"))
     assert [p.option for p in empty] == ["kv_connector_extra_config.connectors"]
+
+
+def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
+    """The connector's own struct: unknown keys name themselves and the valid ones, all at once."""
+    off = KvppConfig(enabled=False)
+    assert validate(setup(kvpp=off, kv_connector="AscendStoreConnector", kv_role="kv_both", kv_extra=POOL)) == []
+    problems = validate(setup(kvpp=off, kv_connector="AscendStoreConnector", kv_role="kv_both",
+                              kv_extra={**POOL, "load_asnyc": True, "lookup_timeout_ms": -1}))
+    assert [p.option for p in problems] == ["kv_connector_extra_config.load_asnyc",
+                                            "kv_connector_extra_config.lookup_timeout_ms"]
+    assert "did you mean load_async?" in problems[0].message and "valid options: backend, lookup_rpc_port" in problems[0].message
+    multi = {"connectors": [{"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer",
+                             "kv_connector_extra_config": {"transfer_timeout": 9}},
+                            {"kv_connector": "AscendStoreConnector", "kv_connector_extra_config": {"backend": "redis"}}]}
+    problems = validate(setup(kvpp=off, kv_connector="MultiConnector", kv_role="kv_both", kv_extra=multi))
+    assert [p.option for p in problems] == [
+        "kv_connector_extra_config.connectors[0].kv_connector_extra_config",
+        "kv_connector_extra_config.connectors[1].kv_connector_extra_config.backend",
+        "kv_connector_extra_config.connectors[1].kv_connector_extra_config.lookup_rpc_port"]
+    assert "transfer_timeout" in problems[0].message
+    assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message

@@ -18,9 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
 from connectors.mooncake.step_meta import MooncakeV2Metadata
-from kvpp_core.config import parse_additional_config
-from kvpp_core.setup import setup_from_vllm_config
-from kvpp_core.validation import raise_for_errors, validate
+from kvpp_core.validation import validate_vllm_config
 
 if TYPE_CHECKING:
     import torch
@@ -35,16 +33,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _validate(vllm_config: VllmConfig) -> None:
-    """Startup refusals (KVPP on a consumer, KVPP + PCP with P/D, wrong role) are kvpp_core's rules."""
-    kvpp = parse_additional_config(vllm_config.additional_config)
-    raise_for_errors(validate(setup_from_vllm_config(vllm_config, kvpp)))
-
-
 class MooncakeConnectorV2(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        _validate(vllm_config)
+        validate_vllm_config(vllm_config)  # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
                 "MooncakeConnectorV2 supports models with one KV cache group (MLA/SFA non-hybrid); "

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
-from kvpp_core.config import parse_additional_config
+from kvpp_core.validation import validate_vllm_config
+
 from connectors.store.config import parse_store_config
 from connectors.store.metadata import StoreMetadata
 from connectors.store.stats import StorePromMetrics, StoreStats
@@ -23,24 +24,11 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 
 
-def check_kvpp_rules(vllm_config: "VllmConfig") -> bool:
-    """Refuse unsupported pool settings when KVPP is on (rules owned by kvpp_core.validation)."""
-    kvpp = parse_additional_config(vllm_config.additional_config)
-    if not kvpp.enabled:
-        return False
-    from kvpp_core.setup import setup_from_vllm_config
-    from kvpp_core.validation import raise_for_errors, validate
-
-    for warning in raise_for_errors(validate(setup_from_vllm_config(vllm_config, kvpp))):
-        logger.warning("KVPP: %s", warning)
-    return True
-
-
 class AscendStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        check_kvpp_rules(vllm_config)
+        validate_vllm_config(vllm_config)  # every problem of the launch at once, this connector's settings included
         cfg = parse_store_config(transfer.kv_connector_extra_config)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from connectors.store.backends.base import Backend, BackendError, Status
 
-__all__ = ["Backend", "BackendError", "Status", "open_backend", "BACKENDS"]
+__all__ = ["Backend", "BackendError", "Status", "open_backend", "BackendName", "BACKENDS"]
 
-BACKENDS = ("mooncake", "memcache")
+BackendName = Literal["mooncake", "memcache"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 
 def open_backend(
