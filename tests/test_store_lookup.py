@@ -16,7 +16,7 @@ import zmq
 
 from connectors.store.keys import block_hashes
 from connectors.store.ipc import IpcPathError, SocketInUse, private_dir
-from connectors.store.lookup import LookupChannel, LookupClient, LookupReply, LookupServer
+from connectors.store.lookup import LookupChannel, LookupClient, LookupReply, LookupServer, lookup_path
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +42,7 @@ def endpoint(channel):
 def test_sockets_live_in_a_private_directory_per_port_and_dp_rank(channel, runtime_dir):
     assert channel.path.startswith(f"{runtime_dir}/kvpp/") and channel.path.endswith("-dp1.sock")
     assert LookupChannel(5000, 0).path != LookupChannel(5000, 1).path != LookupChannel(5001, 1).path
+    assert lookup_path(channel.lookup_rpc_port, 1) == f"ipc://{channel.path}"
     server = LookupServer(channel, lambda hashes: 0)
     try:
         st = os.stat(runtime_dir / "kvpp")

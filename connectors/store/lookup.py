@@ -71,6 +71,11 @@ class LookupChannel:
         return f"ipc://{self.path}"
 
 
+def lookup_path(lookup_rpc_port: int, dp_rank: int) -> str:
+    """The IPC endpoint of a lookup channel, for tools and tests that look for an engine's socket."""
+    return LookupChannel(lookup_rpc_port, dp_rank).endpoint
+
+
 class LookupServer:
     """Answers lookups on worker rank 0 in a daemon thread, with `count_hits(hashes) -> int`. Owns its
     socket name exclusively (connectors.store.ipc): a second engine on the same lookup_rpc_port fails here."""
