@@ -60,13 +60,19 @@ class KvppSetup:
 
 
 def validate(setup: KvppSetup) -> list[Problem]:
-    """All problems of `setup`: the connectors' settings, and KVPP's rules when it is on."""
-    problems = []
-    if setup.kvpp.enabled:
-        problems += [*_model_rules(setup.model), *_parallel_rules(setup)]
-        if not setup.enforce_eager:
-            problems.append(_error("enforce_eager", "KVPP runs in eager mode only; add --enforce-eager"))
-    return problems + _connector_rules(setup)
+    """All problems of `setup`: the connectors' own settings always, KVPP's rules when it is on."""
+    return _kvpp_rules(setup) if setup.kvpp.enabled else _connector_rules(setup)
+
+
+def _kvpp_rules(setup: KvppSetup) -> list[Problem]:
+    """All problems of `setup`; empty when KVPP is off or everything is supported."""
+    if not setup.kvpp.enabled:
+        return []
+    problems = [*_model_rules(setup.model), *_parallel_rules(setup)]
+    if not setup.enforce_eager:
+        problems.append(_error("enforce_eager", "KVPP runs in eager mode only; add --enforce-eager"))
+    problems += _connector_rules(setup)
+    return problems
 
 
 _logged: set[Problem] = set()

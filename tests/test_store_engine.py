@@ -4,7 +4,10 @@ Per scenario three engines run one after another: a reference engine without any
 serves a long prompt and saves it, and - after that engine has exited - a fresh engine serving the same
 prefix plus a new suffix. The fresh engine must load the pooled blocks and then produce the reference
 tokens. Faults ride along in the fresh engine: a wrong-size object and a removed owner shard are
-planted between the engines, and the pool's master is killed mid-run.
+planted between the engines, and the pool's master is killed mid-run. Tenants ride along too: a prompt
+saved under one cache_salt is a hit only for that salt. The KVPP fresh engine is a P/D prefill as the
+demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool kv_both) serving its four
+prompts at once, with pooled loads failing on one rank and on every rank.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
@@ -28,6 +31,7 @@ from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.pool_cmd import pool_down, pool_up
+from deploy.processes import free_port_range
 
 pytestmark = pytest.mark.engine
 
@@ -43,12 +47,13 @@ POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIE
 def _prompts(vocab: int) -> dict[str, list[int]]:
     rng = random.Random(7)
     draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
-    prefix, other, torn = draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
+    prefix, other, torn, salted = draw(100), draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
     return {
         "prefix": prefix, "prefix_plus": prefix + draw(20),
         "other": other, "other_plus": other + draw(20),
         "torn": torn, "torn_plus": torn + draw(20),
         "wrong_size": draw(70), "after_kill": draw(60),
+        "salted": salted, "salted_plus": salted + draw(20),
     }
 
 
@@ -60,22 +65,28 @@ class Scenario:
         os.environ.update(POOL_ENV)
         self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
 
-    def transfer_config(self, tag: str) -> dict:
+    def transfer_config(self, tag: str, prefill: bool = False) -> dict:
+        """The pool connector alone, or (prefill) inside a MultiConnector after MooncakeConnectorV2 as a
+        P/D prefill node runs it."""
         extra = {**self.pool.kv_connector_extra_config, "load_async": self.load_async, "lookup_timeout_ms": 5000,
                  "backend_timeout_ms": 4000, "stats_file": str(self.tmp / f"stats-{tag}")}
         cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": extra}
         if not self.by_name:  # the out-of-tree path that works without the plugin
             cfg["kv_connector_module_path"] = "connectors.store.connector"
-        return cfg
+        if not prefill:
+            return cfg
+        pd = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port_range(3)}
+        return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"connectors": [pd, cfg]}}
 
-    def run(self, tag: str, actions: list, pool: bool = True) -> dict:
+    def run(self, tag: str, actions: list, pool: bool = True, prefill: bool = False) -> dict:
         path = self.tmp / f"{tag}.json"
         path.write_text(json.dumps(actions))
         cmd = [sys.executable, str(SCRIPT), "--model", self.model, "--tp", str(self.tp), "--actions", str(path)]
         cmd += ["--kvpp"] if self.kvpp else []
         if pool:
-            cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag))]
+            cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
         env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if self.tp == 2 else "0"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
         (self.tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
@@ -104,6 +115,10 @@ class Scenario:
         pool_down(self.tmp / "pool")
 
 
+TENANT_A, TENANT_B = {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}
+PD_PREFILL = {"kv_transfer_params": {"do_remote_decode": True}}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -126,8 +141,9 @@ def off(tiny_model, tmp_path_factory):
                   load_async=False)  # the default without KVPP: loads finish before the step's forward
     p = sc.prompts
     try:
-        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "wrong_size", "after_kill")], pool=False)
-        saved = sc.run("save", [["gen", "prefix", p["prefix"]]])
+        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "wrong_size", "after_kill", "salted_plus")],
+                     pool=False)
+        saved = sc.run("save", [["gen", "prefix", p["prefix"]], ["gen", "salted", p["salted"], TENANT_A]])
         # Plant an object of the wrong size where the first block of another prompt would live.
         backend = sc.backend()
         (shard,) = sc.shard_keys()
@@ -138,6 +154,9 @@ def off(tiny_model, tmp_path_factory):
         assert planted == [Status.OK], f"{planted}; pool pids alive: {[_alive(p) for p in sc.pool.pids]}"
         backend.close()
         fresh = sc.run("fresh", [["gen", "prefix_plus", p["prefix_plus"]], ["gen", "wrong_size", p["wrong_size"]],
+                                 # Tenant B, then no salt, then tenant A ask for tenant A's pooled prompt.
+                                 ["gen", "salt_b", p["salted_plus"], TENANT_B], ["gen", "salt_none", p["salted_plus"]],
+                                 ["gen", "salt_a", p["salted_plus"], TENANT_A],
                                  ["kill", sc.pool.pids[0]], ["gen", "after_kill", p["after_kill"]]])
         yield sc, ref, saved, fresh
     finally:
@@ -147,8 +166,19 @@ def off(tiny_model, tmp_path_factory):
 def test_off_first_engine_saves_the_whole_blocks(off):
     sc, _, _, _ = off
     s = sc.stats("save")
-    assert s["saved_blocks"] == 6 and s["saved_bytes"] == 6 * LAYERS * PAGE_BYTES
+    assert s["saved_blocks"] == 6 + 6 and s["saved_bytes"] == 12 * LAYERS * PAGE_BYTES, "prefix, salted"
     assert s["save_failures"] == 0
+
+
+def test_off_a_pooled_prefix_is_served_only_to_its_own_tenant(off):
+    """Same prompt: another cache_salt or none is a miss (vLLM would not share the prefix either);
+    the same salt is a hit. Every answer equals the reference."""
+    _, ref, _, fresh = off
+    assert fresh["salt_b"]["num_cached_tokens"] == 0
+    assert fresh["salt_none"]["num_cached_tokens"] == 0
+    assert fresh["salt_a"]["num_cached_tokens"] == 96
+    for name in ("salt_b", "salt_none", "salt_a"):
+        _assert_same_output(fresh[name], ref["salted_plus"])
 
 
 def test_off_fresh_engine_loads_the_pooled_prefix_and_matches_the_reference(off):
@@ -163,8 +193,9 @@ def test_off_wrong_size_object_is_refused_counted_and_recomputed(off):
     sc, ref, _, fresh = off
     s = sc.stats("fresh")
     assert s["load_wrong_size"] == 1 and s["load_failures"] >= 1
-    # The bad object was dropped, so all 4 recomputed blocks were saved (plus block 6 of prefix_plus).
-    assert s["saved_blocks"] == 1 + 4
+    # The bad object was dropped, so all 4 recomputed blocks were saved (plus block 6 of prefix_plus, and
+    # of the salted prompt: 7 blocks each under tenant B's and the unsalted keys, block 6 of tenant A's).
+    assert s["saved_blocks"] == 1 + 4 + 7 + 7 + 1
     _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
 
 
@@ -204,7 +235,8 @@ def on(tiny_model, tmp_path_factory):
         assert backend.put([torn_key, owner0.key(first), owner1.key(first)], [[junk.data_ptr()]] * 3,
                            [[junk.numel() * 4]] * 3) == [Status.OK] * 3
         backend.close()
-        fresh = sc.run("fresh", [["gen", n, p[n]] for n in served])
+        # The four prompts at once, as a P/D prefill behind a proxy gets them.
+        fresh = sc.run("fresh", [["batch", [[n, p[n], PD_PREFILL] for n in served]]], prefill=True)
         yield sc, ref, saved, fresh
     finally:
         sc.close()
@@ -246,3 +278,13 @@ def test_on_an_async_load_failing_on_one_rank_recomputes_from_the_torn_block(on)
 def test_on_an_async_load_failing_on_every_rank_recomputes_the_whole_prompt(on):
     _, ref, _, fresh = on
     _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
+
+
+def test_on_a_pd_prefill_serving_four_at_once_answers_every_request_like_the_reference(on):
+    """Issue 11 item 4: MultiConnector (MooncakeConnectorV2 producer + pool), KVPP TP=2, four requests
+    admitted together, pooled loads failing on one rank (torn) and on every rank (wrong_size)."""
+    sc, ref, _, fresh = on
+    rank0, rank1 = (json.loads((sc.tmp / f"stats-fresh.pp0.tp{r}.json").read_text()) for r in (0, 1))
+    assert rank1["load_failures"] > rank0["load_failures"] > 0, "a load failed on one rank only, and one on both"
+    for name in ("prefix_plus", "other_plus", "torn_plus", "wrong_size"):
+        _assert_same_output(fresh[name], ref[name])

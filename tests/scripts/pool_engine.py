@@ -1,9 +1,12 @@
 """One vLLM engine (offline LLM) running a scripted sequence against the KV pool; prints JSON.
 
-Actions (a JSON list): ["gen", name, token_ids] serves one prompt; ["kill", pid] kills a process
-(the pool's master) mid-run. Each "gen" records the tokens, their logprobs, and how many prompt
-tokens came from outside the engine (num_cached_tokens), so tests compare runs made in separate
-processes: one process hosts one engine configuration.
+Actions (a JSON list): ["gen", name, token_ids, opts?] serves one prompt; ["batch", [[name, token_ids,
+opts?], ...]] serves several at once (one generate call: admitted, looked up and loaded concurrently);
+["kill", pid] kills a process (the pool's master) mid-run. opts may hold "cache_salt" and
+"kv_transfer_params" (e.g. {"do_remote_decode": true}, as a P/D proxy sends a prefill). Each prompt
+records the tokens, their logprobs, and how many prompt tokens came from outside the engine
+(num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
+configuration.
 """
 
 from __future__ import annotations
@@ -35,15 +38,22 @@ def main() -> None:
         kv_cache_memory_bytes=64 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
         additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=1024, seed=0, **kwargs,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
+    base = {"temperature": 0.0, "max_tokens": args.max_tokens, "logprobs": 1, "ignore_eos": True}
     with open(args.actions) as fh:
         actions = json.load(fh)
-    results = {}
-    for action in actions:
-        if action[0] == "gen":
-            _, name, ids = action
-            start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    def serve(items: list) -> None:
+        prompts, per_prompt = [], []
+        for name, ids, *rest in items:
+            opts = rest[0] if rest else {}
+            prompt = {"prompt_token_ids": ids}
+            if "cache_salt" in opts:
+                prompt["cache_salt"] = opts["cache_salt"]
+            prompts.append(prompt)
+            extra = {"kv_transfer_params": opts["kv_transfer_params"]} if "kv_transfer_params" in opts else None
+            per_prompt.append(SamplingParams(**base, extra_args=extra))
+        start = time.perf_counter()
+        outs = llm.generate(prompts, per_prompt, use_tqdm=False)
+        for (name, *_), out in zip(items, outs):
             comp = out.outputs[0]
             results[name] = {
                 "tokens": list(comp.token_ids),
@@ -51,6 +61,13 @@ def main() -> None:
                 "num_cached_tokens": out.num_cached_tokens,
                 "seconds": time.perf_counter() - start,
             }
+
+    results = {}
+    for action in actions:
+        if action[0] == "gen":
+            serve([action[1:]])
+        elif action[0] == "batch":
+            serve(action[1])
         elif action[0] == "kill":
             os.kill(int(action[1]), signal.SIGKILL)
         else:
