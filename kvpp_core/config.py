@@ -86,7 +86,7 @@ def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
                 choices = typing.get_args(types[f.name]) or sorted(f.type.values)  # declared order if plain
                 message = f"must be one of {', '.join(map(str, choices))}, got {value!r}"
             else:
-                message = str(exc) if "got" in str(exc) else f"{exc}, got {value!r}"
+                message = f"{exc} ({value!r})" if "got" in str(exc) else f"{exc}, got {value!r}"
             out.problems.append((option, f"{message}{hint}"))
     if not out.problems:
         out.value = cls(**out.given)

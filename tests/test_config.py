@@ -60,3 +60,43 @@ def test_staging_refused(value):
 
 def test_config_error_is_a_value_error():
     assert issubclass(KvppConfigError, ValueError)
+
+
+# ---- parse_struct: the one reading of a connector's settings -----------------------------------------
+def _struct():
+    from typing import Annotated, Literal
+
+    import msgspec
+
+    class Opts(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+        mode: Literal["fast", "safe"]
+        port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 80
+        verbose: bool = False
+
+    return Opts
+
+
+@pytest.mark.parametrize("value, parsed", [(True, True), ("TRUE", True), (" false ", False)])
+def test_struct_flags_use_the_one_bool_parser(value, parsed):
+    from kvpp_core.config import parse_bool, parse_struct
+
+    assert parse_struct({"mode": "fast", "verbose": value}, _struct(), "x").value.verbose is parsed
+    assert parse_bool(value) is parsed
+    assert parse_bool("yes") is None and parse_bool(1) is None
+
+
+def test_struct_reports_every_problem_with_its_option():
+    from kvpp_core.config import parse_struct
+
+    parsed = parse_struct({"mdoe": "fast", "port": 0, "verbose": "yes", "bogus": 1}, _struct(), "x", {"mode": "pick one"})
+    assert parsed.value is None and parsed.given == {}
+    assert parsed.problems == [
+        ("x.mdoe", "unknown option; did you mean mode? valid options: mode, port, verbose"),
+        ("x.bogus", "unknown option; valid options: mode, port, verbose"),
+        ("x.mode", "is required; pick one"),
+        ("x.port", "Expected `int` >= 1, got 0"),
+        ("x.verbose", 'must be true or false (a JSON bool, or the string "true"/"false"), got \'yes\''),
+    ]
+    bad_choice = parse_struct({"mode": "turbo", "port": "80"}, _struct(), "x")
+    assert bad_choice.problems == [("x.mode", "must be one of fast, safe, got 'turbo'"),
+                                   ("x.port", "Expected `int`, got `str` ('80')")]
