@@ -3,22 +3,15 @@ blocks exactly as planned, and broadcasts only on steps that have history, of th
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import sys
-from pathlib import Path
-
 import pytest
+from scripts.generate import run, write_prompts
 
-from deploy.processes import run_in_group
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = Path(__file__).parent / "scripts" / "generate.py"
 KV_BYTES = 64 << 20
 BLOCK = 16
 MAX_TOKENS = 8
@@ -26,24 +19,11 @@ MAX_TOKENS = 8
 PROMPT_LENGTHS = (300, 45, 170, 90)
 
 
-def _generate(model: str, prompts: Path, *extra: str) -> dict:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    cmd = [sys.executable, str(SCRIPT), "--model", model, "--tp", "2", "--prompts", str(prompts),
-           "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS), *extra]
-    proc = run_in_group(cmd, timeout=600, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("KVPP_RESULT "):
-            return json.loads(line.removeprefix("KVPP_RESULT "))
-    raise AssertionError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    rng = random.Random(0)
-    vocab = json.loads(Path(tiny_model, "config.json").read_text())["vocab_size"]
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.json"
-    prompts.write_text(json.dumps([[rng.randrange(5, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]))
-    return _generate(tiny_model, prompts), _generate(tiny_model, prompts, "--kvpp")
+    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", tiny_model, PROMPT_LENGTHS)
+    args = ("--tp", "2", "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
+    return run(tiny_model, prompts, *args), run(tiny_model, prompts, *args, "--kvpp")
 
 
 @pytest.fixture(scope="module")
