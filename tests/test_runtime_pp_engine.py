@@ -6,7 +6,7 @@ blocks `kvpp plan` gives it for the same split and memory, and the engine keeps 
 from __future__ import annotations
 
 import pytest
-from scripts.generate import run, write_prompts
+from scripts.generate import assert_same_outputs, run, write_prompts
 
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -37,13 +37,7 @@ def plan(tiny_model):
 
 
 def test_kvpp_with_pp_produces_identical_tokens_and_logprobs(runs):
-    off, on = runs
-    assert sorted(off["outputs"]) == sorted(on["outputs"]) == [str(i) for i in range(len(PROMPT_LENGTHS))]
-    for req, ref in off["outputs"].items():
-        got = on["outputs"][req]
-        assert len(ref["token_ids"]) == MAX_TOKENS
-        assert got["token_ids"] == ref["token_ids"], f"request {req}"
-        assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) <= 1e-5, f"request {req}"
+    assert_same_outputs(*runs, len(PROMPT_LENGTHS), MAX_TOKENS)
 
 
 def test_each_stage_holds_the_blocks_the_plan_gives_it(runs, plan):

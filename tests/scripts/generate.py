@@ -5,7 +5,7 @@ can host only one vLLM engine configuration. Requests arrive in two waves so tha
 fresh prefills with decodes that need history (the steps where KVPP broadcasts).
 
 Tests and benchmarks call `run()` (which starts this file in a process group of its own) and
-`write_prompts()`.
+`write_prompts()`, and compare two runs with `assert_same_outputs()`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ def run(model: str, prompts: Path, *args: str, env: Mapping[str, str] | None = N
             return json.loads(line.removeprefix(RESULT_PREFIX))
     raise RuntimeError(f"engine run {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
                        f"\n{proc.stdout[-4000:]}")
+
+
+def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int, logprob_tol: float = 1e-5) -> None:
+    """Two runs answered every prompt with the same tokens, and logprobs equal within `logprob_tol` (fp32)."""
+    assert sorted(ref["outputs"]) == sorted(got["outputs"]) == sorted(str(i) for i in range(num_prompts))
+    for req, want in ref["outputs"].items():
+        have = got["outputs"][req]
+        assert len(want["token_ids"]) == max_tokens
+        assert have["token_ids"] == want["token_ids"], f"request {req}"
+        worst = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"]))
+        assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
 
 
 def main() -> None:
