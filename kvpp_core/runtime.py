@@ -58,7 +58,10 @@ def needs_broadcast(new_request_computed_tokens: Iterable[int], num_running_requ
 
 
 class KvppRuntime:
-    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster | None) -> None:
+    """A worker's layout and the broadcaster over its allocated caches, created complete once the
+    engine has bound them."""
+
+    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster) -> None:
         self.layout = layout
         self.broadcaster = broadcaster
 
@@ -69,10 +72,11 @@ class KvppRuntime:
             "kvpp_rank": layout.kvpp_rank,
             "group_size": layout.group_size,
             "owned_layers": list(layout.owned),
+            "mtp_caches": list(self.layout.mtp_layer_names),
             "staging_slots": layout.staging_slots,
             "num_blocks": self.layout.num_blocks,
             "kv_bytes": self.layout.placement.total_bytes,
-            "broadcast": None if self.broadcaster is None else self.broadcaster.stats.as_dict(),
+            "broadcast": self.broadcaster.stats.as_dict(),
         }
 
     def before_layer(self, cache_name: str) -> None:
@@ -81,11 +85,19 @@ class KvppRuntime:
             self.broadcaster.before_layer(layer_id)
 
 
+_LAYOUT: ActiveLayout | None = None
 _RUNTIME: KvppRuntime | None = None
 
 
+def publish_layout(layout: ActiveLayout | None) -> None:
+    """Make the layout visible before the caches exist: connectors register them while vLLM allocates."""
+    global _LAYOUT
+    _LAYOUT = layout
+
+
 def install(runtime: KvppRuntime | None) -> None:
-    global _RUNTIME
+    global _LAYOUT, _RUNTIME
+    _LAYOUT = None if runtime is None else runtime.layout
     _RUNTIME = runtime
 
 
@@ -95,4 +107,4 @@ def current() -> KvppRuntime | None:
 
 def active_layout() -> ActiveLayout | None:
     """The KVPP layout of this worker, or None when KVPP is off (every rank holds every layer)."""
-    return None if _RUNTIME is None else _RUNTIME.layout
+    return _LAYOUT

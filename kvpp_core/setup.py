@@ -21,6 +21,7 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     parallel = vllm_config.parallel_config
     transfer = vllm_config.kv_transfer_config
     events = vllm_config.kv_events_config
+    compilation = vllm_config.compilation_config
     return KvppSetup(
         model=ModelSpec.from_hf_dict(model_config.hf_config.to_dict(), model_config.model),
         topology=Topology(
@@ -38,4 +39,6 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         kv_role=None if transfer is None else transfer.kv_role,
         kv_extra={} if transfer is None else dict(transfer.kv_connector_extra_config or {}),
         kv_events=bool(events is not None and events.enable_kv_cache_events),
+        cudagraph_mode=None if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
+        splitting_ops=None if compilation.splitting_ops is None else tuple(compilation.splitting_ops),
     )

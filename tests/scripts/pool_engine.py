@@ -22,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="PP stages (the split: VLLM_PP_LAYER_PARTITION)")
     ap.add_argument("--kvpp", action="store_true")
     ap.add_argument("--kv-transfer-config", default=None, help="JSON; omitted = no pool")
     ap.add_argument("--actions", required=True, help="JSON file with the action list")
@@ -33,6 +34,8 @@ def main() -> None:
     kwargs = {}
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
+    if args.pp > 1:
+        kwargs.update(pipeline_parallel_size=args.pp, distributed_executor_backend="mp")
     llm = LLM(
         model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
         kv_cache_memory_bytes=64 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
