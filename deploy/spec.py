@@ -99,6 +99,7 @@ SCHEMA = {
                 "lookup_rpc_port": PORT,
                 "kv_role": {"enum": ["kv_producer", "kv_consumer", "kv_both"]},
                 "metrics_port": PORT,
+                "segment_size": {"type": "string", "pattern": r"^[0-9]+ ?([KMG]?B)?$"},
                 "extra_config": {"type": "object"},
                 "settings": {"type": "object"},
             },
@@ -128,7 +129,8 @@ INSTANCE_DEFAULTS: dict[str, Any] = {
     "lookup_rpc_port": None, "memory": {}, "additional_config": {}, "kv_transfer_config": {},
     "extra_args": [], "env": {},
 }
-POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "extra_config": {}, "settings": {}}
+POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "segment_size": "8GB",
+                                 "extra_config": {}, "settings": {}}
 PROXY_DEFAULTS: dict[str, Any] = {"host": None, "port": 8000}
 K8S_DEFAULTS: dict[str, Any] = {
     "namespace": "default", "image": "vllm-ascend:latest", "device_resource": "huawei.com/ascend-1980",
@@ -186,6 +188,8 @@ class Pool:
     lookup_rpc_port: int
     kv_role: str
     metrics_port: int | None
+    segment_size: str
+    """Memory the pool's segment holder contributes (mooncake), e.g. 64GB."""
     extra_config: dict[str, Any]
     settings: dict[str, Any]
 
