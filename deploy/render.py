@@ -170,8 +170,8 @@ def _instance_pod(spec: Spec, inst: Instance, node_rank: str | int, master: str 
     if len(inst.hosts) > 1:  # LeaderWorkerSet injects the leader address and the worker index
         args = _replace_flag(args, "--node-rank", node_rank if isinstance(node_rank, str) else str(node_rank))
         args = _replace_flag(args, "--master-addr", master)
-        if node_rank != 0 and "--headless" not in args:
-            args.append("--headless")
+        if node_rank != 0 and "--headless" not in args:  # where serve_args puts it: before extra_args
+            args.insert(args.index("--master-addr") + 2, "--headless")
     devices = inst.tp * inst.pp * inst.pcp * inst.dp // len(inst.hosts)
     is_leader = node_rank == 0
     container = _container(
