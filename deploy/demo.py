@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy import cli_args
 from deploy.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range, start_servers
 from deploy.proxy import start_proxy
 from deploy.testbed import TestbedError
@@ -269,7 +270,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run prefill (KVPP) + decode + pool + proxy on this machine and report",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--workdir", type=Path, help="where the model, logs and pool state go (default: a temp dir)")
+    p.add_argument("--workdir", type=cli_args.path, help="where the model, logs and pool state go (default: a temp dir)")
     p.add_argument("--hosts", action="store_true",
                    help="spread the stack over five hosts (network namespaces on a bridge, needs root) and run "
                    "it from `kvpp render` scripts; without root it runs on loopback and says so")

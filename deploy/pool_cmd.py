@@ -3,7 +3,8 @@
 The pool's memory is held by the pool's own processes (a standalone Mooncake store client that only
 contributes a segment, or the memcache MetaService), never by an engine, so pooled prefixes survive
 engine restarts. `up` prints the exact `kv_connector_extra_config` to merge into --kv-transfer-config
-and records the pids in a state file; `down` stops exactly those pids.
+and records its processes in a state file (pid, start time, command line); `down` stops exactly
+those processes, after checking that each pid still is the process recorded.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, free_port, port_open
+import msgspec
+
+from kvpp_core.files import read_small_file
+
+from deploy import cli_args
+from deploy.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
+                              port_open, stop_recorded)
 
 DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
 STATE_FILE = "pool.json"
@@ -34,25 +40,46 @@ class MetaServiceBusy(ProcessError):
     """Another memcache MetaService holds the host-wide lock."""
 
 
-@dataclass
-class PoolInfo:
+class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """A running pool; also the state file's schema (a file that does not match is refused)."""
+
     backend: str
     kv_connector_extra_config: dict
-    pids: list[int]
+    processes: list[ProcessIdentity]
+    boot_id: str
     state_dir: str
-    logs: list[str] = field(default_factory=list)
+    logs: list[str] = []
     mmc_local_config_path: str | None = None
     """memcache: the same settings as a file, for engines configured through $MMC_LOCAL_CONFIG_PATH."""
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+
+def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:
+    found = [ProcessIdentity.of(p.pid) for p in procs]
+    if None in found:
+        logs = ", ".join(str(p.log_path) for p in procs)
+        raise ProcessError(f"a pool process exited right after starting; see {logs}")
+    return found
+
+
+MIN_SEGMENT, MAX_SEGMENT = 1 << 20, 1 << 40
+
 
 def parse_size(text: str) -> int:
+    """`512MB`, `2GB`, ... as bytes, from 1 MB to 1 TB (an argparse type)."""
     units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
     t = text.strip().upper().replace(" ", "")
     num = t.rstrip("KMGB")
     unit = t[len(num):]
-    if not num.isdigit() or unit not in units:
-        raise ValueError(f"--segment-size must look like 512MB or 2GB, got {text!r}")
-    return int(num) * units[unit]
+    if not (num.isascii() and num.isdigit()) or len(num) > 20 or unit not in units:
+        raise argparse.ArgumentTypeError(f"must look like 512MB or 2GB, got {text!r}")
+    size = int(num) * units[unit]
+    if not MIN_SEGMENT <= size <= MAX_SEGMENT:
+        raise argparse.ArgumentTypeError(f"must be from 1MB to 1024GB, got {text!r}")
+    return size
 
 
 def _bin(name: str) -> str:
@@ -100,7 +127,7 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
         "lookup_rpc_port": free_port(),
         "mooncake": {"master_server_address": address, "protocol": "tcp", "local_hostname": LOOPBACK},
     }
-    return PoolInfo("mooncake", extra, [p.pid for p in procs], str(state_dir), [str(p.log_path) for p in procs])
+    return PoolInfo("mooncake", extra, _identities(procs), boot_id(), str(state_dir), [str(p.log_path) for p in procs])
 
 
 def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
@@ -138,7 +165,8 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
         "ock.mmc.log_level = error\n"
     )
     extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
-    return PoolInfo("memcache", extra, [proc.pid], str(state_dir), [str(proc.log_path)], str(conf))
+    return PoolInfo("memcache", extra, _identities([proc]), boot_id(), str(state_dir), [str(proc.log_path)],
+                    str(conf))
 
 
 def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: int = 1 << 30,
@@ -148,48 +176,52 @@ def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: in
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = state_dir / STATE_FILE
-    if state.exists() and any(_alive(pid) for pid in json.loads(state.read_text())["pids"]):
+    if state.exists() and any(_is_running(p) for p in load_state(state).processes):
         raise ValueError(f"a pool is already running (state {state}); run `kvpp pool down` first")
     info = start_mooncake(state_dir, segment_bytes, **mooncake_timers) if backend == "mooncake" else start_memcache(state_dir)
-    state.write_text(json.dumps(asdict(info), indent=2))
+    tmp = state.with_name(f".{STATE_FILE}.{os.getpid()}")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(info)))
+    tmp.replace(state)
     return info
 
 
-def _alive(pid: int) -> bool:
+def load_state(state: Path) -> PoolInfo:
+    """The state file `kvpp pool up` wrote; ValueError (one line) for anything else."""
     try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+        info = msgspec.json.decode(read_small_file(state, 1 << 20), type=PoolInfo)
+    except FileNotFoundError:
+        raise ValueError(f"no pool state at {state}; nothing to stop (was it started with another --state-dir?)"
+                         ) from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ValueError(f"{state} is not a pool state file kvpp pool up wrote ({' '.join(str(exc).split())}); "
+                         "nothing was signalled: check `ps` for the pool's processes, then remove the file") from None
+    if not info.processes:
+        raise ValueError(f"{state} lists no processes; remove the file")
+    return info
+
+
+def _is_running(recorded: ProcessIdentity) -> bool:
+    return ProcessIdentity.of(recorded.pid) == recorded
 
 
 def pool_down(state_dir: Path = DEFAULT_STATE_DIR, timeout: float = 10.0) -> list[int]:
-    """Stop the recorded pool processes (their process groups), newest first; returns the pids."""
+    """Stop the recorded pool processes (their process groups), newest first; returns the pids stopped.
+
+    A pid that now belongs to another process (the pool died and the number was reused) is left
+    alone with a warning; after a reboot no recorded process can still exist."""
     state = Path(state_dir) / STATE_FILE
-    if not state.exists():
-        raise ValueError(f"no pool state at {state}; nothing to stop (was it started with another --state-dir?)")
-    pids = json.loads(state.read_text())["pids"]
-    for pid in reversed(pids):
-        _stop_group(pid, timeout)
+    info = load_state(state)
+    stopped = []
+    same_boot = info.boot_id == boot_id()
+    for recorded in reversed(info.processes):
+        outcome = stop_recorded(recorded, timeout) if same_boot else "gone"
+        if outcome == "stopped":
+            stopped.append(recorded.pid)
+        elif outcome == "foreign":
+            print(f"kvpp: warning: pid {recorded.pid} is no longer the pool's {os.path.basename(recorded.cmdline[0])} "
+                  "(the pid was reused); left alone", file=sys.stderr)
     state.unlink()
-    return pids
-
-
-def _stop_group(pid: int, timeout: float) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)  # pool processes lead their own session (group id == pid)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
-            except ChildProcessError:  # not our child: poll for its disappearance
-                if not _alive(pid):
-                    return
-            time.sleep(0.05)
+    return stopped
 
 
 def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int | None = None,
@@ -290,7 +322,7 @@ def meta_service(meta_port: int, config_store_port: int, metrics_port: int, log_
 # ---- CLI ------------------------------------------------------------------------------------------
 def _cmd_up(args) -> int:
     try:
-        info = pool_up(args.backend, Path(args.state_dir), parse_size(args.segment_size))
+        info = pool_up(args.backend, Path(args.state_dir), args.segment_size)
     except ProcessError as exc:
         raise ValueError(str(exc)) from exc
     if args.json:
@@ -305,12 +337,12 @@ def _cmd_up(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    return serve_mooncake(args.host, args.port, parse_size(args.segment_size), args.metrics_port)
+    return serve_mooncake(args.host, args.port, args.segment_size, args.metrics_port)
 
 
 def _cmd_down(args) -> int:
     pids = pool_down(Path(args.state_dir))
-    print(f"stopped pool pids {', '.join(map(str, pids))}")
+    print(f"stopped pool pids {', '.join(map(str, pids))}" if pids else "the pool's processes had already exited")
     return 0
 
 
@@ -319,19 +351,21 @@ def register(subparsers) -> None:
     sub = pool.add_subparsers(dest="pool_command", required=True)
     up = sub.add_parser("up", help="start the pool on loopback and print its connector config")
     up.add_argument("--backend", choices=BACKENDS, required=True)
-    up.add_argument("--segment-size", default="1GB", help="memory the pool holds (mooncake), e.g. 512MB")
-    up.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where pids and logs are kept")
+    up.add_argument("--segment-size", type=parse_size, default=1 << 30,
+                    help="memory the pool holds (mooncake), e.g. 512MB (default 1GB)")
+    up.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR),
+                    help="where pids and logs are kept")
     up.add_argument("--json", action="store_true", help="print one JSON object")
     up.set_defaults(func=_cmd_up)
     serve = sub.add_parser("serve", help="run a Mooncake pool (master + segment holder) in the foreground on a "
                                          "given address: what rendered deployments start")
-    serve.add_argument("--host", required=True, help="address to listen on and advertise to engines")
-    serve.add_argument("--port", type=int, required=True, help="mooncake_master RPC port")
-    serve.add_argument("--metrics-port", type=int, default=None)
-    serve.add_argument("--segment-size", default="1GB", help="memory the pool holds, e.g. 512MB")
+    serve.add_argument("--host", type=cli_args.host, required=True, help="address to listen on and advertise to engines")
+    serve.add_argument("--port", type=cli_args.port, required=True, help="mooncake_master RPC port")
+    serve.add_argument("--metrics-port", type=cli_args.port, default=None)
+    serve.add_argument("--segment-size", type=parse_size, default=1 << 30, help="memory the pool holds, e.g. 512MB")
     serve.set_defaults(func=_cmd_serve)
     down = sub.add_parser("down", help="stop the pool started by `kvpp pool up`")
-    down.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    down.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR))
     down.set_defaults(func=_cmd_down)
 
 

@@ -5,7 +5,7 @@ set -euo pipefail
 KVPP_CONFIG_DIR="${KVPP_CONFIG_DIR:-$(cd "$(dirname "$0")" && pwd)}"
 export VLLM_HOST_IP=198.51.100.11
 export PYTHONHASHSEED=0
-export MOONCAKE_CONFIG_PATH="$KVPP_CONFIG_DIR/mooncake.json"
+export MOONCAKE_CONFIG_PATH="$KVPP_CONFIG_DIR"/mooncake.json
 exec vllm serve /models/GLM-5.2 \
     --host 0.0.0.0 \
     --port 8100 \
