@@ -18,7 +18,7 @@ from kvpp_core.ports import PortLayout, overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.validation import MOONCAKE, KvppSetup, Problem, validate
 
-from deploy import launch
+from deploy import cli_args, launch
 from deploy.spec import Instance, Spec, SpecError, load_spec
 
 
@@ -183,7 +183,7 @@ def register(subparsers) -> None:
         "check", help="check a deployment spec (KVPP rules, ports, layer splits, pool) before launching",
         description="Print one line per problem with its fix; errors first, then warnings. Exit 1 on errors.",
     )
-    p.add_argument("spec", help="deployment spec (YAML)")
+    p.add_argument("spec", type=cli_args.path_text, help="deployment spec (YAML)")
     p.set_defaults(func=_run)
 
 
@@ -191,10 +191,8 @@ def _run(args: argparse.Namespace) -> int:
     findings, code = run_check(args.spec)
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity != "error"]
-    for finding in errors:
-        print(finding, file=sys.stderr)
-    for finding in warnings:
-        print(finding, file=sys.stderr)
+    for finding in errors + warnings:
+        print(cli_args.printable(str(finding)), file=sys.stderr)
     if not errors:
         print(f"{args.spec}: ok ({len(warnings)} warning{'s' * (len(warnings) != 1)})")
     return code

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from kvpp_core.config import KvppConfigError
 
+from deploy.cli_args import printable
+
 SUBCOMMAND_MODULES = [
     "deploy.plan_cmd",
     "deploy.tiny_model",
@@ -22,8 +24,26 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+class UsageError(Exception):
+    """A command line argparse refused; the message is already one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one `kvpp: error: ...` line (subparsers inherit the class)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {' '.join(message.split())} (see `{self.prog} --help`)")
+
+    def _get_values(self, action, arg_strings):
+        # `--port=--`: argparse drops the "--" and would hand the command an empty list, unconverted.
+        value = super()._get_values(action, arg_strings)
+        if action.nargs is None and isinstance(value, list) and not value:
+            self.error(f"argument {'/'.join(action.option_strings) or action.dest}: expected one argument")
+        return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvpp", description="Plan, check and run KVPP (layer-sharded KV caches) deployments for vLLM."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -38,11 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)
-    except SystemExit as exc:  # argparse has already printed its usage error
+    except SystemExit as exc:  # --help, or a subcommand's own exit
         return exc.code if isinstance(exc.code, int) else 2
-    except (KvppConfigError, ValueError, OSError) as exc:
-        for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"kvpp: error: {line}", file=sys.stderr)
+    except (UsageError, KvppConfigError, ValueError, OSError) as exc:
+        for line in str(exc).split("\n") if str(exc) else [type(exc).__name__]:
+            print(f"kvpp: error: {printable(line)}", file=sys.stderr)
         return 2
 
 

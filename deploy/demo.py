@@ -22,8 +22,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy import cli_args
 from deploy.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range, start_servers
 from deploy.proxy import start_proxy
+from deploy.testbed import TestbedError
 from deploy.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -128,6 +130,51 @@ def _matches(got: dict, ref: dict) -> bool:
     )
 
 
+def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls: list[str], decode_url: str,
+           expected: dict[str, dict], blocks_off: int, plan) -> dict:
+    """Send the requests through the proxy and build the report from the engines' own counters (pool
+    counters summed over the prefill instances, capacity from the first, which runs KVPP)."""
+    answers, seconds = {}, {}
+    for r in requests:
+        t0 = time.perf_counter()
+        answers[r.name] = _complete(proxy_url, model, r.prompt)
+        seconds[r.name] = time.perf_counter() - t0
+    # Counters reach /metrics with the next stats interval.
+    time.sleep(6)
+    decode_metrics = _metrics(decode_url)
+    prefill_metrics = [_metrics(url) for url in prefill_urls]
+    blocks_on = _num_blocks(prefill_urls[0])
+    return {
+        "capacity": {
+            "blocks_off": blocks_off,
+            "blocks_on": blocks_on,
+            "ratio": blocks_on / blocks_off,
+            "plan_blocks_off": plan.blocks_off,
+            "plan_blocks_on": plan.blocks_on,
+            "plan_ratio": plan.ratio,
+        },
+        "transfer": {
+            "bytes": int(_metric(decode_metrics, "vllm:mooncake_v2_pulled_bytes_total")),
+            "seconds": _metric(decode_metrics, "vllm:mooncake_v2_transfer_seconds_total"),
+            "pulls": int(_metric(decode_metrics, "vllm:mooncake_v2_pulls_total")),
+            "failures": int(_metric(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
+        },
+        "pool": {
+            # The engine's own count of prompt tokens that came through a connector: on the
+            # prefill only the pool loads anything.
+            "hit_tokens": int(sum(_metric(m, "vllm:external_prefix_cache_hits_total") for m in prefill_metrics)),
+            "loaded_bytes": int(sum(_metric(m, "vllm:kv_pool_loaded_bytes_total") for m in prefill_metrics)),
+            "saved_bytes": int(sum(_metric(m, "vllm:kv_pool_saved_bytes_total") for m in prefill_metrics)),
+        },
+        "requests": {
+            r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
+                     "matches_reference": _matches(answers[r.name], expected[r.name])}
+            for r in requests
+        },
+        "answers_match": all(_matches(answers[r.name], expected[r.name]) for r in requests),
+    }
+
+
 def run_demo(workdir: Path) -> dict:
     from deploy.pool_cmd import pool_down, pool_up
 
@@ -163,49 +210,41 @@ def run_demo(workdir: Path) -> dict:
         started.append(proxy)
 
         _progress("5/5 requests through the proxy")
-        answers, seconds = {}, {}
-        for r in requests:
-            t0 = time.perf_counter()
-            answers[r.name] = _complete(proxy_url, model, r.prompt)
-            seconds[r.name] = time.perf_counter() - t0
-        # Counters reach /metrics with the next stats interval.
-        time.sleep(6)
-        decode_metrics, prefill_metrics = _metrics(decode.url), _metrics(prefill.url)
-        blocks_on = _num_blocks(prefill.url)
-        return {
-            "capacity": {
-                "blocks_off": blocks_off,
-                "blocks_on": blocks_on,
-                "ratio": blocks_on / blocks_off,
-                "plan_blocks_off": plan.blocks_off,
-                "plan_blocks_on": plan.blocks_on,
-                "plan_ratio": plan.ratio,
-            },
-            "transfer": {
-                "bytes": int(_metric(decode_metrics, "vllm:mooncake_v2_pulled_bytes_total")),
-                "seconds": _metric(decode_metrics, "vllm:mooncake_v2_transfer_seconds_total"),
-                "pulls": int(_metric(decode_metrics, "vllm:mooncake_v2_pulls_total")),
-                "failures": int(_metric(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
-            },
-            "pool": {
-                # The engine's own count of prompt tokens that came through a connector: on the
-                # prefill only the pool loads anything.
-                "hit_tokens": int(_metric(prefill_metrics, "vllm:external_prefix_cache_hits_total")),
-                "loaded_bytes": int(_metric(prefill_metrics, "vllm:kv_pool_loaded_bytes_total")),
-                "saved_bytes": int(_metric(prefill_metrics, "vllm:kv_pool_saved_bytes_total")),
-            },
-            "requests": {
-                r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
-                         "matches_reference": _matches(answers[r.name], expected[r.name])}
-                for r in requests
-            },
-            "answers_match": all(_matches(answers[r.name], expected[r.name]) for r in requests),
-        }
+        return _drive(requests, model, proxy_url, [prefill.url], decode.url, expected, blocks_off, plan)
     finally:
         for proc in reversed(started):
             proc.stop()
         if pool_started:
             pool_down(pool_dir)
+
+
+def run_demo_hosts(workdir: Path) -> dict:
+    """The demo's stack as a rendered deployment across five network-namespace hosts (needs root):
+    `kvpp check` and `kvpp render --launcher api-server` produce the scripts, each runs on its host."""
+    from deploy.multihost import HOSTS, RenderedStack, cpu_spec
+    from deploy.testbed import Testbed
+
+    requests = _requests()
+    _progress("1/4 building the tiny 16-layer MLA model")
+    model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
+    plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
+    with Testbed(list(HOSTS)) as bed:
+        _progress("2/4 hosts " + ", ".join(f"{h.name}={h.address}" for h in bed.hosts.values())
+                  + f" on bridge {bed.bridge}; rendering the deployment")
+        stack = RenderedStack(bed, cpu_spec(bed, model, kv_cache_bytes=KV_BYTES), workdir)
+        errors = [str(f) for f in stack.findings if f.severity == "error"]
+        if errors:
+            raise DemoError("kvpp check refused the demo spec: " + "; ".join(errors))
+        _progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
+        stack.start_all(progress=_progress)
+        # Reference: the decode engine computing each prompt itself; KVPP off on prefill2 gives blocks off.
+        expected = {r.name: _complete(stack.url("decode"), model, r.prompt) for r in requests}
+        _progress("4/4 requests through the proxy on host proxy")
+        report = _drive(requests, model, stack.url("proxy"), [stack.url("prefill"), stack.url("prefill2")],
+                        stack.url("decode"), expected, _num_blocks(stack.url("prefill2")), plan)
+        report["hosts"] = {h.name: h.address for h in bed.hosts.values()}
+        report["rendered"] = str(stack.scripts)
+        return report
 
 
 def _print_report(report: dict) -> None:
@@ -222,13 +261,19 @@ def _print_report(report: dict) -> None:
         mark = "same as colocated" if r["matches_reference"] else "DIFFERS from colocated"
         print(f"  {name:<18} {r['seconds']:6.2f} s  {mark}: {r['text']!r}")
     print(f"  answers match a colocated engine: {'yes' if report['answers_match'] else 'NO'}")
+    if "hosts" in report:
+        print("  hosts          " + ", ".join(f"{n} {a}" for n, a in report["hosts"].items())
+              + f"; scripts in {report['rendered']}")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run prefill (KVPP) + decode + pool + proxy on this machine and report",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--workdir", type=Path, help="where the model, logs and pool state go (default: a temp dir)")
+    p.add_argument("--workdir", type=cli_args.path, help="where the model, logs and pool state go (default: a temp dir)")
+    p.add_argument("--hosts", action="store_true",
+                   help="spread the stack over five hosts (network namespaces on a bridge, needs root) and run "
+                   "it from `kvpp render` scripts; without root it runs on loopback and says so")
     p.set_defaults(func=_run)
 
 
@@ -238,14 +283,23 @@ def _terminate(signum, frame) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
+    demo = run_demo
+    if args.hosts:
+        from deploy.testbed import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            _progress(f"--hosts: {reason}; running on loopback instead")
+        else:
+            demo = run_demo_hosts
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-demo-") as tmp:
-                report = run_demo(Path(tmp))
+                report = demo(Path(tmp))
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
-            report = run_demo(args.workdir)
-    except (ProcessError, DemoError) as exc:
+            report = demo(args.workdir)
+    except (ProcessError, DemoError, TestbedError) as exc:
         # The message names the process and ends with its log tail: what the user needs, not our stack.
         print(f"kvpp demo: failed: {exc}", file=sys.stderr)
         return 1

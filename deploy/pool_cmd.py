@@ -3,7 +3,8 @@
 The pool's memory is held by the pool's own processes (a standalone Mooncake store client that only
 contributes a segment, or the memcache MetaService), never by an engine, so pooled prefixes survive
 engine restarts. `up` prints the exact `kv_connector_extra_config` to merge into --kv-transfer-config
-and records the pids in a state file; `down` stops exactly those pids.
+and records its processes in a state file (pid, start time, command line); `down` stops exactly
+those processes, after checking that each pid still is the process recorded.
 """
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deploy.processes import LOOPBACK, ManagedProcess, ProcessError, free_port
+import msgspec
+
+from kvpp_core.files import read_small_file
+
+from deploy import cli_args
+from deploy.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
+                              port_open, stop_recorded)
 
 DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
 STATE_FILE = "pool.json"
@@ -32,25 +40,46 @@ class MetaServiceBusy(ProcessError):
     """Another memcache MetaService holds the host-wide lock."""
 
 
-@dataclass
-class PoolInfo:
+class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """A running pool; also the state file's schema (a file that does not match is refused)."""
+
     backend: str
     kv_connector_extra_config: dict
-    pids: list[int]
+    processes: list[ProcessIdentity]
+    boot_id: str
     state_dir: str
-    logs: list[str] = field(default_factory=list)
+    logs: list[str] = []
     mmc_local_config_path: str | None = None
     """memcache: the same settings as a file, for engines configured through $MMC_LOCAL_CONFIG_PATH."""
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+
+def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:
+    found = [ProcessIdentity.of(p.pid) for p in procs]
+    if None in found:
+        logs = ", ".join(str(p.log_path) for p in procs)
+        raise ProcessError(f"a pool process exited right after starting; see {logs}")
+    return found
+
+
+MIN_SEGMENT, MAX_SEGMENT = 1 << 20, 1 << 40
+
 
 def parse_size(text: str) -> int:
+    """`512MB`, `2GB`, ... as bytes, from 1 MB to 1 TB (an argparse type)."""
     units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
     t = text.strip().upper().replace(" ", "")
     num = t.rstrip("KMGB")
     unit = t[len(num):]
-    if not num.isdigit() or unit not in units:
-        raise ValueError(f"--segment-size must look like 512MB or 2GB, got {text!r}")
-    return int(num) * units[unit]
+    if not (num.isascii() and num.isdigit()) or len(num) > 20 or unit not in units:
+        raise argparse.ArgumentTypeError(f"must look like 512MB or 2GB, got {text!r}")
+    size = int(num) * units[unit]
+    if not MIN_SEGMENT <= size <= MAX_SEGMENT:
+        raise argparse.ArgumentTypeError(f"must be from 1MB to 1024GB, got {text!r}")
+    return size
 
 
 def _bin(name: str) -> str:
@@ -98,7 +127,7 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
         "lookup_rpc_port": free_port(),
         "mooncake": {"master_server_address": address, "protocol": "tcp", "local_hostname": LOOPBACK},
     }
-    return PoolInfo("mooncake", extra, [p.pid for p in procs], str(state_dir), [str(p.log_path) for p in procs])
+    return PoolInfo("mooncake", extra, _identities(procs), boot_id(), str(state_dir), [str(p.log_path) for p in procs])
 
 
 def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
@@ -136,7 +165,8 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
         "ock.mmc.log_level = error\n"
     )
     extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
-    return PoolInfo("memcache", extra, [proc.pid], str(state_dir), [str(proc.log_path)], str(conf))
+    return PoolInfo("memcache", extra, _identities([proc]), boot_id(), str(state_dir), [str(proc.log_path)],
+                    str(conf))
 
 
 def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: int = 1 << 30,
@@ -146,57 +176,121 @@ def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: in
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     state = state_dir / STATE_FILE
-    if state.exists() and any(_alive(pid) for pid in json.loads(state.read_text())["pids"]):
+    if state.exists() and any(_is_running(p) for p in load_state(state).processes):
         raise ValueError(f"a pool is already running (state {state}); run `kvpp pool down` first")
     info = start_mooncake(state_dir, segment_bytes, **mooncake_timers) if backend == "mooncake" else start_memcache(state_dir)
-    state.write_text(json.dumps(asdict(info), indent=2))
+    tmp = state.with_name(f".{STATE_FILE}.{os.getpid()}")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(info)))
+    tmp.replace(state)
     return info
 
 
-def _alive(pid: int) -> bool:
+def load_state(state: Path) -> PoolInfo:
+    """The state file `kvpp pool up` wrote; ValueError (one line) for anything else."""
     try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+        info = msgspec.json.decode(read_small_file(state, 1 << 20), type=PoolInfo)
+    except FileNotFoundError:
+        raise ValueError(f"no pool state at {state}; nothing to stop (was it started with another --state-dir?)"
+                         ) from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ValueError(f"{state} is not a pool state file kvpp pool up wrote ({' '.join(str(exc).split())}); "
+                         "nothing was signalled: check `ps` for the pool's processes, then remove the file") from None
+    if not info.processes:
+        raise ValueError(f"{state} lists no processes; remove the file")
+    return info
+
+
+def _is_running(recorded: ProcessIdentity) -> bool:
+    return ProcessIdentity.of(recorded.pid) == recorded
 
 
 def pool_down(state_dir: Path = DEFAULT_STATE_DIR, timeout: float = 10.0) -> list[int]:
-    """Stop the recorded pool processes (their process groups), newest first; returns the pids."""
+    """Stop the recorded pool processes (their process groups), newest first; returns the pids stopped.
+
+    A pid that now belongs to another process (the pool died and the number was reused) is left
+    alone with a warning; after a reboot no recorded process can still exist."""
     state = Path(state_dir) / STATE_FILE
-    if not state.exists():
-        raise ValueError(f"no pool state at {state}; nothing to stop (was it started with another --state-dir?)")
-    pids = json.loads(state.read_text())["pids"]
-    for pid in reversed(pids):
-        _stop_group(pid, timeout)
+    info = load_state(state)
+    stopped = []
+    same_boot = info.boot_id == boot_id()
+    for recorded in reversed(info.processes):
+        outcome = stop_recorded(recorded, timeout) if same_boot else "gone"
+        if outcome == "stopped":
+            stopped.append(recorded.pid)
+        elif outcome == "foreign":
+            print(f"kvpp: warning: pid {recorded.pid} is no longer the pool's {os.path.basename(recorded.cmdline[0])} "
+                  "(the pid was reused); left alone", file=sys.stderr)
     state.unlink()
-    return pids
+    return stopped
 
 
-def _stop_group(pid: int, timeout: float) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int | None = None,
+                   ready_timeout: float = 60.0) -> int:
+    """Run a Mooncake pool in the foreground, as rendered deployments do: `mooncake_master` on
+    host:port plus a segment holder owning the pool's memory (so pooled prefixes outlive every
+    engine). If either process dies the other is stopped and the exit status is non-zero, so a
+    supervisor (systemd, Kubernetes) restarts the pool as a whole; SIGTERM stops both."""
+    # Its metrics port defaults to a fixed 9003: a second pool on the host would fail to start.
+    argv = [_bin("mooncake_master"), f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
+            f"--metrics_port={metrics_port if metrics_port is not None else free_port(host)}"]
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    env = {**os.environ, **QUIET_ENV}
+    with tempfile.TemporaryDirectory(prefix="kvpp-pool-") as tmp:
+        ready = Path(tmp) / "holder.ready"
+        procs = [subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)]
         try:
-            os.killpg(pid, sig)  # pool processes lead their own session (group id == pid)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
-            except ChildProcessError:  # not our child: poll for its disappearance
-                if not _alive(pid):
-                    return
-            time.sleep(0.05)
+            deadline = time.monotonic() + ready_timeout
+            while not port_open(host, port):
+                if stop or procs[0].poll() is not None or time.monotonic() > deadline:
+                    print(f"kvpp pool serve: mooncake_master did not listen on {host}:{port}", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", f"{host}:{port}",
+                 "--segment-bytes", str(segment_bytes), "--ready-file", str(ready), "--host", host],
+                env=env, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent))
+            while not ready.exists():
+                if stop or procs[1].poll() is not None or time.monotonic() > deadline:
+                    print("kvpp pool serve: the segment holder did not join the pool", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            print(f"kvpp pool serve: mooncake pool on {host}:{port}, {segment_bytes} bytes held "
+                  f"(master pid {procs[0].pid}, holder pid {procs[1].pid})", flush=True)
+            while not stop:
+                dead = [p for p in procs if p.poll() is not None]
+                if dead:
+                    print(f"kvpp pool serve: pid {dead[0].pid} exited with {dead[0].returncode}; stopping the pool",
+                          file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _die_with_parent() -> None:
+    """Child setup: SIGKILL this process when `kvpp pool serve` dies, however it dies (Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # ---- pool-side processes (run as `python -m deploy.pool_cmd hold|meta-service`) -----------------
-def hold_segment(master: str, segment_bytes: int, ready_file: str) -> int:
-    """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM."""
+def hold_segment(master: str, segment_bytes: int, ready_file: str, host: str = LOOPBACK) -> int:
+    """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM; engines
+    on other hosts read it at `host`."""
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup(LOOPBACK, "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", master)
+    rc = store.setup(host, "P2PHANDSHAKE", segment_bytes, 0, "tcp", "", master)
     if rc != 0:
         print(f"pool holder: setup against {master} failed with {rc}", file=sys.stderr)
         return 1
@@ -228,7 +322,7 @@ def meta_service(meta_port: int, config_store_port: int, metrics_port: int, log_
 # ---- CLI ------------------------------------------------------------------------------------------
 def _cmd_up(args) -> int:
     try:
-        info = pool_up(args.backend, Path(args.state_dir), parse_size(args.segment_size))
+        info = pool_up(args.backend, Path(args.state_dir), args.segment_size)
     except ProcessError as exc:
         raise ValueError(str(exc)) from exc
     if args.json:
@@ -242,9 +336,13 @@ def _cmd_up(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    return serve_mooncake(args.host, args.port, args.segment_size, args.metrics_port)
+
+
 def _cmd_down(args) -> int:
     pids = pool_down(Path(args.state_dir))
-    print(f"stopped pool pids {', '.join(map(str, pids))}")
+    print(f"stopped pool pids {', '.join(map(str, pids))}" if pids else "the pool's processes had already exited")
     return 0
 
 
@@ -253,12 +351,21 @@ def register(subparsers) -> None:
     sub = pool.add_subparsers(dest="pool_command", required=True)
     up = sub.add_parser("up", help="start the pool on loopback and print its connector config")
     up.add_argument("--backend", choices=BACKENDS, required=True)
-    up.add_argument("--segment-size", default="1GB", help="memory the pool holds (mooncake), e.g. 512MB")
-    up.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR), help="where pids and logs are kept")
+    up.add_argument("--segment-size", type=parse_size, default=1 << 30,
+                    help="memory the pool holds (mooncake), e.g. 512MB (default 1GB)")
+    up.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR),
+                    help="where pids and logs are kept")
     up.add_argument("--json", action="store_true", help="print one JSON object")
     up.set_defaults(func=_cmd_up)
+    serve = sub.add_parser("serve", help="run a Mooncake pool (master + segment holder) in the foreground on a "
+                                         "given address: what rendered deployments start")
+    serve.add_argument("--host", type=cli_args.host, required=True, help="address to listen on and advertise to engines")
+    serve.add_argument("--port", type=cli_args.port, required=True, help="mooncake_master RPC port")
+    serve.add_argument("--metrics-port", type=cli_args.port, default=None)
+    serve.add_argument("--segment-size", type=parse_size, default=1 << 30, help="memory the pool holds, e.g. 512MB")
+    serve.set_defaults(func=_cmd_serve)
     down = sub.add_parser("down", help="stop the pool started by `kvpp pool up`")
-    down.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR))
+    down.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR))
     down.set_defaults(func=_cmd_down)
 
 
@@ -269,13 +376,14 @@ def _internal_main(argv: list[str]) -> int:
     hold.add_argument("--master", required=True)
     hold.add_argument("--segment-bytes", type=int, required=True)
     hold.add_argument("--ready-file", required=True)
+    hold.add_argument("--host", default=LOOPBACK)
     meta = sub.add_parser("meta-service")
     for name in ("--meta-port", "--config-store-port", "--metrics-port"):
         meta.add_argument(name, type=int, required=True)
     meta.add_argument("--log-dir", required=True)
     args = parser.parse_args(argv)
     if args.what == "hold":
-        return hold_segment(args.master, args.segment_bytes, args.ready_file)
+        return hold_segment(args.master, args.segment_bytes, args.ready_file, args.host)
     return meta_service(args.meta_port, args.config_store_port, args.metrics_port, args.log_dir)
 
 

@@ -13,6 +13,8 @@ from collections import defaultdict
 
 from kvpp_core.ports import PortLayout, overlaps
 
+from deploy import cli_args
+
 NODE_FORMAT = "NAME=KV_PORT:TP[:PP[:PCP[:DP]]]"
 
 
@@ -23,14 +25,12 @@ def register(subparsers) -> None:
         "scheduler control ports. With --node (repeatable) or --spec: list each instance's range and report "
         "ranges that overlap on one host (exit code 1).",
     )
-    p.add_argument("--kv-port", type=int, help="the instance's kv_port (base of its range)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--pcp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--kv-port", type=cli_args.port, help="the instance's kv_port (base of its range)")
+    for flag in ("--tp", "--pp", "--pcp", "--dp"):
+        p.add_argument(flag, type=cli_args.parallel_size, default=1)
     p.add_argument("--node", action="append", default=[], metavar=NODE_FORMAT,
                    help="an instance on the same host, e.g. prefill=37000:2 decode=37010:1")
-    p.add_argument("--spec", default=None, metavar="FILE",
+    p.add_argument("--spec", type=cli_args.path_text, default=None, metavar="FILE",
                    help="a deployment spec (kvpp check format): every P/D instance, grouped by host")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
@@ -40,12 +40,14 @@ def parse_node(text: str) -> tuple[str, PortLayout]:
     """`prefill=37000:2:1:1:1` -> ("prefill", PortLayout(37000, tp=2, pp=1, pcp=1, dp=1))."""
     name, sep, rest = text.partition("=")
     parts = rest.split(":")
-    if not sep or not name or not 2 <= len(parts) <= 5:
+    if not sep or not name or not name.isprintable() or not 2 <= len(parts) <= 5:
         raise ValueError(f"--node {text!r}: expected {NODE_FORMAT}, e.g. prefill=37000:2")
     try:
         numbers = [int(x) for x in parts]
     except ValueError:
         raise ValueError(f"--node {text!r}: KV_PORT, TP, PP, PCP and DP must be integers") from None
+    if any(n > cli_args.MAX_PARALLEL for n in numbers[1:]):
+        raise ValueError(f"--node {text!r}: TP, PP, PCP and DP must be at most {cli_args.MAX_PARALLEL}")
     sizes = dict(zip(("tp", "pp", "pcp", "dp"), numbers[1:]))
     try:
         return name, PortLayout(numbers[0], **sizes)

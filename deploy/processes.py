@@ -8,6 +8,7 @@ tail instead of a bare timeout.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -17,6 +18,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 LOOPBACK = "127.0.0.1"
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
@@ -26,6 +30,114 @@ PROGRESS_EVERY_S = 10.0
 
 class ProcessError(RuntimeError):
     """A managed process died or did not become ready; the message carries its log tail."""
+
+
+PID = Annotated[int, msgspec.Meta(gt=1, le=1 << 22)]  # never 0, 1 or negative: kill(2) reads those as groups
+
+
+class ProcessIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Who a pid is: its start time (clock ticks after boot, /proc/PID/stat field 22) and command
+    line. A pid recorded in a file is signalled only while both still match, because pids are
+    reused: a stale file must not make `kvpp pool down` kill whatever process got the number."""
+
+    pid: PID
+    start_ticks: Annotated[int, msgspec.Meta(ge=0)]
+    cmdline: Annotated[list[str], msgspec.Meta(min_length=1)]
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        """The identity of the live process `pid` (None when there is none)."""
+        stat = _proc_stat(pid)
+        if stat is None:
+            return None
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        return cls(pid, stat.start_ticks, [os.fsdecode(a) for a in raw.split(b"\0")[:-1]])
+
+
+class _Stat(msgspec.Struct, frozen=True):
+    state: str
+    pgrp: int
+    start_ticks: int
+
+
+def _proc_stat(pid: int) -> _Stat | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name in parentheses may hold anything
+    return _Stat(state=fields[0], pgrp=int(fields[2]), start_ticks=int(fields[19]))
+
+
+def running(pid: int) -> bool:
+    """True while `pid` exists and has not exited (a zombie waiting to be reaped has exited)."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat.state not in ("Z", "X")
+
+
+def boot_id() -> str:
+    """This boot's id: start times count from boot, so they compare only within one boot."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def stop_recorded(recorded: ProcessIdentity, timeout: float = 10.0) -> str:
+    """Stop a process recorded earlier, with its process group, if it is still that process.
+
+    Returns "stopped", "gone" (it had exited) or "foreign" (the pid now belongs to another process,
+    which is left alone). A pidfd pins the process while its identity is compared and signalled.
+    """
+    try:
+        pidfd = os.pidfd_open(recorded.pid)
+    except ProcessLookupError:
+        return "gone"
+    try:
+        current, stat = ProcessIdentity.of(recorded.pid), _proc_stat(recorded.pid)
+        if current is None or stat is None:
+            return "gone"
+        if stat.state == "Z" and stat.start_ticks == recorded.start_ticks:
+            _reap(recorded.pid)
+            return "gone"
+        if current != recorded:
+            return "foreign"
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if stat.pgrp == recorded.pid:  # a group leader (start_new_session): the group goes too
+                os.killpg(recorded.pid, sig)
+            else:
+                signal.pidfd_send_signal(pidfd, sig)
+            if select.select([pidfd], [], [], timeout)[0]:  # readable once the process has exited
+                break
+        _reap(recorded.pid)
+        kill_strays(recorded.pid)
+        return "stopped"
+    finally:
+        os.close(pidfd)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child: its parent (or init) reaps it
+        pass
+
+
+def kill_strays(pgid: int) -> None:
+    """SIGKILL what is left of process group `pgid` after its leader was reaped.
+
+    Only members other than the leader count: while one exists the kernel cannot hand the number
+    `pgid` to a new process, so a member found here belongs to the original group, never to a
+    newcomer that got the leader's pid."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == pgid:
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is not None and stat.pgrp == pgid:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -88,10 +200,7 @@ def run_in_group(argv: Sequence[str], timeout: float, env: Mapping[str, str] | N
                 continue
         raise
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers that outlived the leader
-        except ProcessLookupError:
-            pass
+        kill_strays(proc.pid)  # leftovers that outlived the (reaped) leader
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -134,6 +243,7 @@ class ManagedProcess:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
+            # Until we reap it the leader holds its pid, so the group id names our group.
             self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
@@ -141,7 +251,7 @@ class ManagedProcess:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait(timeout)
         # Children that outlived the leader (e.g. engine cores) still share the group id.
-        self._signal_group(signal.SIGKILL)
+        kill_strays(self.proc.pid)
         return self.proc.returncode
 
     def _signal_group(self, sig: int) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from deploy import cli_args
 from deploy.processes import LOOPBACK, ManagedProcess, free_port
 
 logger = logging.getLogger("kvpp.proxy")
@@ -259,14 +260,16 @@ def register(subparsers) -> None:
         description="Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models and /health "
         "(?backends=1 also probes the backends). Prefill and decode instances are used round-robin.",
     )
-    p.add_argument("--prefill", required=True, metavar="URL[,URL]", help="prefill instance base URL(s)")
-    p.add_argument("--decode", required=True, metavar="URL[,URL]", help="decode instance base URL(s)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--connect-timeout", type=float, default=Timeouts.connect, metavar="S")
-    p.add_argument("--prefill-timeout", type=float, default=Timeouts.prefill, metavar="S",
+    p.add_argument("--prefill", type=cli_args.url_list, required=True, metavar="URL[,URL]",
+                   help="prefill instance base URL(s)")
+    p.add_argument("--decode", type=cli_args.url_list, required=True, metavar="URL[,URL]",
+                   help="decode instance base URL(s)")
+    p.add_argument("--host", type=cli_args.host, default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=cli_args.port, required=True)
+    p.add_argument("--connect-timeout", type=cli_args.seconds, default=Timeouts.connect, metavar="S")
+    p.add_argument("--prefill-timeout", type=cli_args.seconds, default=Timeouts.prefill, metavar="S",
                    help=f"whole prefill request (default {Timeouts.prefill:.0f})")
-    p.add_argument("--decode-timeout", type=float, default=Timeouts.decode_read, metavar="S",
+    p.add_argument("--decode-timeout", type=cli_args.seconds, default=Timeouts.decode_read, metavar="S",
                    help=f"longest silence while reading the decode answer (default {Timeouts.decode_read:.0f})")
     p.set_defaults(func=_run)
 

@@ -3,22 +3,45 @@
 The schema is checked with JSON Schema and every violation is reported with its path
 (`prefill[0].tp: ...`), so a spec is fixed in one pass. Defaults are filled in here, once, so that
 `kvpp render` and `kvpp check` read the same values.
+
+Every value ends up in a shell script, a config file or a manifest. What each target cannot carry
+safely is refused here (hosts that are not host names, env keys that are not identifiers, NUL,
+non-finite numbers, ...); everything else is quoted by the renderer for its target.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvpp_core.files import read_small_file
+
+from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem
+
+MAX_SPEC_BYTES = 1 << 20
+# Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,
+# low enough that an alias bomb or a recursive alias is refused instead of expanded.
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
+INT64_MAX = (1 << 63) - 1
+
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
-POS_INT = {"type": "integer", "minimum": 1}
-NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 40}
+POS_INT = {"type": "integer", "minimum": 1, "maximum": INT64_MAX}
+PARALLEL = {"type": "integer", "minimum": 1, "maximum": MAX_PARALLEL}
+NAME = {"type": "string", "maxLength": 40}  # a DNS label: checked by _label_problem
 STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_CONF_KEY = re.compile(r"[A-Za-z0-9_.]+")
 # Flags the renderer owns: giving them in extra_args would silently fight the merged values.
 MANAGED_FLAGS = (
     "--additional-config", "--kv-transfer-config", "--tensor-parallel-size", "-tp",
@@ -36,7 +59,7 @@ MEMORY = {
         "max_model_len": POS_INT,
         "max_num_batched_tokens": POS_INT,
         "max_num_seqs": POS_INT,
-        "block_size": POS_INT,
+        "block_size": {"type": "integer", "minimum": 1, "maximum": 1 << 20},
     },
 }
 
@@ -46,14 +69,15 @@ INSTANCE = {
     "required": ["name", "hosts", "tp"],
     "properties": {
         "name": NAME,
-        "hosts": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        "hosts": {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL, "items": {"type": "string"}},
         "port": PORT,
-        "tp": POS_INT,
-        "pp": POS_INT,
-        "pp_layers": {"oneOf": [{"type": "null"}, {"type": "array", "minItems": 1, "items": POS_INT}]},
-        "pcp": POS_INT,
-        "dcp": POS_INT,
-        "dp": POS_INT,
+        "tp": PARALLEL,
+        "pp": PARALLEL,
+        "pp_layers": {"oneOf": [{"type": "null"}, {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL,
+                                                  "items": {**PARALLEL, "maximum": MAX_LAYERS}}]},
+        "pcp": PARALLEL,
+        "dcp": PARALLEL,
+        "dp": PARALLEL,
         "ep": {"type": "boolean"},
         "runner": {"enum": ["v1", "v2"]},
         "kv_port": PORT,
@@ -84,7 +108,7 @@ SCHEMA = {
                 "path": {"type": "string", "minLength": 1},
                 "preset": {"type": "string", "minLength": 1},
                 "served_name": {"type": "string", "minLength": 1},
-                "mtp_layers": {"type": "integer", "minimum": 0},
+                "mtp_layers": {"type": "integer", "minimum": 0, "maximum": 64},
             },
         },
         "prefill": {"type": "array", "minItems": 1, "items": INSTANCE},
@@ -95,10 +119,11 @@ SCHEMA = {
             "required": ["backend", "address", "lookup_rpc_port"],
             "properties": {
                 "backend": {"enum": ["mooncake", "memcache"]},
-                "address": {"type": "string", "pattern": r"^[^\s:]+:[0-9]{1,5}$"},
+                "address": {"type": "string"},
                 "lookup_rpc_port": PORT,
                 "kv_role": {"enum": ["kv_producer", "kv_consumer", "kv_both"]},
                 "metrics_port": PORT,
+                "segment_size": {"type": "string", "pattern": r"^[0-9]+ ?([KMG]?B)?$"},
                 "extra_config": {"type": "object"},
                 "settings": {"type": "object"},
             },
@@ -106,7 +131,7 @@ SCHEMA = {
         "proxy": {
             "type": "object",
             "additionalProperties": False,
-            "properties": {"host": {"type": "string", "minLength": 1}, "port": PORT},
+            "properties": {"host": {"type": "string"}, "port": PORT},
         },
         "kubernetes": {
             "type": "object",
@@ -115,7 +140,7 @@ SCHEMA = {
                 "namespace": NAME,
                 "image": {"type": "string", "minLength": 1},
                 "device_resource": {"type": "string", "minLength": 1},
-                "devices_per_node": POS_INT,
+                "devices_per_node": PARALLEL,
                 "proxy_image": {"type": "string", "minLength": 1},
             },
         },
@@ -128,7 +153,8 @@ INSTANCE_DEFAULTS: dict[str, Any] = {
     "lookup_rpc_port": None, "memory": {}, "additional_config": {}, "kv_transfer_config": {},
     "extra_args": [], "env": {},
 }
-POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "extra_config": {}, "settings": {}}
+POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "segment_size": "8GB",
+                                 "extra_config": {}, "settings": {}}
 PROXY_DEFAULTS: dict[str, Any] = {"host": None, "port": 8000}
 K8S_DEFAULTS: dict[str, Any] = {
     "namespace": "default", "image": "vllm-ascend:latest", "device_resource": "huawei.com/ascend-1980",
@@ -186,6 +212,8 @@ class Pool:
     lookup_rpc_port: int
     kv_role: str
     metrics_port: int | None
+    segment_size: str
+    """Memory the pool's segment holder contributes (mooncake), e.g. 64GB."""
     extra_config: dict[str, Any]
     settings: dict[str, Any]
 
@@ -222,21 +250,159 @@ class Spec:
 
 def schema_problems(data: Any) -> list[str]:
     """Every schema violation, as `path: message`, in document order."""
-    from jsonschema import Draft202012Validator
-
-    validator = Draft202012Validator(SCHEMA)
-    problems = []
-    for err in sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
+    problems = _data_problems(data)
+    if problems:  # not plain JSON data: the schema validator cannot be trusted with it
+        return problems
+    for err in sorted(_validator().iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path]):
         problems.append(f"{_path(err.absolute_path)}: {_message(err)}")
+    if isinstance(data, dict):
+        problems += _text_problems(data)
     if not problems:
         problems += _semantic_problems(data)
     return problems
 
 
+def _validator():
+    from jsonschema import Draft202012Validator, validators
+
+    # JSON Schema counts 8.0 as an integer; a rendered `--tensor-parallel-size 8.0` would not be one.
+    checker = Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
+    return validators.extend(Draft202012Validator, type_checker=checker)(SCHEMA)
+
+
+def _data_problems(data: Any) -> list[str]:
+    """Values YAML can hold but no target can carry: non-string keys, dates, NaN, NUL, unpaired
+    surrogates; and alias bombs (more than MAX_VALUES values once aliases are expanded)."""
+    problems: list[str] = []
+    budget = [MAX_VALUES]
+    too_deep = []
+
+    def visit(value: Any, path: list, depth: int) -> None:
+        budget[0] -= 1
+        if depth > MAX_DEPTH:
+            too_deep.append(path)
+        if budget[0] < 0 or too_deep:
+            return
+        where = _path(path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    problems.append(f"{where}: key {key!r} must be a string (quote it)")
+                    continue
+                problems.extend(f"{_path([*path, key])}: key {p}" for p in _string_problems(key))
+                visit(item, [*path, key], depth + 1)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                visit(item, [*path, i], depth + 1)
+        elif isinstance(value, str):
+            problems.extend(f"{where}: {p}" for p in _string_problems(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{where}: {value} is not a finite number")
+        elif value is not None and not isinstance(value, (bool, int, float)):
+            problems.append(f"{where}: a {type(value).__name__} is not a JSON value (string, number, boolean, "
+                            "null, list or mapping); quote it")
+
+    visit(data, [], 0)
+    if budget[0] < 0:
+        problems.append(f"(top level): more than {MAX_VALUES} values (YAML aliases are expanded); a deployment "
+                        "spec is far smaller")
+    elif too_deep:
+        problems.append(f"{_path(too_deep[0][:3])}: nested deeper than {MAX_DEPTH} levels")
+    return problems
+
+
+def _string_problems(text: str) -> list[str]:
+    problems = []
+    if "\0" in text:
+        problems.append("contains a NUL character, which no command line, environment or file name can carry")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        problems.append("contains an unpaired UTF-16 surrogate (not valid Unicode text)")
+    return problems
+
+
+def _has_control(text: str) -> bool:
+    return any(unicodedata.category(c) == "Cc" for c in text)
+
+
+def _text_problems(data: dict) -> list[str]:
+    """String fields whose target syntax is narrower than "any string": hosts, names, identifiers."""
+    problems: list[str] = []
+
+    def check(value: Any, where: str, test) -> None:
+        if isinstance(value, str):
+            problem = test(value)
+            if problem:
+                problems.append(f"{where}: {problem}")
+
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    for key in ("path", "served_name", "preset"):
+        check(model.get(key), f"model.{key}", _argument_problem)
+    for role in ("prefill", "decode"):
+        for i, inst in enumerate(data.get(role) or [] if isinstance(data.get(role), list) else []):
+            if not isinstance(inst, dict):
+                continue
+            check(inst.get("name"), f"{role}[{i}].name", _label_problem)
+            for j, host in enumerate(inst.get("hosts") or [] if isinstance(inst.get("hosts"), list) else []):
+                check(host, f"{role}[{i}].hosts[{j}]", host_problem)
+            env = inst.get("env") if isinstance(inst.get("env"), dict) else {}
+            for key in env:
+                if not _ENV_KEY.fullmatch(key):
+                    problems.append(f"{role}[{i}].env: key {key!r} is not an environment variable name (letters, "
+                                    "digits and '_', not starting with a digit)")
+    proxy = data.get("proxy") if isinstance(data.get("proxy"), dict) else {}
+    check(proxy.get("host"), "proxy.host", host_problem)
+    pool = data.get("pool") if isinstance(data.get("pool"), dict) else {}
+    check(pool.get("address"), "pool.address", _address_problem)
+    if pool.get("backend") == "memcache" and isinstance(pool.get("settings"), dict):
+        for key, value in pool["settings"].items():
+            if not _CONF_KEY.fullmatch(key):
+                problems.append(f"pool.settings: key {key!r} is not an mmc config key (letters, digits, '_', '.')")
+            elif not isinstance(value, (str, int, float)) or isinstance(value, str) and _has_control(value):
+                problems.append(f"pool.settings.{key}: an mmc config value is one line of text or a number, got "
+                                f"{value!r}")
+    k8s = data.get("kubernetes") if isinstance(data.get("kubernetes"), dict) else {}
+    check(k8s.get("namespace"), "kubernetes.namespace", _label_problem)
+    for key in ("image", "proxy_image"):
+        check(k8s.get(key), f"kubernetes.{key}", lambda v: (
+            f"{v!r} is not an image reference (no whitespace or control characters)"
+            if not v or any(c.isspace() or _has_control(c) for c in v) else None))
+    check(k8s.get("device_resource"), "kubernetes.device_resource", lambda v: (
+        None if _RESOURCE.fullmatch(v) else f"{v!r} is not a Kubernetes resource name (e.g. huawei.com/ascend-1980)"))
+    return problems
+
+
+def _argument_problem(value: str) -> str | None:
+    if not value or _has_control(value):
+        return f"{value!r} must be non-empty and free of control characters"
+    if value.startswith("-"):
+        return f"{value!r} starts with '-', so vllm would read it as an option"
+    return None
+
+
+def _label_problem(value: str) -> str | None:
+    if _DNS_LABEL.fullmatch(value):
+        return None
+    return f"{value!r} must be a lowercase DNS label (a-z, 0-9, '-'; it names Kubernetes objects)"
+
+
+def _address_problem(value: str) -> str | None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not 1 <= int(port[:6] or 0) <= 65535:
+        return f"{value!r} must be host:port with a port from 1 to 65535"
+    problem = host_problem(host)
+    return f"host {problem}" if problem else None
+
+
 def _path(parts) -> str:
     out = ""
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_.\-]+", part):
+            out += f"[{part!r}]"  # odd keys quoted, so a message stays one unambiguous line
+        else:
+            out += f".{part}" if out else part
     return out or "(top level)"
 
 
@@ -244,8 +410,6 @@ def _message(err) -> str:
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
         return f"{err.message}; allowed keys: {', '.join(allowed)}"
-    if err.validator == "pattern" and err.schema is NAME:
-        return f"{err.instance!r} must be a lowercase DNS label (a-z, 0-9, '-'; it names Kubernetes objects)"
     return err.message
 
 
@@ -307,17 +471,22 @@ def parse_spec(data: Any, source: str = "spec") -> Spec:
     )
 
 
-def load_spec(path: str | Path) -> Spec:
-    path = Path(path)
+def read_spec_data(path: str | Path) -> Any:
+    """The YAML document at `path`; OSError when it is not a readable regular file of at most 1 MiB
+    (a command-line problem), SpecError when it is not YAML (a spec problem)."""
+    text = read_small_file(path, MAX_SPEC_BYTES)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(str(path), [f"cannot read the spec ({exc.strerror})"]) from None
-    try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), [f"not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
     except yaml.YAMLError as exc:
         raise SpecError(str(path), [f"not valid YAML: {' '.join(str(exc).split())}"]) from None
-    return parse_spec(data, str(path))
+    except RecursionError:
+        raise SpecError(str(path), [f"nested deeper than {MAX_DEPTH} levels"]) from None
+
+
+def load_spec(path: str | Path) -> Spec:
+    return parse_spec(read_spec_data(path), str(path))
 
 
 def compact_json(value: Any) -> str:

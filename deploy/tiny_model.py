@@ -17,7 +17,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpp_core.files import read_small_file
+
+from deploy import cli_args
+
 STAMP = "kvpp_tiny_model.json"
+MAX_LAYERS = 256
+MAX_MTP = 8
 # Bump when the generated files change for the same parameters, so stale builds are redone.
 GENERATOR_VERSION = 1
 
@@ -226,16 +232,24 @@ def _write_tokenizer(path: Path) -> None:
 
 def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, moe: bool = False,
                      mtp: int = 0) -> Path:
-    """Write the model to `path` (created); skip when a build with the same parameters is there."""
+    """Write the model to `path`; skip when a build with the same parameters is there.
+
+    `path` must be new, an empty directory, or an earlier build (its stamp lists the files it
+    wrote). A rebuild removes exactly those files, so a directory holding anything else is refused
+    before anything is deleted.
+    """
     from safetensors.torch import save_file
 
     if layers < 1 or mtp < 0:
         raise ValueError(f"tiny model needs layers >= 1 and mtp >= 0, got layers={layers}, mtp={mtp}")
     path = Path(path)
     spec = TinyModelSpec(layers=layers, seed=seed, moe=moe, mtp=mtp)
-    stamp = path / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(spec):
+    stamp = _earlier_build(path)
+    if stamp is not None and {k: v for k, v in stamp.items() if k != "files"} == asdict(spec):
         return path
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link; kvpp tiny-model does not replace it: give the target directory")
+    removable = _removable_files(path, stamp)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and swap in, so a crash never leaves a half-written model behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -244,14 +258,57 @@ def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, m
         cfg.save_pretrained(str(tmp))
         save_file(_weights(spec, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_tokenizer(tmp)
-        (tmp / STAMP).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
+        files = sorted([*os.listdir(tmp), STAMP])
+        (tmp / STAMP).write_text(json.dumps({**asdict(spec), "files": files}, indent=2, sort_keys=True) + "\n")
+        if removable is not None:
+            for name in removable:
+                (path / name).unlink(missing_ok=True)
+            path.rmdir()  # fails, deleting nothing more, if a file appeared since the check
         tmp.rename(path)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            shutil.rmtree(tmp)  # the temporary build directory is ours alone
     return path
+
+
+def _earlier_build(path: Path) -> dict | None:
+    """The stamp of a build at `path`, or None when there is nothing there (no path, empty directory)."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory; give kvpp tiny-model a new or empty directory")
+    if not any(path.iterdir()):
+        return None
+    try:
+        stamp = json.loads(read_small_file(path / STAMP))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not empty and was not written by kvpp tiny-model (no {STAMP}); give it a "
+                         "new or empty directory") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}/{STAMP} is unreadable ({exc}); give kvpp tiny-model a new or empty directory"
+                         ) from None
+    if not isinstance(stamp, dict):
+        raise ValueError(f"{path}/{STAMP} is not a stamp kvpp tiny-model wrote; give it a new or empty directory")
+    return stamp
+
+
+def _removable_files(path: Path, stamp: dict | None) -> list[str] | None:
+    """Files a rebuild removes from `path` (None: nothing there); refuses if anything else is there."""
+    if not path.exists():
+        return None
+    if stamp is None:
+        return []  # an empty directory
+    files = stamp.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f and f not in (".", "..")
+                                              for f in files):
+        raise ValueError(f"{path} was built by an older kvpp tiny-model that did not list its files; remove it "
+                         "yourself or give another directory")
+    foreign = sorted(set(os.listdir(path)) - set(files))
+    foreign += sorted(f for f in files if (path / f).is_symlink() or (path / f).is_dir())
+    if foreign:
+        raise ValueError(f"{path} holds files kvpp tiny-model did not write ({', '.join(foreign[:5])}); move them "
+                         "away or give another directory")
+    return files
 
 
 def register(subparsers) -> None:
@@ -260,11 +317,12 @@ def register(subparsers) -> None:
         description="Write an offline DeepseekV2ForCausalLM with seeded random weights (kv_lora_rank 512, "
         "rope 64) and a word-level tokenizer to PATH. Re-running with the same options is a no-op.",
     )
-    p.add_argument("path", help="output directory")
-    p.add_argument("--layers", type=int, default=16, help="target decoder layers (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("path", type=cli_args.path_text, help="output directory (new, empty, or an earlier build)")
+    p.add_argument("--layers", type=cli_args.bounded_int(1, MAX_LAYERS), default=16,
+                   help="target decoder layers (default 16)")
+    p.add_argument("--seed", type=cli_args.bounded_int(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
     p.add_argument("--moe", action="store_true", help="MoE layers after the first (4 experts, top-2)")
-    p.add_argument("--mtp", type=int, default=0,
+    p.add_argument("--mtp", type=cli_args.bounded_int(0, MAX_MTP), default=0,
                    help="MTP layers (switches to the DeepSeek-V3 type, which vLLM's MTP drafter needs)")
     p.set_defaults(func=_run)
 

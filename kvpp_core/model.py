@@ -13,11 +13,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvpp_core.files import read_small_file
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "float": "float32", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 
 KVPP_ATTENTION = ("mla", "sfa")
+# Ceiling for a config's counts and sizes: far above any real model, low enough that a corrupt
+# config cannot make a plan build per-layer tables for 10**18 layers.
+_MAX_CONFIG_INT = 1 << 20
 
 # HF model types whose caches are MLA latents; the SFA/DSA ones add an indexer key cache.
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -133,10 +138,10 @@ def resolve_model(name_or_path: str | Path) -> ModelSpec:
 def _spec_from_hf(path: Path) -> ModelSpec:
     config_file = path / "config.json" if path.is_dir() else path
     try:
-        raw = json.loads(config_file.read_text())
+        raw = json.loads(read_small_file(config_file))
     except FileNotFoundError:
         raise ValueError(f"{config_file}: no such file; point at a model directory or its config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{config_file}: not a readable JSON config ({_one_line(exc)})") from None
     return _spec_from_dict(raw, str(config_file), name=str(path))
 
@@ -157,6 +162,9 @@ def _spec_from_dict(raw: Any, source: str, name: str) -> ModelSpec:
             value = default
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{source}: {key} must be a non-negative integer, got {value!r}")
+        if value > _MAX_CONFIG_INT:
+            raise ValueError(f"{source}: {key} is {value}, more than any model has ({_MAX_CONFIG_INT}); is the "
+                             "config corrupt?")
         return value
 
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"

@@ -72,13 +72,13 @@ def test_tp1_warns_and_reports_ratio_1(capsys):
         (["--model", "gpt-9", "--tp", "8"], "unknown model 'gpt-9'"),
         (["--model", "glm-5.2", "--tp", "3"], "TP 3 does not divide the 64 attention heads"),
         (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,39"], "sums to 77 but the model has 78"),
-        (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,x"], "--pp-layers takes comma-separated integers"),
-        (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "-4"], "--memory-gib must be a positive number"),
+        (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,x"], "argument --pp-layers: takes comma-separated integers like 38,40"),
+        (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "-4"], "argument --memory-gib: takes a number or comma-separated numbers like 60,64: expected a number in (0, "),
         (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "1,2,3"], "one value or one per PP stage (1)"),
         (["--model", "glm-5.2", "--tp", "8", "--staging", "5"], "kvpp_staging_buffers must be an integer from 1 to 3"),
         (["--model", "glm-5.2", "--tp", "8", "--pcp", "2"], "set VLLM_USE_V2_MODEL_RUNNER=1"),
-        (["--model", "glm-5.2", "--tp", "8", "--mtp", "-1"], "--mtp must be >= 0"),
-        (["--model", "glm-5.2", "--tp", "0"], "tp must be an integer >= 1"),
+        (["--model", "glm-5.2", "--tp", "8", "--mtp", "-1"], "argument --mtp: expected an integer from 0 to 64, got -1"),
+        (["--model", "glm-5.2", "--tp", "0"], "argument --tp: expected an integer from 1 to 4096, got 0"),
     ],
 )
 def test_bad_input_is_one_line(capsys, args, message):

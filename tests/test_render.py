@@ -1,6 +1,7 @@
 """`kvpp render`: golden output for the example specs, and manifests valid against Kubernetes schemas."""
 
 import itertools
+import json
 import os
 import shlex
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from deploy.cli import main
-from deploy.render import render
+from deploy.render import MARKER, render
 from deploy.spec import load_spec
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,8 @@ def _ids(paths):
 def test_render_matches_golden(example, fmt, tmp_path):
     assert main(["render", str(example), "--format", fmt, "--out", str(tmp_path)]) == 0
     golden_dir = GOLDEN / example.stem / fmt
-    produced = {p.name: p.read_text() for p in sorted(tmp_path.iterdir())}
+    produced = {p.name: p.read_text() for p in sorted(tmp_path.iterdir()) if p.name != MARKER}
+    assert json.loads((tmp_path / MARKER).read_text())["files"] == sorted(produced)
     if UPDATE:
         golden_dir.mkdir(parents=True, exist_ok=True)
         for old in golden_dir.iterdir():

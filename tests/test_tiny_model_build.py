@@ -67,3 +67,47 @@ def test_cli_builds_and_prints_the_path(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     stamp = json.loads((tmp_path / "cli" / STAMP).read_text())
     assert stamp["layers"] == 2 and stamp["moe"] is True and stamp["seed"] == 3 and stamp["mtp"] == 0
+
+
+def _one_error_line(capsys, argv):
+    from deploy.cli import main
+
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpp: error: ")
+    return lines[0]
+
+
+def test_a_directory_it_did_not_write_is_refused_and_kept(tmp_path, capsys):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    assert "was not written by kvpp tiny-model" in _one_error_line(capsys, ["tiny-model", str(user), "--layers", "1"])
+    assert [p.name for p in user.iterdir()] == ["notes.txt"] and (user / "notes.txt").read_text() == "keep"
+    (tmp_path / "file").write_text("keep")
+    assert "not a directory" in _one_error_line(capsys, ["tiny-model", str(tmp_path / "file")])
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_rebuild_never_removes_files_it_did_not_write(tmp_path, capsys):
+    path = build_tiny_model(tmp_path / "m", layers=1)
+    (path / "notes.txt").write_text("keep")
+    build_tiny_model(path, layers=1)  # same parameters: nothing to do, the extra file stays
+    line = _one_error_line(capsys, ["tiny-model", str(path), "--layers", "2"])
+    assert "holds files kvpp tiny-model did not write (notes.txt)" in line
+    assert (path / "notes.txt").read_text() == "keep"
+    assert json.loads((path / STAMP).read_text())["layers"] == 1  # the old build is untouched
+    (path / "notes.txt").unlink()
+    build_tiny_model(path, layers=2)
+    assert json.loads((path / STAMP).read_text())["layers"] == 2
+
+
+def test_an_empty_directory_is_used_and_a_symlink_is_not_replaced(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (build_tiny_model(empty, layers=1) / STAMP).is_file()
+    link = tmp_path / "link"
+    link.symlink_to(empty)
+    assert build_tiny_model(link, layers=1) == link  # an up-to-date build behind a link is fine to read
+    assert "symbolic link" in _one_error_line(capsys, ["tiny-model", str(link), "--layers", "2"])
+    assert json.loads((empty / STAMP).read_text())["layers"] == 1

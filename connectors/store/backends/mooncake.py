@@ -30,7 +30,9 @@ DEFAULTS: dict[str, Any] = {
 
 def resolve_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """Explicit settings win over the JSON file named by `config_path` or $MOONCAKE_CONFIG_PATH."""
-    merged = dict(DEFAULTS)
+    # Peers reach this client's buffers at local_hostname: on a multi-host deployment that is the
+    # node's address (VLLM_HOST_IP, as the P/D connector publishes), never loopback.
+    merged = {**DEFAULTS, "local_hostname": os.environ.get("VLLM_HOST_IP") or DEFAULTS["local_hostname"]}
     path = settings.get("config_path") or os.environ.get(CONFIG_ENV)
     if path:
         try:

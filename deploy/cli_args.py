@@ -1,0 +1,169 @@
+"""Argument types of the `kvpp` command: each refuses a bad value at parse time with one line naming
+the accepted range, so no subcommand meets NaN, an out-of-range port or a 10**30-rank topology.
+
+Bounds are generous ceilings, not tuning advice: they exist so that a typo cannot make a command
+allocate per-rank tables for a trillion ranks or bind port 99999.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import re
+import unicodedata
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+# Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
+MAX_PARALLEL = 4096
+MAX_LAYERS = 4096
+MAX_SECONDS = 7 * 24 * 3600.0
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def bounded_float(low: float, high: float, low_inclusive: bool = False) -> Callable[[str], float]:
+    """A finite number in (low, high] (or [low, high]); NaN and infinities are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value >= low if low_inclusive else value > low
+        if not (math.isfinite(value) and above and value <= high):
+            bracket = "[" if low_inclusive else "("
+            raise argparse.ArgumentTypeError(f"expected a number in {bracket}{_num(low)}, {_num(high)}], got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped, so a message stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if x.is_integer() else f"{x:g}"
+
+
+port = bounded_int(1, 65535)
+parallel_size = bounded_int(1, MAX_PARALLEL)
+seconds = bounded_float(0.0, MAX_SECONDS)
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` is not a DNS name or an IPv4/IPv6 address, or None when it is one."""
+    if not isinstance(host, str) or not host:
+        return "must be a non-empty host name or IP address"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return (f"{host!r} is not a host name or IP address (letters, digits, '-' and '.' only; no spaces, "
+                "quotes or control characters)")
+    return None
+
+
+def host(text: str) -> str:
+    problem = host_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) base URL with a valid host and port, or None."""
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return f"{url!r} contains whitespace or control characters"
+    try:
+        parts = urlsplit(url)
+        parsed_port = parts.port
+    except ValueError as exc:
+        return f"{url!r} is not a valid URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100"
+    if parsed_port == 0:
+        return f"{url!r}: port must be from 1 to 65535"
+    problem = host_problem(parts.hostname)
+    return f"{url!r}: host {problem}" if problem else None
+
+
+def url_list(text: str) -> str:
+    """Comma-separated http(s) base URLs; returned unchanged once every one is valid."""
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls:
+        raise argparse.ArgumentTypeError("needs at least one http(s) URL")
+    for url in urls:
+        problem = url_problem(url)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def int_list(low: int, high: int, max_items: int) -> Callable[[str], tuple[int, ...]]:
+    """Comma-separated integers in [low, high], at most `max_items` of them."""
+    item = bounded_int(low, high)
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        if len(parts) > max_items:
+            raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
+        try:
+            return tuple(item(part.strip()) for part in parts)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"takes comma-separated integers like 38,40: {exc}") from None
+
+    parse.__name__ = "list"
+    return parse
+
+
+def float_list(low: float, high: float, max_items: int) -> Callable[[str], tuple[float, ...]]:
+    """Comma-separated finite numbers in (low, high], at most `max_items` of them."""
+    item = bounded_float(low, high)
+
+    def parse(text: str) -> tuple[float, ...]:
+        parts = text.split(",")
+        if len(parts) > max_items:
+            raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
+        try:
+            return tuple(item(part.strip()) for part in parts)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"takes a number or comma-separated numbers like 60,64: {exc}") from None
+
+    parse.__name__ = "list"
+    return parse
+
+
+def path_text(text: str) -> str:
+    """A file system path: non-empty and free of control characters (NUL reaches no system call; a
+    newline in a path is a typo far more often than a name)."""
+    if not text or any(unicodedata.category(c) == "Cc" for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a usable path (empty, or has control characters)")
+    return text
+
+
+def path(text: str) -> Path:
+    return Path(path_text(text))
