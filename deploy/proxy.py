@@ -38,6 +38,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
 # Outcomes counted on /metrics: the path an answered request took, or why it was not answered.
 PATHS = ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected")
+PATH_HEADER = "X-Kvpp-Path"  # on every answer: pd, decode_only or prefill_only
 FAILED_MID_STREAM = web.ResponseKey("kvpp_failed_mid_stream", bool)  # marks a relayed stream that ended with an error event
 
 
@@ -316,15 +317,17 @@ class PDProxy:
                         failures.append(self._failed(failure))
             for b in decodes:
                 # A resend elsewhere pulls the same blocks only if the first decode never got the request.
-                send = decode_body(body, params) if params is not None else plain_body(body)
+                send, path = (decode_body(body, params), "pd") if params is not None else (plain_body(body),
+                                                                                          "decode_only")
                 try:
-                    return await self._serve(request, b, send, headers, stream), "pd" if params else "decode_only"
+                    return await self._serve(request, b, send, headers, stream, path), path
                 except BackendFailure as failure:
                     failures.append(self._failed(failure))
                     params = params if not failure.reached else None
             for b in self.prefill.order() if decodes else prefills:
                 try:
-                    return await self._serve(request, b, plain_body(body), headers, stream), "prefill_only"
+                    return await self._serve(request, b, plain_body(body), headers, stream, "prefill_only"), \
+                        "prefill_only"
                 except BackendFailure as failure:
                     failures.append(self._failed(failure))
         except Rejected as rejected:
@@ -357,9 +360,10 @@ class PDProxy:
                                  '{"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", ...}')
         return params
 
-    async def _serve(self, request: web.Request, backend: Backend, body: dict, headers: dict,
-                     stream: bool) -> web.StreamResponse:
-        """One instance answers the client. Raises BackendFailure while nothing has reached the client."""
+    async def _serve(self, request: web.Request, backend: Backend, body: dict, headers: dict, stream: bool,
+                     path: str) -> web.StreamResponse:
+        """One instance answers the client, told the path taken in PATH_HEADER. Raises BackendFailure
+        while nothing has reached the client."""
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_read=self.timeouts.decode_read)
         silent = f"no answer within {self.timeouts.decode_read:g} s"
         try:
@@ -374,7 +378,8 @@ class PDProxy:
                 if not stream:
                     data = await resp.read()
                     _check_status(backend, resp.status, data)
-                    out = web.Response(status=200, body=data, content_type="application/json")
+                    out = web.Response(status=200, body=data, content_type="application/json",
+                                       headers={PATH_HEADER: path})
                     resp.release()
                     return out
                 if resp.status != 200:
@@ -386,15 +391,15 @@ class PDProxy:
                 raise BackendFailure(backend, silent) from None
             except aiohttp.ClientError as exc:
                 raise BackendFailure(backend, f"failed while answering ({_reason(exc)})") from None
-            return await self._relay(request, resp, backend, first)
+            return await self._relay(request, resp, backend, first, path)
         finally:
             resp.close()  # a no-op after release(); otherwise it cuts the connection, which aborts the request
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
-                     first: bytes) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
-                                                                                        "text/event-stream"),
-                                                      "Cache-Control": "no-cache"})
+                     first: bytes, path: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+            PATH_HEADER: path})
         await out.prepare(request)
         await out.write(first)
         try:

@@ -170,10 +170,11 @@ def test_protocol_shape_non_streaming():
     async def go(session, url, proxy):
         async with session.post(f"{url}/v1/completions", json=REQUEST,
                                 headers={"Authorization": "Bearer k", "X-Request-Id": "req-1"}) as r:
-            return r.status, await r.json(), await metrics(session, url)
+            return r.status, await r.json(), r.headers["X-Kvpp-Path"], await metrics(session, url)
 
-    status, answer, m = asyncio.run(_with([p], [d], go))
+    status, answer, path, m = asyncio.run(_with([p], [d], go))
     assert status == 200 and answer["choices"][0]["text"] == "alpha beta gamma"
+    assert path == "pd"
     pre, dec = p.requests[0], d.requests[0]
     assert pre["body"] == {**REQUEST, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     # The decode gets the client's request plus the prefill's kv_transfer_params, unchanged.

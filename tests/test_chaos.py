@@ -1,0 +1,91 @@
+"""`kvpp chaos` machinery without engines: fault bookkeeping, schedules, and kill/restart/stall of a
+real process (`kvpp proxy` in front of real aiohttp backends)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
+from deploy.chaos_load import Record
+from deploy.chaos_stack import Member, Stack, inject
+from deploy.processes import http_ok
+from deploy.proxy import start_proxy
+from tests.test_proxy import REQUEST, Stub
+
+
+def _rec(mode, outcome, status=200, start=1.0, path="pd"):
+    return Record(0, 0, mode, start, start + 1, outcome, status, path=path)
+
+
+@pytest.mark.unit
+def test_only_streams_of_a_dead_instance_and_requests_inside_a_killed_proxy_are_excused():
+    kill_decode = {"kind": "kill", "target": "decode", "start": 5.0}
+    stall_decode = {**kill_decode, "kind": "stop"}
+    records = [_rec("stream", "error"), _rec("plain", "error", 502), _rec("stream", "error", 502),
+               _rec("plain", "answered", path="prefill_only"), _rec("stream", "wrong")]
+    row = _tally(records, kill_decode)
+    assert (row["errors"], row["errors_unexcused"], row["wrong"], row["answered"]) == (3, 2, 1, 1)
+    assert row["paths"] == {"pd": 4, "prefill_only": 1}
+    assert _tally(records, stall_decode)["errors_unexcused"] == 3  # a stall is not a death
+    kill_proxy = {"kind": "kill", "target": "proxy", "start": 5.0}
+    inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
+    assert _tally([inside, after], kill_proxy)["errors_unexcused"] == 1
+    assert _tally([inside], None)["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_soak_rounds_hold_every_fault_of_the_short_schedule():
+    soak = soak_schedule(1200, seed=3)
+    assert len(soak) == 5 * len(SHORT_SCHEDULE)
+    for i in range(5):
+        assert sorted(soak[i * 12:(i + 1) * 12], key=str) == sorted(SHORT_SCHEDULE, key=str)
+    assert soak == soak_schedule(1200, seed=3) and soak != soak_schedule(1200, seed=4)
+    kinds = {(f.kind, f.target) for f in SHORT_SCHEDULE}
+    for target in ("prefill", "decode", "pool_master", "pool_holder", "proxy"):
+        assert {("kill", target), ("stop", target)} <= kinds
+
+
+def _answer(url, timeout):
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(REQUEST).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.integration
+def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go():
+        await p.start()
+        await d.start()
+        stack = Stack()
+        try:
+            proxy, url = await asyncio.to_thread(start_proxy, [p.url], [d.url], tmp_path / "proxy.log")
+            member = Member.of(proxy, lambda proc: proc.wait_http(f"{url}/health", 30))
+            stack.members["proxy"] = member
+            first_pid = member.pid
+            await asyncio.to_thread(inject, member, "kill", 0.5, stack)
+            assert member.pid != first_pid and member.restarts == 1
+            assert (await asyncio.to_thread(_answer, url, 10))["served_by"] == "d0"
+
+            task = asyncio.ensure_future(asyncio.to_thread(inject, member, "stop", 2.0, stack))
+            await asyncio.sleep(0.5)
+            stalled = await asyncio.to_thread(http_ok, f"{url}/health", 0.5)
+            start = time.monotonic()
+            answer = await asyncio.to_thread(_answer, url, 10)  # waits out the stall, then is answered
+            await task
+            return stalled, time.monotonic() - start, answer
+        finally:
+            stack.stop()
+            await p.stop()
+            await d.stop()
+
+    stalled, waited, answer = asyncio.run(go())
+    assert not stalled and 0.5 < waited < 5 and answer["served_by"] == "d0"
