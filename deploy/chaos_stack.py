@@ -57,6 +57,7 @@ class Member:
         self.name, self.pid, self.argv, self.log_path = name, pid, argv, log_path
         self.env, self.cwd, self.ready, self.proc = env, cwd, ready, proc
         self.restarts = 0
+        self.pool_extra: dict = {}
 
     @classmethod
     def of(cls, proc: ManagedProcess, ready: Callable[[ManagedProcess], None]) -> Member:
@@ -142,21 +143,30 @@ def reference_answers(model: str, workdir: Path, ask: Callable[[str], dict]) -> 
         reference.stop()
 
 
+def adopt_pool(state_dir: Path) -> dict[str, Member]:
+    """A `kvpp pool up`-style Mooncake pool whose master and segment holder can be killed and restarted;
+    its connector settings are in the members' `pool_extra`."""
+    pool = start_mooncake(state_dir, segment_bytes=256 << 20)
+    members = {}
+    for name, pid, log in zip(("pool_master", "pool_holder"), pool.pids, pool.logs):
+        member = Member.adopt(name, pid, Path(log), QUIET_ENV, REPO_ROOT if name == "pool_holder" else None,
+                              _holder_ready)
+        if name == "pool_master":
+            port = int(_arg(member.argv, "--rpc_port"))
+            member.ready = lambda proc: proc.wait_port(LOOPBACK, port, timeout=30)  # noqa: B023
+        member.pool_extra = pool.kv_connector_extra_config
+        members[name] = member
+    return members
+
+
 def start_local_stack(model: str, workdir: Path, settings: StackSettings) -> Stack:
     """Mooncake pool (master + segment holder), prefill TP=2 with KVPP and a MultiConnector of
     MooncakeConnectorV2 and the pool, decode TP=1, and `kvpp proxy`, on loopback and free ports."""
     stack = Stack()
     try:
-        pool = start_mooncake(workdir / "pool", segment_bytes=256 << 20)
-        for name, pid, log in zip(("pool_master", "pool_holder"), pool.pids, pool.logs):
-            member = Member.adopt(name, pid, Path(log), QUIET_ENV, REPO_ROOT if name == "pool_holder" else None,
-                                  _holder_ready)
-            if name == "pool_master":
-                port = int(_arg(member.argv, "--rpc_port"))
-                member.ready = lambda proc: proc.wait_port(LOOPBACK, port, timeout=30)  # noqa: B023
-            stack.members[name] = member
+        stack.members.update(adopt_pool(workdir / "pool"))
         servers: tuple[VllmServer, VllmServer] = pd_servers(
-            model, workdir, pool.kv_connector_extra_config,
+            model, workdir, stack.members["pool_master"].pool_extra,
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
             consumer_extra={"transfer_timeout_s": settings.transfer_timeout_s},
             env=settings.engine_env())

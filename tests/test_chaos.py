@@ -13,8 +13,8 @@ import pytest
 
 from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
 from deploy.chaos_load import Record
-from deploy.chaos_stack import Member, Stack, inject
-from deploy.processes import http_ok
+from deploy.chaos_stack import Member, Stack, adopt_pool, inject
+from deploy.processes import http_ok, port_open
 from deploy.proxy import start_proxy
 from tests.test_proxy import REQUEST, Stub
 
@@ -89,3 +89,26 @@ def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
 
     stalled, waited, answer = asyncio.run(go())
     assert not stalled and 0.5 < waited < 5 and answer["served_by"] == "d0"
+
+
+@pytest.mark.integration
+def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_path):
+    from mooncake.store import MooncakeDistributedStore
+
+    stack = Stack(members=adopt_pool(tmp_path / "pool"))
+    master, holder = stack.members["pool_master"], stack.members["pool_holder"]
+    address = master.pool_extra["mooncake"]["master_server_address"]
+    try:
+        pids = (master.pid, holder.pid)
+        inject(master, "kill", 0.2, stack)
+        assert (master.restarts, holder.restarts) == (1, 1) and pids != (master.pid, holder.pid)
+        host, port = address.split(":")
+        assert port_open(host, int(port))
+        # The new pool has memory again: a client without a segment of its own can store and read.
+        client = MooncakeDistributedStore()
+        assert client.setup(host, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", address) == 0
+        assert client.put("chaos-key", b"x" * 4096) == 0 and client.get("chaos-key") == b"x" * 4096
+        client.close()
+    finally:
+        stack.stop()
+    assert not any(m._alive() for m in (master, holder))
