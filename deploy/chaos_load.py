@@ -92,6 +92,9 @@ class Load:
     seed: int = 0
     weights: tuple[float, float, float] = (0.45, 0.45, 0.10)
     """Shares of plain, streaming and client-cancelled requests."""
+    think_s: float = 0.5
+    """A client's mean pause between two requests (uniform on 0..2x): users read answers, and a
+    saturated 2-core host would starve a restarting engine for minutes."""
     records: list[Record] = field(default_factory=list)
     in_flight: int = 0
 
@@ -119,6 +122,7 @@ class Load:
             finally:
                 rec.end = time.monotonic()
                 self.in_flight -= 1
+            await asyncio.sleep(self._rng.uniform(0, 2 * self.think_s))
 
     async def pause(self) -> None:
         """Stop sending and wait until every request in flight has ended."""

@@ -71,6 +71,10 @@ class BackendFailure(Exception):
         """False when the request never got to the instance (connection refused): safe to resend as is."""
 
 
+class ClientLeft(Exception):
+    """Writing to the client failed: it disconnected (not the backend's fault)."""
+
+
 class Rejected(Exception):
     """An instance refused the request itself (HTTP 4xx): the client's problem, relayed as is."""
 
@@ -268,11 +272,13 @@ class PDProxy:
         try:
             response, outcome = await self._route(request, body, headers)
             outcome = "failed" if response.get(FAILED_MID_STREAM) else outcome
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientLeft) as exc:
             # The client went away; leaving the upstream `async with` blocks closed both connections.
             self.outcomes["cancelled"] += 1
             logger.info("client left %s %s: upstream requests closed", request.path, headers["X-Request-Id"])
-            raise
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return web.Response(status=499)  # never sent: the connection is gone
         finally:
             self.in_flight -= 1
         self.outcomes[outcome] += 1
@@ -400,21 +406,29 @@ class PDProxy:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
             PATH_HEADER: path})
-        await out.prepare(request)
-        await out.write(first)
+        await _to_client(out.prepare(request))
+        await _to_client(out.write(first))
         try:
             async for chunk in resp.content.iter_any():
-                await out.write(chunk)
+                await _to_client(out.write(chunk))
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # Headers are gone already: tell the client in-band, the way vLLM reports stream errors.
             reason = "went silent" if isinstance(exc, asyncio.TimeoutError) else _reason(exc)
             self._failed(BackendFailure(backend, f"failed mid-stream ({reason})"))
             event = {"error": {"message": f"{backend.role} {backend.url} failed mid-stream: {reason}",
                                "type": "upstream_error", "code": 502}}
-            await out.write(f"data: {json.dumps(event)}\n\n".encode())
             out[FAILED_MID_STREAM] = True
-        await out.write_eof()
+            await _to_client(out.write(f"data: {json.dumps(event)}\n\n".encode()))
+        await _to_client(out.write_eof())
         return out
+
+
+async def _to_client(write) -> None:
+    """Await a write to the client; its disconnect must not pass for the backend's failure."""
+    try:
+        await write
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientLeft() from None
 
 
 def _check_status(backend: Backend, status: int, data: bytes) -> None:

@@ -379,6 +379,9 @@ def test_client_disconnect_cancels_the_upstream_request(leg):
     if leg == "prefill":
         assert d.requests == []
     assert m['kvpp_proxy_requests_total{path="cancelled"}'] == 1 and m["kvpp_proxy_requests_in_flight"] == 0
+    # The client left: no instance is blamed for it.
+    assert all(v == 1 for k, v in m.items() if k.startswith("kvpp_proxy_backend_up"))
+    assert all(v == 0 for k, v in m.items() if k.startswith("kvpp_proxy_backend_failures_total"))
 
 
 # -- hostile bodies --------------------------------------------------------------------------------
@@ -500,3 +503,33 @@ def test_kvpp_proxy_command_serves_and_stops_by_pid(tmp_path):
 
     status, answer = asyncio.run(go())
     assert status == 200 and answer["got_kv_transfer_params"]["remote_block_ids"] == [3, 4, 5]
+
+
+@pytest.mark.integration
+def test_a_write_to_a_departed_client_is_not_blamed_on_the_decode():
+    """Served without handler cancellation, the proxy learns of the disconnect from a failed write:
+    the request still counts as cancelled, its upstream is closed, and the decode stays in rotation."""
+    p, d = Stub("p0"), Stub("d0", mode="endless_stream")
+
+    async def go():
+        for s in (p, d):
+            await s.start()
+        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=30, decode_read=30))
+        runner = web.AppRunner(proxy.app())  # no handler_cancellation
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, LOOP, port).start()
+        try:
+            left = await _leave(f"http://{LOOP}:{port}", {**REQUEST, "stream": True}, after_first_chunk=True)
+            while not d.cancelled and time.monotonic() - left < 5:
+                await asyncio.sleep(0.05)
+            return left, proxy
+        finally:
+            await runner.cleanup()
+            for s in (p, d):
+                await s.stop()
+
+    left, proxy = asyncio.run(go())
+    assert d.cancelled and d.cancelled[0] - left < 2
+    assert proxy.outcomes["cancelled"] == 1 and proxy.outcomes["failed"] == 0
+    assert proxy.decode.backends[0].up and proxy.decode.backends[0].failures == 0
