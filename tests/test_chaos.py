@@ -1,22 +1,22 @@
-"""`kvpp chaos` machinery without engines: fault bookkeeping, schedules, and kill/restart/stall of a
-real process (`kvpp proxy` in front of real aiohttp backends)."""
+"""`kvpp chaos` machinery without engines: fault bookkeeping, schedules, the clients' records, and
+kill/restart/stall of real processes (`kvpp proxy` in front of real aiohttp backends, the Mooncake pool)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-import urllib.error
 import urllib.request
 
 import pytest
+from aiohttp import web
 
 from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
-from deploy.chaos_load import Record
+from deploy.chaos_load import Load, Prompt, Record
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
-from deploy.processes import http_ok, port_open
-from deploy.proxy import start_proxy
-from tests.test_proxy import REQUEST, Stub
+from deploy.processes import free_port, http_ok, port_open
+from deploy.proxy import PDProxy, Timeouts, start_proxy
+from tests.test_proxy import REQUEST, WORDS, Stub
 
 
 def _rec(mode, outcome, status=200, start=1.0, path="pd"):
@@ -112,3 +112,47 @@ def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_pat
     finally:
         stack.stop()
     assert not any(m._alive() for m in (master, holder))
+
+
+@pytest.mark.integration
+def test_clients_record_answers_wrong_answers_cancellations_errors_and_retry_a_restarting_proxy():
+    p, d = Stub("p0"), Stub("d0")
+    right = Prompt("the cache", tuple(WORDS), 2)
+    wrong = Prompt("another prompt", ("alpha", "beta", "delta"), 2)
+
+    async def go():
+        await p.start()
+        await d.start()
+        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=2, decode_read=2, probe=0.1))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        load = Load(url, "tiny", [right, wrong], clients=3, seed=1, think_s=0.01)
+        runner = proxy.runner()
+        try:
+            async def serve_later():  # the proxy comes up 1 s after the clients start: they retry
+                await asyncio.sleep(1)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                await asyncio.sleep(1.5)
+                d.mode = "fail"  # the decode breaks: requests go to the prefill alone
+                p.mode = "fail"  # and then nothing answers
+                await asyncio.sleep(0.5)
+                await load.stop()
+
+            await asyncio.gather(load.run(), serve_later())
+            return load
+        finally:
+            await runner.cleanup()
+            await p.stop()
+            await d.stop()
+
+    load = asyncio.run(go())
+    recs = load.records
+    by = {o: [r for r in recs if r.outcome == o] for o in ("answered", "wrong", "cancelled", "error")}
+    assert sum(map(len, by.values())) == len(recs) > 20 and load.in_flight == 0
+    assert {r.prompt for r in by["answered"]} == {0} and {r.prompt for r in by["wrong"]} == {1}
+    assert all(r.mode == "cancel" for r in by["cancelled"]) and by["cancelled"]
+    assert recs[0].retries >= 1 and recs[0].outcome != "error"  # connection refused, retried, then served
+    assert {r.path for r in by["answered"]} >= {"pd"}
+    assert by["error"] and all(r.status == 502 and "no backend could serve" in r.error for r in by["error"])
+    assert load.summary()["requests"] == len(recs)

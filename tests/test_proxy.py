@@ -74,12 +74,12 @@ class Stub:
                 "remote_block_ids": [3, 4, 5], "remote_request_id": request.headers.get("X-Request-Id")}
             return web.json_response({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
         if not body.get("stream"):
-            return web.json_response({"choices": [{"text": " ".join(WORDS), "index": 0}], "served_by": self.name,
-                                      "got_kv_transfer_params": body.get("kv_transfer_params")})
+            return web.json_response({"choices": [{"text": " ".join(WORDS), "index": 0, "logprobs": {"tokens": WORDS}}],
+                                      "served_by": self.name, "got_kv_transfer_params": body.get("kv_transfer_params")})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i, word in enumerate(WORDS * (1000 if self.mode == "endless_stream" else 1)):
-            event = {"choices": [{"text": word, "index": 0}], "served_by": self.name}
+            event = {"choices": [{"text": word, "index": 0, "logprobs": {"tokens": [word]}}], "served_by": self.name}
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
             if self.mode == "die_mid_stream" and i == 0:
                 request.transport.close()  # the decode process vanishes after one token
