@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = [
     "deploy.proxy",
     "deploy.pool_cmd",
     "deploy.demo",
+    "deploy.chaos",
     "deploy.ports_cmd",
 ]
 

@@ -74,17 +74,17 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
         raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
 
 
-def _metrics(base_url: str) -> str:
+def engine_metrics(base_url: str) -> str:
     return urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
 
 
-def _metric(text: str, name: str) -> float:
+def metric_total(text: str, name: str) -> float:
     """Sum of a Prometheus metric's samples over all label sets (0 when absent)."""
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def _num_blocks(base_url: str) -> int:
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', _metrics(base_url), re.M)
+    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
     if not found:
         raise RuntimeError(f"{base_url}/metrics does not report num_gpu_blocks")
     return int(found.group(1))
@@ -100,15 +100,18 @@ def _complete(base_url: str, model: str, prompt: str) -> dict:
     return _answer(_post(f"{base_url}/v1/completions", body))
 
 
-def _server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str]) -> VllmServer:
+def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str],
+                  env: dict | None = None) -> VllmServer:
     # log_stats: the connectors' counters reach /metrics only with stats on.
     return VllmServer(name, model, free_port(), workdir / f"{name}.log", tp=tp, cores=cores,
-                      kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, env={"MC_LOG_LEVEL": "ERROR"},
+                      kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
                       extra_args=extra_args, log_stats=True)
 
 
-def _pd_configs(pool_extra: dict) -> tuple[dict, dict]:
-    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port_range(3)}
+def pd_configs(pool_extra: dict, producer_extra: dict | None = None,
+               consumer_extra: dict | None = None) -> tuple[dict, dict]:
+    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port_range(3),
+                "kv_connector_extra_config": producer_extra or {}}
     store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
     # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
     store = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -120,7 +123,19 @@ def _pd_configs(pool_extra: dict) -> tuple[dict, dict]:
         "kv_connector_extra_config": {"connectors": [mooncake, store]},
     }
     decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": free_port_range(2),
-              "kv_load_failure_policy": "recompute"}
+              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": consumer_extra or {}}
+    return prefill, decode
+
+
+def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
+               consumer_extra: dict | None = None, env: dict | None = None) -> tuple[VllmServer, VllmServer]:
+    """The demo's P/D pair (not started): prefill TP=2 with KVPP and a MultiConnector of
+    MooncakeConnectorV2 and the pool, decode TP=1 consumer."""
+    prefill_cfg, decode_cfg = pd_configs(pool_extra, producer_extra, consumer_extra)
+    prefill = engine_server("prefill", model, workdir, 2, [0, 1], [
+        "--additional-config", json.dumps({"enable_kvpp": True}),
+        "--kv-transfer-config", json.dumps(prefill_cfg)], env)
+    decode = engine_server("decode", model, workdir, 1, [1], ["--kv-transfer-config", json.dumps(decode_cfg)], env)
     return prefill, decode
 
 
@@ -141,8 +156,8 @@ def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls
         seconds[r.name] = time.perf_counter() - t0
     # Counters reach /metrics with the next stats interval.
     time.sleep(6)
-    decode_metrics = _metrics(decode_url)
-    prefill_metrics = [_metrics(url) for url in prefill_urls]
+    decode_metrics = engine_metrics(decode_url)
+    prefill_metrics = [engine_metrics(url) for url in prefill_urls]
     blocks_on = _num_blocks(prefill_urls[0])
     return {
         "capacity": {
@@ -154,17 +169,17 @@ def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls
             "plan_ratio": plan.ratio,
         },
         "transfer": {
-            "bytes": int(_metric(decode_metrics, "vllm:mooncake_v2_pulled_bytes_total")),
-            "seconds": _metric(decode_metrics, "vllm:mooncake_v2_transfer_seconds_total"),
-            "pulls": int(_metric(decode_metrics, "vllm:mooncake_v2_pulls_total")),
-            "failures": int(_metric(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
+            "bytes": int(metric_total(decode_metrics, "vllm:mooncake_v2_pulled_bytes_total")),
+            "seconds": metric_total(decode_metrics, "vllm:mooncake_v2_transfer_seconds_total"),
+            "pulls": int(metric_total(decode_metrics, "vllm:mooncake_v2_pulls_total")),
+            "failures": int(metric_total(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
         },
         "pool": {
             # The engine's own count of prompt tokens that came through a connector: on the
             # prefill only the pool loads anything.
-            "hit_tokens": int(sum(_metric(m, "vllm:external_prefix_cache_hits_total") for m in prefill_metrics)),
-            "loaded_bytes": int(sum(_metric(m, "vllm:kv_pool_loaded_bytes_total") for m in prefill_metrics)),
-            "saved_bytes": int(sum(_metric(m, "vllm:kv_pool_saved_bytes_total") for m in prefill_metrics)),
+            "hit_tokens": int(sum(metric_total(m, "vllm:external_prefix_cache_hits_total") for m in prefill_metrics)),
+            "loaded_bytes": int(sum(metric_total(m, "vllm:kv_pool_loaded_bytes_total") for m in prefill_metrics)),
+            "saved_bytes": int(sum(metric_total(m, "vllm:kv_pool_saved_bytes_total") for m in prefill_metrics)),
         },
         "requests": {
             r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
@@ -188,7 +203,7 @@ def run_demo(workdir: Path) -> dict:
         plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
 
         _progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
-        reference = _server("reference", model, workdir, 2, [0, 1], [])
+        reference = engine_server("reference", model, workdir, 2, [0, 1], [])
         start_servers((reference,), started, timeout=600)
         blocks_off = _num_blocks(reference.url)
         expected = {r.name: _complete(reference.url, model, r.prompt) for r in requests}
@@ -200,11 +215,7 @@ def run_demo(workdir: Path) -> dict:
         pool_started = True
 
         _progress("4/5 prefill (TP=2, KVPP on), decode (TP=1) and the P/D proxy")
-        prefill_cfg, decode_cfg = _pd_configs(pool.kv_connector_extra_config)
-        prefill = _server("prefill", model, workdir, 2, [0, 1], [
-            "--additional-config", json.dumps({"enable_kvpp": True}),
-            "--kv-transfer-config", json.dumps(prefill_cfg)])
-        decode = _server("decode", model, workdir, 1, [1], ["--kv-transfer-config", json.dumps(decode_cfg)])
+        prefill, decode = pd_servers(model, workdir, pool.kv_connector_extra_config)
         start_servers((prefill, decode), started, timeout=600)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], workdir / "proxy.log")
         started.append(proxy)

@@ -1,0 +1,158 @@
+"""`kvpp chaos` machinery without engines: fault bookkeeping, schedules, the clients' records, and
+kill/restart/stall of real processes (`kvpp proxy` in front of real aiohttp backends, the Mooncake pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
+from deploy.chaos_load import Load, Prompt, Record
+from deploy.chaos_stack import Member, Stack, adopt_pool, inject
+from deploy.processes import free_port, http_ok, port_open
+from deploy.proxy import PDProxy, Timeouts, start_proxy
+from tests.test_proxy import REQUEST, WORDS, Stub
+
+
+def _rec(mode, outcome, status=200, start=1.0, path="pd"):
+    return Record(0, 0, mode, start, start + 1, outcome, status, path=path)
+
+
+@pytest.mark.unit
+def test_only_streams_of_a_dead_instance_and_requests_inside_a_killed_proxy_are_excused():
+    kill_decode = {"kind": "kill", "target": "decode", "start": 5.0}
+    stall_decode = {**kill_decode, "kind": "stop"}
+    records = [_rec("stream", "error"), _rec("plain", "error", 502), _rec("stream", "error", 502),
+               _rec("plain", "answered", path="prefill_only"), _rec("stream", "wrong")]
+    row = _tally(records, kill_decode)
+    assert (row["errors"], row["errors_unexcused"], row["wrong"], row["answered"]) == (3, 2, 1, 1)
+    assert row["paths"] == {"pd": 4, "prefill_only": 1}
+    assert _tally(records, stall_decode)["errors_unexcused"] == 3  # a stall is not a death
+    kill_proxy = {"kind": "kill", "target": "proxy", "start": 5.0}
+    inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
+    assert _tally([inside, after], kill_proxy)["errors_unexcused"] == 1
+    assert _tally([inside], None)["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_soak_rounds_hold_every_fault_of_the_short_schedule():
+    soak = soak_schedule(1200, seed=3)
+    assert len(soak) == 5 * len(SHORT_SCHEDULE)
+    for i in range(5):
+        assert sorted(soak[i * 12:(i + 1) * 12], key=str) == sorted(SHORT_SCHEDULE, key=str)
+    assert soak == soak_schedule(1200, seed=3) and soak != soak_schedule(1200, seed=4)
+    kinds = {(f.kind, f.target) for f in SHORT_SCHEDULE}
+    for target in ("prefill", "decode", "pool_master", "pool_holder", "proxy"):
+        assert {("kill", target), ("stop", target)} <= kinds
+
+
+def _answer(url, timeout):
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(REQUEST).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.integration
+def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go():
+        await p.start()
+        await d.start()
+        stack = Stack()
+        try:
+            proxy, url = await asyncio.to_thread(start_proxy, [p.url], [d.url], tmp_path / "proxy.log")
+            member = Member.of(proxy, lambda proc: proc.wait_http(f"{url}/health", 30))
+            stack.members["proxy"] = member
+            first_pid = member.pid
+            await asyncio.to_thread(inject, member, "kill", 0.5, stack)
+            assert member.pid != first_pid and member.restarts == 1
+            assert (await asyncio.to_thread(_answer, url, 10))["served_by"] == "d0"
+
+            task = asyncio.ensure_future(asyncio.to_thread(inject, member, "stop", 2.0, stack))
+            await asyncio.sleep(0.5)
+            stalled = await asyncio.to_thread(http_ok, f"{url}/health", 0.5)
+            start = time.monotonic()
+            answer = await asyncio.to_thread(_answer, url, 10)  # waits out the stall, then is answered
+            await task
+            return stalled, time.monotonic() - start, answer
+        finally:
+            stack.stop()
+            await p.stop()
+            await d.stop()
+
+    stalled, waited, answer = asyncio.run(go())
+    assert not stalled and 0.5 < waited < 5 and answer["served_by"] == "d0"
+
+
+@pytest.mark.integration
+def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_path):
+    from mooncake.store import MooncakeDistributedStore
+
+    stack = Stack(members=adopt_pool(tmp_path / "pool"))
+    master, holder = stack.members["pool_master"], stack.members["pool_holder"]
+    address = master.pool_extra["mooncake"]["master_server_address"]
+    try:
+        pids = (master.pid, holder.pid)
+        inject(master, "kill", 0.2, stack)
+        assert (master.restarts, holder.restarts) == (1, 1) and pids != (master.pid, holder.pid)
+        host, port = address.split(":")
+        assert port_open(host, int(port))
+        # The new pool has memory again: a client without a segment of its own can store and read.
+        client = MooncakeDistributedStore()
+        assert client.setup(host, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", address) == 0
+        assert client.put("chaos-key", b"x" * 4096) == 0 and client.get("chaos-key") == b"x" * 4096
+        client.close()
+    finally:
+        stack.stop()
+    assert not any(m._alive() for m in (master, holder))
+
+
+@pytest.mark.integration
+def test_clients_record_answers_wrong_answers_cancellations_errors_and_retry_a_restarting_proxy():
+    p, d = Stub("p0"), Stub("d0")
+    right = Prompt("the cache", tuple(WORDS), 2)
+    wrong = Prompt("another prompt", ("alpha", "beta", "delta"), 2)
+
+    async def go():
+        await p.start()
+        await d.start()
+        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=2, decode_read=2, probe=0.1))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        load = Load(url, "tiny", [right, wrong], clients=3, seed=1, think_s=0.01)
+        runner = proxy.runner()
+        try:
+            async def serve_later():  # the proxy comes up 1 s after the clients start: they retry
+                await asyncio.sleep(1)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                await asyncio.sleep(1.5)
+                d.mode = "fail"  # the decode breaks: requests go to the prefill alone
+                p.mode = "fail"  # and then nothing answers
+                await asyncio.sleep(0.5)
+                await load.stop()
+
+            await asyncio.gather(load.run(), serve_later())
+            return load
+        finally:
+            await runner.cleanup()
+            await p.stop()
+            await d.stop()
+
+    load = asyncio.run(go())
+    recs = load.records
+    by = {o: [r for r in recs if r.outcome == o] for o in ("answered", "wrong", "cancelled", "error")}
+    assert sum(map(len, by.values())) == len(recs) > 20 and load.in_flight == 0
+    assert {r.prompt for r in by["answered"]} == {0} and {r.prompt for r in by["wrong"]} == {1}
+    assert all(r.mode == "cancel" for r in by["cancelled"]) and by["cancelled"]
+    assert recs[0].retries >= 1 and recs[0].outcome != "error"  # connection refused, retried, then served
+    assert {r.path for r in by["answered"]} >= {"pd"}
+    assert by["error"] and all(r.status == 502 and "no backend could serve" in r.error for r in by["error"])
+    assert load.summary()["requests"] == len(recs)
