@@ -3,7 +3,8 @@ TransferEngine and the connector's own side channel and hold table.
 
 The transfer benchmark and the integration tests run it as a separate process so that reads
 cross a process boundary exactly as between a decode and a prefill worker. It prints one JSON
-line when ready, one line per released/expired hold, and exits when stdin closes.
+line when ready, one line per released/expired hold and per refused side-channel request, and exits
+when stdin closes.
 
     python bench/mooncake_peer.py --port 37000 --layers 4 --blocks 64 --seed 1 [--owned 0,1 --tp-rank 0 --tp-size 2]
 """
@@ -78,7 +79,8 @@ def main() -> int:
         holds.hold(request_id, args.hold_timeout, token or TOKEN)
     responder = PrefillResponder(holds)
     responder.meta = meta
-    server = SideChannelServer("127.0.0.1", args.port, responder, what="mooncake peer")
+    server = SideChannelServer("127.0.0.1", args.port, responder, what="mooncake peer",
+                               on_refused=lambda code: print(json.dumps({"refused": code}), flush=True))
     print(json.dumps({"ready": True, "port": args.port, "te": te.session}), flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()

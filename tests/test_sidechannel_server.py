@@ -9,8 +9,10 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
+from test_mooncake_transfer import handle, make_puller, peers  # noqa: F401 (peers: fixture)
 from test_sidechannel_unit import OTHER, TOKEN, keys, load, worker_meta  # noqa: F401 (keys: fixture)
 
 from connectors.mooncake import messages as m
@@ -19,6 +21,8 @@ from connectors.mooncake.curve import load_curve
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.stats import MooncakeV2Stats
+from connectors.mooncake.transfer import MooncakeTransfer
+from bench.mooncake_peer import TOKEN as PEER_TOKEN, pages
 
 pytestmark = pytest.mark.integration
 
@@ -236,3 +240,55 @@ def test_curve_admits_only_trusted_keys(prefill, keys):
     with pytest.raises(ChannelError, match="unauthorized"):  # CURVE does not replace the token
         call("127.0.0.1", p.port, ask(OTHER), 2.0, m.WorkerMeta, secure=d.client(p_key))
     print(f"peers without a trusted CURVE key tried: {len(attempts)}, none got an answer")
+
+
+def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_port):
+    """A stand-in prefill process with a real transfer engine: an attacker's notices (wrong token,
+    or a live token for another request) are refused and counted; the decode's read is intact and
+    its own notice frees the blocks."""
+    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "5", "--hold", "r1", "--hold",
+                 f"r2={OTHER}")
+    forged = [
+        m.DoneNotice(version=V, request_id="r1", token=OTHER, consumer="x", num_consumers=1, success=True),
+        m.DoneNotice(version=V, request_id="r1", token="Z" * 43, consumer="x", num_consumers=1, success=True),
+    ]
+    for message in forged:
+        with pytest.raises(ChannelError, match="unauthorized"):
+            call("127.0.0.1", free_port, message, 2.0, m.Released)
+        assert peer.line(timeout=5) == {"refused": "unauthorized"}
+    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    try:
+        kv, puller = make_puller(te, layers=2, blocks=8)
+        h = handle(free_port, "r1", [1, 2, 3])
+        assert h.remote_token == PEER_TOKEN
+        puller.read(h, [0, 1, 2], [1, 2, 3])
+        assert torch.equal(kv[:, :3], pages(2, 8, 5)[:, [1, 2, 3]])
+        assert puller.notify(h, ok=True) == (True, [])
+        assert peer.line(timeout=5) == {"released": "r1"}  # the first line after the refusals
+    finally:
+        te.close()
+    print(f"forged done-notices sent to a real prefill: {len(forged)}, refused; its blocks stayed held")
+
+
+def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
+    """What the threat model says about Mooncake's own ports, checked: a stranger's transfer engine
+    learns a prefill's first registered buffer from the engine's handshake (no side channel, no
+    token) and reads and writes it. If this ever fails, Mooncake gained access control: update
+    README's threat model."""
+    victim, stranger = MooncakeTransfer("127.0.0.1", timeout_s=5), MooncakeTransfer("127.0.0.1", timeout_s=5)
+    try:
+        secret = torch.arange(1024, dtype=torch.float32)
+        victim.register([(secret.data_ptr(), secret.numel() * 4)])
+        buf = torch.zeros(1024)
+        stranger.register([(buf.data_ptr(), buf.numel() * 4)])
+        engine = stranger._engine
+        addr = engine.get_first_buffer_address(victim.session)
+        assert addr == secret.data_ptr()
+        assert engine.batch_transfer_sync_read(victim.session, [buf.data_ptr()], [addr], [4096]) == 0
+        assert torch.equal(buf, secret)
+        buf.fill_(-1)
+        assert engine.batch_transfer_sync_write(victim.session, [buf.data_ptr()], [addr], [16]) == 0
+        assert secret[:4].tolist() == [-1.0] * 4
+    finally:
+        stranger.close()
+        victim.close()
