@@ -292,3 +292,35 @@ def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
     finally:
         stranger.close()
         victim.close()
+
+
+def _decode_puller(timeout_s: float):
+    from connectors.mooncake.puller import Puller
+
+    return Puller(None, worker_meta("decode"), mla=True, timeout_s=timeout_s, consumer_id="decode/pp0/tp0",
+                  num_consumers=1)
+
+
+def test_handle_claiming_more_workers_than_the_prefill_advertises_is_refused(prefill):
+    p = prefill()
+    p.holds.hold("r", 30, TOKEN)
+    puller = _decode_puller(2.0)
+    for tp, pp in ((2, 1), (1, 3), (16, 64)):
+        h = m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
+                                remote_host="127.0.0.1", remote_kv_port=p.port, remote_tp_size=tp,
+                                remote_pp_size=pp, remote_block_ids=[0], remote_num_tokens=16))
+        with pytest.raises(ChannelError, match=f"runs tp_size 1 x pp_size 1, but kv_transfer_params claim {tp} x {pp}"):
+            puller.peer_metas(h)
+    assert p.handled == 3  # only the first worker was asked, once per handle
+    print("handles with an inflated fan-out tried: 3, refused after one metadata request each")
+
+
+def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
+    puller = _decode_puller(0.5)
+    h = m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
+                            remote_host="127.0.0.1", remote_kv_port=free_port, remote_tp_size=8,
+                            remote_pp_size=4, remote_block_ids=[0], remote_num_tokens=16))
+    start = time.monotonic()
+    held, errors = puller.notify(h, ok=False)
+    assert held is None and len(errors) == 1 and "31 more workers not notified" in errors[0]
+    assert time.monotonic() - start < 1.5  # not 32 x 0.5 s
