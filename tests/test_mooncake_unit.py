@@ -278,7 +278,7 @@ def test_stats_aggregate_reduce_and_pickle():
 
 # ---- scheduler side ----------------------------------------------------------------------------
 
-def _scheduler(hold=7.0):
+def _scheduler(hold=7.0, **settings):
     from connectors.mooncake.scheduler import MooncakeV2Scheduler
     from connectors.mooncake.settings import Settings
 
@@ -290,7 +290,7 @@ def _scheduler(hold=7.0):
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(max_model_len=4096),
     )
-    return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold))
+    return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold, **settings))
 
 
 def _request(params, status=None, prompt=40, computed=40):

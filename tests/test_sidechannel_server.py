@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_mooncake_transfer import handle, make_puller, peers  # noqa: F401 (peers: fixture)
 from test_sidechannel_unit import OTHER, TOKEN, keys, load, worker_meta  # noqa: F401 (keys: fixture)
 
+from bench.mooncake_peer import TOKEN as PEER_TOKEN, pages
 from connectors.mooncake import messages as m
 from connectors.mooncake.channel import ChannelError, NoAnswer, SideChannelServer, call
 from connectors.mooncake.curve import load_curve
@@ -22,7 +23,6 @@ from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.transfer import MooncakeTransfer
-from bench.mooncake_peer import TOKEN as PEER_TOKEN, pages
 
 pytestmark = pytest.mark.integration
 

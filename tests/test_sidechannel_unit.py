@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from types import SimpleNamespace
 
 import msgspec
 import pytest
-import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from test_mooncake_unit import _scheduler
 
 from connectors.mooncake import messages as m
-from connectors.mooncake.channel import ChannelError, NoAnswer, SideChannelServer, call
 from connectors.mooncake.curve import CurveConfigError, create_keys, load_curve, server_key
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
@@ -120,20 +117,9 @@ def test_block_counts_allow_prompt_plus_lookahead():
 
 
 def _decode_scheduler(curve_dir=None):
-    from connectors.mooncake.scheduler import MooncakeV2Scheduler
-    from connectors.mooncake.settings import Settings
-
-    cfg = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        prefill_context_parallel_size=1, data_parallel_size=1,
-                                        data_parallel_rank=0),
-        kv_transfer_config=SimpleNamespace(kv_port=38000),
-        cache_config=SimpleNamespace(block_size=16),
-        model_config=SimpleNamespace(max_model_len=4096),
-    )
     keys = {} if curve_dir is None else dict(curve_secret_key_file=str(curve_dir / "d.key_secret"),
                                              curve_public_keys_dir=str(curve_dir / "trusted"))
-    return MooncakeV2Scheduler(cfg, "engine-d", Settings(**keys))
+    return _scheduler(**keys)
 
 
 def _decode_request(p):
