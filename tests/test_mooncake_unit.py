@@ -22,6 +22,7 @@ pytestmark = pytest.mark.unit
 
 V = m.PROTOCOL_VERSION
 BLOCK = 16 * 576 * 4
+TOKEN = "t" * 43
 
 
 def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
@@ -30,7 +31,7 @@ def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
 
 
 def meta(tp_rank, layers, tp_size=2, kvpp=False, **kw):
-    fields = dict(version=V, engine_id="pre", tp_rank=tp_rank, tp_size=tp_size, pp_rank=0,
+    fields = dict(version=V, engine_id="pre", tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
                   te_host="127.0.0.1", te_rpc_port=20000 + tp_rank, model="DeepseekV2ForCausalLM/layers=4",
                   dtype="float32", block_size=16, kvpp=kvpp, layers=layers)
     fields.update(kw)
@@ -47,7 +48,8 @@ def test_messages_round_trip_typed():
     sent = meta(1, [layer(names(1)[0], 4096, owner=1)], kvpp=True)
     got = m.decode(m.encode(sent), m.WorkerMeta)
     assert got == sent and got.te_session == "127.0.0.1:20001"
-    notice = m.DoneNotice(version=V, request_id="r", consumer="d/pp0/tp0", num_consumers=1, success=True)
+    notice = m.DoneNotice(version=V, request_id="r", token=TOKEN, consumer="d/pp0/tp0", num_consumers=1,
+                          success=True)
     assert m.decode(m.encode(notice)) == notice
 
 
@@ -61,7 +63,7 @@ def _raw(**fields):
     (_raw(type="ack", version=V, ok=True, extra=1), "extra"),
     (_raw(type="pickle", version=V), "pickle"),
     (b"\x80\x04not msgpack", "invalid"),
-    (_raw(type="done", version=V, request_id="r", consumer="c", num_consumers=0, success=True), ">= 1"),
+    (_raw(type="done", version=V, request_id="r", token=TOKEN, consumer="c", num_consumers=0, success=True), ">= 1"),
 ])
 def test_decode_rejects_bad_frames(frame, fragment):
     with pytest.raises(m.MessageError, match="invalid MooncakeConnectorV2") as info:
@@ -75,7 +77,7 @@ def test_decode_rejects_unexpected_type():
 
 
 def test_worker_meta_rejects_foreign_owner_under_kvpp():
-    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=2, pp_rank=0, te_host="h",
+    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, te_host="h",
                  te_rpc_port=1, model="x", dtype="float32", block_size=16, kvpp=True,
                  layers=[dict(name="model.layers.0.a", base_addr=1, num_blocks=1, block_len=8,
                               block_stride=8, owner=1)])
@@ -84,7 +86,7 @@ def test_worker_meta_rejects_foreign_owner_under_kvpp():
 
 
 def test_layer_desc_rejects_overlapping_blocks():
-    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, te_host="h",
+    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, te_host="h",
                  te_rpc_port=1, model="x", dtype="f", block_size=16, kvpp=False,
                  layers=[dict(name="l", base_addr=1, num_blocks=1, block_len=16, block_stride=8)])
     with pytest.raises(m.MessageError, match="block_stride 8 < block_len 16"):
@@ -92,7 +94,8 @@ def test_layer_desc_rejects_overlapping_blocks():
 
 
 def _params(**over):
-    p = dict(remote_engine_id="e", remote_request_id="r", remote_host="127.0.0.1", remote_kv_port=37000,
+    p = dict(remote_engine_id="e", remote_request_id="r", remote_token=TOKEN, remote_host="127.0.0.1",
+             remote_kv_port=37000,
              remote_tp_size=2, remote_block_ids=[3, 4], remote_num_tokens=20, do_remote_prefill=True,
              proxy_added_key="ignored")
     p.update(over)
@@ -275,7 +278,7 @@ def test_stats_aggregate_reduce_and_pickle():
 
 # ---- scheduler side ----------------------------------------------------------------------------
 
-def _scheduler(hold=7.0):
+def _scheduler(hold=7.0, **settings):
     from connectors.mooncake.scheduler import MooncakeV2Scheduler
     from connectors.mooncake.settings import Settings
 
@@ -285,8 +288,9 @@ def _scheduler(hold=7.0):
                                         data_parallel_rank=0),
         kv_transfer_config=SimpleNamespace(kv_port=37000),
         cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(max_model_len=4096),
     )
-    return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold))
+    return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold, **settings))
 
 
 def _request(params, status=None, prompt=40, computed=40):
@@ -306,6 +310,7 @@ def test_prefill_holds_finished_request_and_returns_handle():
     assert 6.0 < h.remote_hold_expires_at - time.time() <= 7.0
     meta_ = sched.build_connector_meta(STEP)
     assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(STEP).holds == {}
+    assert meta_.tokens == {"req-1": h.remote_token} and len(h.remote_token) >= 43
     sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}))
     assert not sched.has_pending_block_frees()
 
@@ -320,7 +325,7 @@ def test_prefill_frees_aborted_request_at_once():
 
 def test_decode_counts_remote_tokens_and_maps_blocks():
     sched = _scheduler()
-    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_host="127.0.0.1",
+    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
                              remote_kv_port=37000, remote_tp_size=2, remote_block_ids=[10, 11, 12],
                              remote_num_tokens=40).to_params()
     req = _request(params, computed=0)
@@ -342,7 +347,7 @@ def test_decode_with_bad_params_computes_locally():
 
 def test_decode_abort_before_schedule_still_frees_prefill():
     sched = _scheduler()
-    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_host="127.0.0.1",
+    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
                              remote_kv_port=37000, remote_tp_size=1, remote_block_ids=[1],
                              remote_num_tokens=10).to_params()
     assert sched.request_finished(_request(params), []) == (False, None)
@@ -365,12 +370,12 @@ def test_hold_released_only_when_every_decode_worker_is_done():
 
     clock = _Clock()
     table = HoldTable(timeout_s=30, clock=clock)
-    table.hold("r", 30)
-    table.release("r", "decode/pp0/tp0", num_consumers=2)
+    table.hold("r", 30, TOKEN)
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)
     assert table.pop_finished() == (set(), set()) and len(table) == 1
-    table.release("r", "decode/pp0/tp0", num_consumers=2)  # a repeated notice does not count twice
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)  # a repeated notice does not count twice
     assert table.pop_finished() == (set(), set())
-    table.release("r", "decode/pp0/tp1", num_consumers=2)
+    table.release("r", "decode/pp0/tp1", num_consumers=2, token=TOKEN)
     assert table.pop_finished() == ({"r"}, set()) and len(table) == 0
 
 
@@ -379,17 +384,17 @@ def test_hold_expires_after_timeout_and_early_notice_is_kept():
 
     clock = _Clock()
     table = HoldTable(timeout_s=5, clock=clock)
-    table.hold("orphan", 5)
-    table.release("fast", "d", 1)  # notice before the scheduler announced the hold
+    table.hold("orphan", 5, TOKEN)
+    table.release("fast", "d", 1, TOKEN)  # notice before the scheduler announced the hold
     clock.now += 1
-    table.hold("fast", 5)
+    table.hold("fast", 5, TOKEN)
     assert table.pop_finished() == ({"fast"}, set())
     clock.now += 3.5
     assert table.pop_finished() == (set(), set())
     clock.now += 0.5
     assert table.pop_finished() == (set(), {"orphan"})
-    assert table.release("orphan", "d", 1) is False  # too late: the blocks may be reused
-    assert table.release("fresh", "d", 1) is True
+    assert table.release("orphan", "d", 1, TOKEN) == "expired"  # too late: the blocks may be reused
+    assert table.release("fresh", "d", 1, TOKEN) == "unknown"  # kept until its hold arrives
 
 
 def test_stray_notice_is_forgotten_after_timeout():
@@ -397,10 +402,10 @@ def test_stray_notice_is_forgotten_after_timeout():
 
     clock = _Clock()
     table = HoldTable(timeout_s=5, clock=clock)
-    table.release("never-held", "d", 1)
+    table.release("never-held", "d", 1, TOKEN)
     clock.now += 6
     assert table.pop_finished() == (set(), set())
-    table.hold("never-held", 5)  # a late hold is not released by the forgotten notice
+    table.hold("never-held", 5, TOKEN)  # a late hold is not released by the forgotten notice
     assert table.pop_finished() == (set(), set()) and len(table) == 1
 
 
@@ -408,7 +413,7 @@ def test_read_is_trusted_only_if_the_prefill_still_held_it():
     from connectors.mooncake.worker import _read_was_held
 
     def h(expires):
-        return m.PrefillHandle(remote_engine_id="p", remote_request_id="r", remote_host="127.0.0.1",
+        return m.PrefillHandle(remote_engine_id="p", remote_request_id="r", remote_token=TOKEN, remote_host="127.0.0.1",
                                remote_kv_port=1, remote_tp_size=1, remote_block_ids=[0], remote_num_tokens=1,
                                remote_hold_expires_at=expires)
 

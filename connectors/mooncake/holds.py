@@ -5,22 +5,32 @@ that died or never pulls must not pin prefill memory forever). Notices can arriv
 scheduler's hold announcement reaches this worker; they are kept for one timeout, then dropped.
 A notice for a hold that already expired is answered "not held", so the decode discards what it
 read instead of decoding from blocks that may have been reused.
+
+Every hold has the token the prefill issued in kv_transfer_params: a notice counts only with that
+token (an early notice is checked when the hold arrives), so no other peer can free the blocks.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
+
+Verdict = Literal["ok", "unknown", "expired", "unauthorized"]
 
 
 @dataclass
 class _Hold:
     deadline: float | None = None
+    token: str = ""
     consumers: set[str] = field(default_factory=set)
     needed: int = 1
     first_seen: float = 0.0
+    early: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Notices that came before the hold: consumer -> (token, num_consumers), checked by hold()."""
 
 
 class HoldTable:
@@ -38,20 +48,49 @@ class HoldTable:
             hold = self._holds[request_id] = _Hold(first_seen=self._clock())
         return hold
 
-    def hold(self, request_id: str, seconds: float) -> None:
+    def hold(self, request_id: str, seconds: float, token: str) -> int:
+        """Keep a request's blocks; returns how many early notices carried a wrong token (dropped)."""
         with self._lock:
-            self._get(request_id).deadline = self._clock() + seconds
-
-    def release(self, request_id: str, consumer: str, num_consumers: int) -> bool:
-        """Record a decode worker's done-notice; False if the blocks were already freed by timeout."""
-        with self._lock:
-            if request_id in self._expired:
-                return False
             hold = self._get(request_id)
-            hold.consumers.add(consumer)
-            hold.needed = num_consumers
+            hold.deadline, hold.token = self._clock() + seconds, token
+            early, hold.early = hold.early, {}
+            dropped = 0
+            for consumer, (claimed, needed) in early.items():
+                if hmac.compare_digest(claimed, token):
+                    hold.consumers.add(consumer)
+                    hold.needed = needed
+                else:
+                    dropped += 1
+            return dropped
+
+    def authorize(self, request_id: str, token: str) -> Verdict:
+        """Whether `token` is the live hold's token ("unknown": no hold announced yet, or over)."""
+        with self._lock:
+            return self._verdict(request_id, token)
+
+    def _verdict(self, request_id: str, token: str) -> Verdict:
+        if request_id in self._expired:
+            return "expired"
+        hold = self._holds.get(request_id)
+        if hold is None or hold.deadline is None:
+            return "unknown"
+        return "ok" if hmac.compare_digest(hold.token, token) else "unauthorized"
+
+    def release(self, request_id: str, consumer: str, num_consumers: int, token: str) -> Verdict:
+        """Record a decode worker's done-notice. "expired": the blocks were already freed by timeout;
+        "unknown": kept until the hold arrives with the token to check it against."""
+        with self._lock:
+            verdict = self._verdict(request_id, token)
+            if verdict == "ok":
+                hold = self._holds[request_id]
+                hold.consumers.add(consumer)
+                hold.needed = num_consumers
+            elif verdict == "unknown":
+                self._get(request_id).early[consumer] = (token, num_consumers)
+            else:
+                return verdict
         self._noticed.set()
-        return True
+        return verdict
 
     def wait_for_notice(self, timeout: float) -> None:
         """Block until a done-notice arrives or `timeout` passes (instead of polling in a busy loop)."""

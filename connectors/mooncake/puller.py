@@ -1,7 +1,9 @@
 """Decode-side pull of one prefilled request, independent of vLLM's process state.
 
-Fetches (and caches) the prefill workers' metadata over the side channel, checks compatibility,
-plans each layer's source, reads with the transfer engine and sends done-notices. The worker and
+Fetches (and caches) the prefill workers' metadata over the side channel, proving with the
+request's token that it may, checks compatibility, plans each layer's source, reads with the
+transfer engine and sends done-notices. The first prefill worker's answer must advertise the
+parallel sizes the handle claims before any other worker is contacted. The worker and
 bench/pd_transfer.py drive the same object, so the benchmark measures the connector's real path.
 """
 
@@ -10,7 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from connectors.mooncake.channel import ChannelError, call
+from connectors.mooncake.channel import ChannelError, NoAnswer, call
+from connectors.mooncake.curve import CurveKeys, server_key
 from connectors.mooncake.messages import (
     PROTOCOL_VERSION,
     DoneNotice,
@@ -43,7 +46,7 @@ def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
 
 class Puller:
     def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, mla: bool, timeout_s: float,
-                 consumer_id: str, num_consumers: int) -> None:
+                 consumer_id: str, num_consumers: int, curve: CurveKeys | None = None) -> None:
         self.transfer = transfer
         self.local = local
         self.local_layers = {layer.name: layer for layer in local.layers}
@@ -51,6 +54,7 @@ class Puller:
         self.timeout_s = timeout_s
         self.consumer_id = consumer_id
         self.num_consumers = num_consumers
+        self.curve = curve
         self._peers: dict[tuple[str, str, int], list[WorkerMeta]] = {}
 
     @staticmethod
@@ -61,9 +65,15 @@ class Puller:
         cached = self._peers.get(self._key(handle))
         if cached is not None:
             return cached
+        request = MetaRequest(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token)
         metas = []
         for pp_rank, tp_rank, port in prefill_ports(handle):
-            meta = call(handle.remote_host, port, MetaRequest(version=PROTOCOL_VERSION), self.timeout_s, WorkerMeta)
+            meta = self._call(handle, port, request, WorkerMeta)
+            if (meta.tp_size, meta.pp_size) != (handle.remote_tp_size, handle.remote_pp_size):
+                raise ChannelError(
+                    f"{handle.remote_host}:{port} runs tp_size {meta.tp_size} x pp_size {meta.pp_size}, but "
+                    f"kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
+                )
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
                 raise ChannelError(
                     f"{handle.remote_host}:{port} is engine {meta.engine_id} pp{meta.pp_rank}/tp{meta.tp_rank}, "
@@ -74,6 +84,11 @@ class Puller:
         check_compatible(self.local, metas, self.mla)
         self._peers[self._key(handle)] = metas
         return metas
+
+    def _call(self, handle: PrefillHandle, port: int, message, expected: type):
+        key = server_key(self.curve, handle.remote_curve_key)
+        secure = None if key is None else self.curve.client(key)
+        return call(handle.remote_host, port, message, self.timeout_s, expected, secure=secure)
 
     def forget(self, handle: PrefillHandle) -> None:
         """Drop cached metadata after a failure, so a restarted prefill is asked afresh."""
@@ -96,14 +111,20 @@ class Puller:
 
         Returns (held, errors): held is False if any worker had already freed them (timeout), True
         if every worker confirmed it still held them, None if some did not answer; errors name the
-        workers that did not answer (they free after their hold timeout).
+        workers that did not answer (they free after their hold timeout). The first worker that does
+        not answer ends the round: a handle naming many unreachable workers costs one timeout.
         """
-        notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id,
+        notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
         answers, errors = [], []
-        for _, _, port in prefill_ports(handle):
+        ports = [port for _, _, port in prefill_ports(handle)]
+        for i, port in enumerate(ports):
             try:
-                answers.append(call(handle.remote_host, port, notice, self.timeout_s, Released).held)
+                answers.append(self._call(handle, port, notice, Released).held)
+            except NoAnswer as exc:
+                errors.append(f"{handle.remote_host}:{port}: {exc}"
+                              + (f"; {len(ports) - i - 1} more workers not notified" if i + 1 < len(ports) else ""))
+                break
             except (ChannelError, MessageError) as exc:
                 errors.append(f"{handle.remote_host}:{port}: {exc}")
         if not all(answers):

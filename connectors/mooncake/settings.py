@@ -25,6 +25,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
     max_entry_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_MAX_ENTRY_BYTES
     """Longest single copy; coalesced runs are cut to this so the engine spreads them over threads."""
+    curve_secret_key_file: str = ""
+    """This node's ZeroMQ certificate with its secret key: turns CURVE on for the side channel."""
+    curve_public_keys_dir: str = ""
+    """Directory of the public certificates of the peers this node trusts (CURVE)."""
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> Settings:

@@ -11,13 +11,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connectors.metrics import CounterPromMetrics
 
-_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries")
+_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed")
+_HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}
 
 
 @dataclass
 class MooncakeV2Stats(KVConnectorStats):
     """Sums since the last report: bytes pulled, requests pulled, failed pulls, seconds spent in
     the transfer engine and batch entries issued (after coalescing).
+
+    A prefill worker also counts side-channel requests it refused: `refused` (no live hold for the
+    request, a wrong token, or a CURVE key it does not trust) and `malformed` (undecodable frames, requests without a token).
 
     Plain sums (not per-transfer lists) keep the payload constant-size however busy the step was.
     """
@@ -50,6 +54,13 @@ class MooncakeV2Stats(KVConnectorStats):
         with self._lock:
             self.data["failures"] += 1
 
+    def record_refusal(self, code: str) -> None:
+        """Count a side-channel refusal by its peer-facing code (benign ones, e.g. "expired", are not)."""
+        key = _HOSTILE.get(code)
+        if key is not None:
+            with self._lock:
+                self.data[key] += 1
+
     def clone_and_reset(self) -> MooncakeV2Stats:
         with self._lock:
             snapshot = MooncakeV2Stats(data=dict(self.data))
@@ -69,6 +80,8 @@ class MooncakeV2Stats(KVConnectorStats):
             "failed_pulls": self.data["failures"],
             "transfer_seconds": round(seconds, 4),
             "batch_entries": self.data["entries"],
+            "refused_requests": self.data.get("refused", 0),
+            "malformed_frames": self.data.get("malformed", 0),
             "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
         }
 
@@ -82,4 +95,7 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
         "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
         "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+        "refused": ("vllm:mooncake_v2_side_channel_refused",
+                    "Side-channel requests refused: wrong token, no live hold, untrusted CURVE key."),
+        "malformed": ("vllm:mooncake_v2_side_channel_malformed", "Undecodable side-channel frames (a request without its token included)."),
     }
