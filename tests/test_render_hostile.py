@@ -94,8 +94,10 @@ def put(spec: dict, field: str, value: str) -> None:
         target[int(last[1:-1])] = value
     elif last == "extra_args":
         target[last] = target.get(last, []) + ["--hostile", value, value]
-    elif last in ("additional_config", "kv_transfer_config", "extra_config"):
+    elif last in ("additional_config", "kv_transfer_config"):
         target[last] = {**target.get(last, {}), "hostile": value, value: [value]}
+    elif last == "extra_config":  # the pool's keys are typed (unknown ones are refused): text goes where text is
+        target[last] = {**target.get(last, {}), "stats_file": value, "mooncake": {"hostile": value, value: [value]}}
     elif last == "settings":
         target[last] = {**target.get(last, {}), "hostile": value}
     else:
