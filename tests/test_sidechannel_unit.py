@@ -270,11 +270,17 @@ def test_refusals_are_counted_in_stats_and_prometheus_keys():
 
 # ---- settings and CURVE configuration (unit) ---------------------------------------------------
 
-def test_unknown_setting_names_the_key_and_the_valid_ones():
+def test_settings_report_every_problem_at_once():
     with pytest.raises(ValueError) as info:
-        parse_settings({"curve_secret_key": "/x"})
+        parse_settings({"curve_secret_key": "/x", "hold_timout_s": 3, "transfer_timeout_s": 2,
+                        "handshake_timeout_s": "5", "protocol": "tcp"})
     text = str(info.value)
-    assert "curve_secret_key" in text and "curve_secret_key_file" in text and "hold_timeout_s" in text
+    for fragment in ("unknown key 'curve_secret_key' (did you mean 'curve_secret_key_file'?)",
+                     "unknown key 'hold_timout_s' (did you mean 'hold_timeout_s'?)",
+                     "`$.transfer_timeout_s`", "`$.handshake_timeout_s`",
+                     "accepted keys: protocol, device_name"):
+        assert fragment in text, text
+    assert parse_settings({"protocol": "rdma", "hold_timeout_s": 9}).hold_timeout_s == 9
 
 
 @pytest.fixture
