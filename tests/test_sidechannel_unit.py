@@ -402,3 +402,18 @@ def test_curve_keygen_cli(tmp_path, capsys):
 
 
 
+
+
+def test_refusal_log_lines_are_rate_limited(caplog):
+    from connectors.mooncake.channel import _LogLimiter
+
+    limiter = _LogLimiter()
+    for i in range(1000):
+        limiter.warn("malformed", "test prefill", f"frame {i}")
+    limiter.warn("unauthorized", "test prefill", "wrong token")
+    lines = [r.getMessage() for r in caplog.records if "refused a side-channel request" in r.getMessage()]
+    assert len(lines) == 2 and "frame 0" in lines[0] and "(unauthorized)" in lines[1]
+    limiter._last["malformed"] -= 2  # a second later the next line says how many were left out
+    limiter.warn("malformed", "test prefill", "frame 1000")
+    assert "(+999 more since the last line)" in caplog.records[-1].getMessage()
+    print("refusals logged: 1001 malformed, 1 unauthorized -> 3 log lines")
