@@ -239,6 +239,17 @@ def test_curve_admits_only_trusted_keys(prefill, keys):
     assert call("127.0.0.1", p.port, ask(TOKEN), 2.0, m.WorkerMeta, secure=d.client(p_key)) == p.responder.meta
     with pytest.raises(ChannelError, match="unauthorized"):  # CURVE does not replace the token
         call("127.0.0.1", p.port, ask(OTHER), 2.0, m.WorkerMeta, secure=d.client(p_key))
+    # The decode's own pull path: the prefill's key comes with the handle and must be trusted.
+    from connectors.mooncake.puller import Puller
+
+    h = m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
+                            remote_host="127.0.0.1", remote_kv_port=p.port, remote_tp_size=1,
+                            remote_block_ids=[0], remote_num_tokens=16, remote_curve_key=p_key.decode()))
+    secure_puller = Puller(None, worker_meta("decode"), mla=True, timeout_s=2.0, consumer_id="d/pp0/tp0",
+                           num_consumers=1, curve=d)
+    assert secure_puller.peer_metas(h) == [p.responder.meta]
+    with pytest.raises(m.MessageError, match="requires CURVE"):
+        _decode_puller(1.0).peer_metas(h)
     print(f"peers without a trusted CURVE key tried: {len(attempts)}, none got an answer")
 
 

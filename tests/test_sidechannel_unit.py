@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from hypothesis import given, settings, strategies as st
 from test_mooncake_unit import _scheduler
 
 from connectors.mooncake import messages as m
@@ -125,6 +126,46 @@ def _decode_scheduler(curve_dir=None):
 def _decode_request(p):
     return SimpleNamespace(request_id="d-1", kv_transfer_params=p, status=None, num_prompt_tokens=40,
                            num_computed_tokens=0)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+TEXT = st.text(max_size=40) | st.text(alphabet=st.characters(max_codepoint=127), max_size=300)
+INT = st.integers(-(2 ** 70), 2 ** 70) | st.integers(0, 70000)
+# Per field a value of the right type most of the time (so one bad field at a time gets through the
+# others), anything JSON otherwise.
+HOSTILE_FIELDS = {
+    **dict.fromkeys(["remote_engine_id", "remote_request_id", "remote_token", "remote_host", "remote_curve_key"],
+                    TEXT | JSON),
+    **dict.fromkeys(["remote_kv_port", "remote_tp_size", "remote_pp_size", "remote_pcp_size", "remote_dp_size",
+                     "remote_dp_rank", "remote_num_tokens"], INT | JSON),
+    "remote_block_ids": st.lists(INT, max_size=20) | JSON,
+    "remote_hold_expires_at": st.floats() | JSON,
+}
+
+
+def test_fuzzed_handles_are_validated_or_refused_never_crash():
+    """Whatever an HTTP client puts into kv_transfer_params: a valid handle within bounds, or a
+    MessageError the decode turns into a local prefill; never another exception."""
+    tried, refused = [], []
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.fixed_dictionaries({}, optional=HOSTILE_FIELDS))
+    def throw(over):
+        tried.append(over)
+        try:
+            h = m.parse_handle(params(**over))
+        except m.MessageError:
+            refused.append(over)
+            return
+        m.check_host(h.remote_host, "remote_host")
+        assert h.remote_tp_size * h.remote_pp_size * h.remote_pcp_size <= m.MAX_FANOUT
+        assert m.is_ident(h.remote_request_id) and m.is_ident(h.remote_engine_id)
+
+    throw()
+    assert len(refused) > len(tried) // 3
+    print(f"fuzzed kv_transfer_params tried: {len(tried)}, refused {len(refused)}, the rest within bounds")
 
 
 def test_decode_scheduler_computes_bad_handles_locally(caplog):
@@ -270,11 +311,17 @@ def test_refusals_are_counted_in_stats_and_prometheus_keys():
 
 # ---- settings and CURVE configuration (unit) ---------------------------------------------------
 
-def test_unknown_setting_names_the_key_and_the_valid_ones():
+def test_settings_report_every_problem_at_once():
     with pytest.raises(ValueError) as info:
-        parse_settings({"curve_secret_key": "/x"})
+        parse_settings({"curve_secret_key": "/x", "hold_timout_s": 3, "transfer_timeout_s": 2,
+                        "handshake_timeout_s": "5", "protocol": "tcp"})
     text = str(info.value)
-    assert "curve_secret_key" in text and "curve_secret_key_file" in text and "hold_timeout_s" in text
+    for fragment in ("unknown key 'curve_secret_key' (did you mean 'curve_secret_key_file'?)",
+                     "unknown key 'hold_timout_s' (did you mean 'hold_timeout_s'?)",
+                     "`$.transfer_timeout_s`", "`$.handshake_timeout_s`",
+                     "accepted keys: protocol, device_name"):
+        assert fragment in text, text
+    assert parse_settings({"protocol": "rdma", "hold_timeout_s": 9}).hold_timeout_s == 9
 
 
 @pytest.fixture
@@ -355,3 +402,18 @@ def test_curve_keygen_cli(tmp_path, capsys):
 
 
 
+
+
+def test_refusal_log_lines_are_rate_limited(caplog):
+    from connectors.mooncake.channel import _LogLimiter
+
+    limiter = _LogLimiter()
+    for i in range(1000):
+        limiter.warn("malformed", "test prefill", f"frame {i}")
+    limiter.warn("unauthorized", "test prefill", "wrong token")
+    lines = [r.getMessage() for r in caplog.records if "refused a side-channel request" in r.getMessage()]
+    assert len(lines) == 2 and "frame 0" in lines[0] and "(unauthorized)" in lines[1]
+    limiter._last["malformed"] -= 2  # a second later the next line says how many were left out
+    limiter.warn("malformed", "test prefill", "frame 1000")
+    assert "(+999 more since the last line)" in caplog.records[-1].getMessage()
+    print("refusals logged: 1001 malformed, 1 unauthorized -> 3 log lines")

@@ -140,6 +140,7 @@ class SideChannelServer:
                 deferred, self._deferred = self._deferred, []
                 for deadline, identity, message in deferred:
                     self._answer(identity, message, deadline)
+        self._sock.close()  # in the thread that used it: ZeroMQ sockets are not thread-safe
 
     def _receive(self) -> None:
         frames = self._sock.recv_multipart(copy=False)
@@ -185,8 +186,9 @@ class SideChannelServer:
         if identity is not None:
             self._sock.send_multipart([identity, b"", encode(Ack(version=PROTOCOL_VERSION, ok=False, error=code))])
 
-    def _close(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
-        sock.close()
+    def _close(self, ctx: zmq.Context, sock: zmq.Socket | None) -> None:
+        if sock is not None:
+            sock.close()
         if self._auth is not None:
             self._auth.stop()
         ctx.term()
@@ -194,7 +196,7 @@ class SideChannelServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._close(self._ctx, self._sock)
+        self._close(self._ctx, None)
 
 
 _client_ctx: zmq.Context | None = None

@@ -266,5 +266,5 @@ def parse_handle(params: Mapping[str, Any]) -> PrefillHandle:
     """Validate a decode request's kv_transfer_params into a PrefillHandle."""
     try:
         return msgspec.convert(dict(params), PrefillHandle)
-    except (msgspec.ValidationError, ValueError, TypeError, OverflowError) as exc:
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise MessageError(f"invalid kv_transfer_params for MooncakeConnectorV2: {exc}") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -32,14 +33,25 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
-    try:
-        return msgspec.convert(dict(extra or {}), Settings)
-    except msgspec.ValidationError as exc:
-        fields = ", ".join(Settings.__struct_fields__)
+    """Every problem at once: each unknown key (with the closest valid one) and each bad value."""
+    extra = dict(extra or {})
+    fields = Settings.__struct_fields__
+    problems = []
+    for key in sorted(k for k in extra if k not in fields):
+        close = difflib.get_close_matches(key, fields, n=1)
+        problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for key in fields:
+        if key in extra:
+            try:
+                msgspec.convert({key: extra[key]}, Settings)
+            except msgspec.ValidationError as exc:
+                problems.append(str(exc))
+    if problems:
         raise ValueError(
-            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {exc} "
-            f"(accepted keys: {fields})"
-        ) from exc
+            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {'; '.join(problems)} "
+            f"(accepted keys: {', '.join(fields)})"
+        )
+    return msgspec.convert(extra, Settings)
 
 
 def local_host() -> str:
