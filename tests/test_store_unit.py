@@ -196,6 +196,21 @@ def test_saves_are_keyed_by_the_tenant():
     assert not set(saves["a"]) & set(saves["p"]), "a salted prompt never writes the unsalted keys"
 
 
+def test_saves_are_keyed_when_a_multiconnector_skips_the_lookup():
+    """A MultiConnector stops asking children after one says "still looking up", but every child hears
+    about the allocation: the salted keys are made there."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sched = _scheduler("kv_both")
+    request = Request("a", list(range(32)), SamplingParams(max_tokens=1), None, cache_salt="tenant-a")
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    new = SimpleNamespace(req_id="a", prompt_token_ids=list(range(32)), block_ids=([1, 2],), num_computed_tokens=0)
+    (job,) = sched.build_connector_meta(_output([new], scheduled={"a": 32})).saves
+    assert job.block_ids == (1, 2) and not set(job.block_hashes) & set(block_hashes(list(range(32)), 16))
+    sched.close()
+
+
 def test_a_consumer_saves_only_with_write_back():
     from connectors.store.scheduler import role_actions
 
