@@ -89,16 +89,15 @@ _LAYOUT: ActiveLayout | None = None
 _RUNTIME: KvppRuntime | None = None
 
 
-def publish_layout(layout: ActiveLayout | None) -> None:
+def publish_layout(layout: ActiveLayout) -> None:
     """Make the layout visible before the caches exist: connectors register them while vLLM allocates."""
     global _LAYOUT
     _LAYOUT = layout
 
 
-def install(runtime: KvppRuntime | None) -> None:
+def install(runtime: KvppRuntime) -> None:
     global _LAYOUT, _RUNTIME
-    _LAYOUT = None if runtime is None else runtime.layout
-    _RUNTIME = runtime
+    _LAYOUT, _RUNTIME = runtime.layout, runtime
 
 
 def current() -> KvppRuntime | None:
