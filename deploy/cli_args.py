@@ -123,35 +123,18 @@ def url_list(text: str) -> str:
     return text
 
 
-def int_list(low: int, high: int, max_items: int) -> Callable[[str], tuple[int, ...]]:
-    """Comma-separated integers in [low, high], at most `max_items` of them."""
-    item = bounded_int(low, high)
+def value_list(item: Callable[[str], float], what: str, max_items: int) -> Callable[[str], tuple]:
+    """Comma-separated values, each parsed by `item`, at most `max_items` of them; `what` describes
+    the expected text for the error (e.g. "comma-separated integers like 38,40")."""
 
-    def parse(text: str) -> tuple[int, ...]:
+    def parse(text: str) -> tuple:
         parts = text.split(",")
         if len(parts) > max_items:
             raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
         try:
             return tuple(item(part.strip()) for part in parts)
         except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"takes comma-separated integers like 38,40: {exc}") from None
-
-    parse.__name__ = "list"
-    return parse
-
-
-def float_list(low: float, high: float, max_items: int) -> Callable[[str], tuple[float, ...]]:
-    """Comma-separated finite numbers in (low, high], at most `max_items` of them."""
-    item = bounded_float(low, high)
-
-    def parse(text: str) -> tuple[float, ...]:
-        parts = text.split(",")
-        if len(parts) > max_items:
-            raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
-        try:
-            return tuple(item(part.strip()) for part in parts)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"takes a number or comma-separated numbers like 60,64: {exc}") from None
+            raise argparse.ArgumentTypeError(f"takes {what}: {exc}") from None
 
     parse.__name__ = "list"
     return parse

@@ -340,14 +340,14 @@ def _text_problems(data: dict) -> list[str]:
                 continue
             check(inst.get("name"), f"{role}[{i}].name", _label_problem)
             for j, host in enumerate(inst.get("hosts") or [] if isinstance(inst.get("hosts"), list) else []):
-                check(host, f"{role}[{i}].hosts[{j}]", host_problem)
+                check(host, f"{role}[{i}].hosts[{j}]", _spec_host_problem)
             env = inst.get("env") if isinstance(inst.get("env"), dict) else {}
             for key in env:
                 if not _ENV_KEY.fullmatch(key):
                     problems.append(f"{role}[{i}].env: key {key!r} is not an environment variable name (letters, "
                                     "digits and '_', not starting with a digit)")
     proxy = data.get("proxy") if isinstance(data.get("proxy"), dict) else {}
-    check(proxy.get("host"), "proxy.host", host_problem)
+    check(proxy.get("host"), "proxy.host", _spec_host_problem)
     pool = data.get("pool") if isinstance(data.get("pool"), dict) else {}
     check(pool.get("address"), "pool.address", _address_problem)
     if pool.get("backend") == "memcache" and isinstance(pool.get("settings"), dict):
@@ -368,6 +368,12 @@ def _text_problems(data: dict) -> list[str]:
     return problems
 
 
+def _spec_host_problem(value: str) -> str | None:
+    if ":" in value:  # rendered into URLs and host:port addresses unbracketed
+        return f"{value!r}: IPv6 literals are not supported in specs; use a host name or an IPv4 address"
+    return host_problem(value)
+
+
 def _argument_problem(value: str) -> str | None:
     if not value or _has_control(value):
         return f"{value!r} must be non-empty and free of control characters"
@@ -386,7 +392,7 @@ def _address_problem(value: str) -> str | None:
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not 1 <= int(port[:6] or 0) <= 65535:
         return f"{value!r} must be host:port with a port from 1 to 65535"
-    problem = host_problem(host)
+    problem = _spec_host_problem(host)
     return f"host {problem}" if problem else None
 
 
