@@ -229,7 +229,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run prefill (KVPP) + decode + pool + proxy on this machine and report",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--workdir", type=cli_args.path, help="where the model, logs and pool state go (default: a temp dir)")
+    p.add_argument("--workdir", type=cli_args.path,
+                   help="where the model, logs and pool state go (default: a temp dir)")
     p.set_defaults(func=_run)
 
 

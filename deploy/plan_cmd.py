@@ -34,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--pp", type=cli_args.parallel_size, default=None,
                    help="pipeline-parallel size (default: from --pp-layers, else 1)")
     p.add_argument("--pp-layers", type=cli_args.value_list(cli_args.bounded_int(1, cli_args.MAX_LAYERS),
-                                                           "comma-separated integers like 38,40", cli_args.MAX_PARALLEL),
+                                                           "comma-separated integers like 38,40",
+                                                           cli_args.MAX_PARALLEL),
                    default=None, metavar="N,N,...",
                    help="explicit target layers per PP stage, e.g. 38,40 (default: vLLM's even split)")
     p.add_argument("--pcp", type=cli_args.parallel_size, default=1,

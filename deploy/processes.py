@@ -106,10 +106,13 @@ def stop_recorded(recorded: ProcessIdentity, timeout: float = 10.0) -> str:
         if ProcessIdentity.of(recorded.pid) != recorded:
             return "foreign"
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            if stat.pgrp == recorded.pid:  # a group leader (start_new_session): the group goes too
-                os.killpg(recorded.pid, sig)
-            else:
-                signal.pidfd_send_signal(pidfd, sig)
+            try:
+                if stat.pgrp == recorded.pid:  # a group leader (start_new_session): the group goes too
+                    os.killpg(recorded.pid, sig)
+                else:
+                    signal.pidfd_send_signal(pidfd, sig)
+            except ProcessLookupError:  # exited (and its group emptied) just now
+                break
             if select.select([pidfd], [], [], timeout)[0]:  # readable once the process has exited
                 break
         _reap(recorded.pid)

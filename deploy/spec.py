@@ -331,24 +331,24 @@ def _text_problems(data: dict) -> list[str]:
             if problem:
                 problems.append(f"{where}: {problem}")
 
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    def section(value: Any, kind: type) -> Any:  # the schema reports wrong types; skip them here
+        return value if isinstance(value, kind) else kind()
+
+    model = section(data.get("model"), dict)
     for key in ("path", "served_name", "preset"):
         check(model.get(key), f"model.{key}", _argument_problem)
     for role in ("prefill", "decode"):
-        for i, inst in enumerate(data.get(role) or [] if isinstance(data.get(role), list) else []):
-            if not isinstance(inst, dict):
-                continue
+        for i, inst in enumerate(section(data.get(role), list)):
+            inst = section(inst, dict)
             check(inst.get("name"), f"{role}[{i}].name", _label_problem)
-            for j, host in enumerate(inst.get("hosts") or [] if isinstance(inst.get("hosts"), list) else []):
+            for j, host in enumerate(section(inst.get("hosts"), list)):
                 check(host, f"{role}[{i}].hosts[{j}]", _spec_host_problem)
-            env = inst.get("env") if isinstance(inst.get("env"), dict) else {}
-            for key in env:
+            for key in section(inst.get("env"), dict):
                 if not _ENV_KEY.fullmatch(key):
                     problems.append(f"{role}[{i}].env: key {key!r} is not an environment variable name (letters, "
                                     "digits and '_', not starting with a digit)")
-    proxy = data.get("proxy") if isinstance(data.get("proxy"), dict) else {}
-    check(proxy.get("host"), "proxy.host", _spec_host_problem)
-    pool = data.get("pool") if isinstance(data.get("pool"), dict) else {}
+    check(section(data.get("proxy"), dict).get("host"), "proxy.host", _spec_host_problem)
+    pool = section(data.get("pool"), dict)
     check(pool.get("address"), "pool.address", _address_problem)
     if pool.get("backend") == "memcache" and isinstance(pool.get("settings"), dict):
         for key, value in pool["settings"].items():
@@ -357,7 +357,7 @@ def _text_problems(data: dict) -> list[str]:
             elif not isinstance(value, (str, int, float)) or isinstance(value, str) and _has_control(value):
                 problems.append(f"pool.settings.{key}: an mmc config value is one line of text or a number, got "
                                 f"{value!r}")
-    k8s = data.get("kubernetes") if isinstance(data.get("kubernetes"), dict) else {}
+    k8s = section(data.get("kubernetes"), dict)
     check(k8s.get("namespace"), "kubernetes.namespace", _label_problem)
     for key in ("image", "proxy_image"):
         check(k8s.get(key), f"kubernetes.{key}", lambda v: (
