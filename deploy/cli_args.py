@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 # Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
-MAX_PARALLEL = 4096
+MAX_PARALLEL = 1024
 MAX_LAYERS = 4096
 MAX_SECONDS = 7 * 24 * 3600.0
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")

@@ -19,6 +19,9 @@ MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
 MAX_BLOCK_SIZE = 1 << 20
 MAX_MTP = 64
 PLOT_FORMATS = ("png", "svg", "pdf")
+# The table has one row per rank of the cache-replica groups of all stages; the per-rank layout is
+# superlinear in the group size, so beyond this a plan takes minutes instead of seconds.
+MAX_GROUP, MAX_RANKS = 1024, 16384
 PLOT_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -67,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     split = args.pp_layers
     pp = args.pp if args.pp is not None else (len(split) if split else 1)
     topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner)
+    if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
+        raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
+                         f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
     kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
     warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp)))
     memory = [int(gib * GIB) for gib in args.memory_gib]

@@ -144,7 +144,7 @@ def numbers(high: float):
 
 
 PORTS = ints(1, 65535)
-SIZES = ints(1, 4096)
+SIZES = ints(1, 1024)
 SECONDS = numbers(7 * 24 * 3600)
 HOSTS = st.one_of(
     good(st.sampled_from(["127.0.0.1", "0.0.0.0", "::1", "localhost", "node-1.example.com"])),
