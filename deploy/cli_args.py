@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 # Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
-MAX_PARALLEL = 4096
+MAX_PARALLEL = 1024
 MAX_LAYERS = 4096
 MAX_SECONDS = 7 * 24 * 3600.0
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -30,7 +30,7 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
         try:
             value = int(text, 10)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {shown(text)}") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {value}")
         return value
@@ -50,11 +50,18 @@ def bounded_float(low: float, high: float, low_inclusive: bool = False) -> Calla
         above = value >= low if low_inclusive else value > low
         if not (math.isfinite(value) and above and value <= high):
             bracket = "[" if low_inclusive else "("
-            raise argparse.ArgumentTypeError(f"expected a number in {bracket}{_num(low)}, {_num(high)}], got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a number in {bracket}{_num(low)}, {_num(high)}], got {shown(text)}")
         return value
 
     parse.__name__ = "number"
     return parse
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`value`'s repr, cut to `limit` characters: messages quote what they refuse, on one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def printable(text: str) -> str:
@@ -82,7 +89,7 @@ def host_problem(host: str) -> str | None:
         pass
     labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
     if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        return (f"{host!r} is not a host name or IP address (letters, digits, '-' and '.' only; no spaces, "
+        return (f"{shown(host)} is not a host name or IP address (letters, digits, '-' and '.' only; no spaces, "
                 "quotes or control characters)")
     return None
 
@@ -97,18 +104,18 @@ def host(text: str) -> str:
 def url_problem(url: str) -> str | None:
     """Why `url` is not an http(s) base URL with a valid host and port, or None."""
     if any(c.isspace() or not c.isprintable() for c in url):
-        return f"{url!r} contains whitespace or control characters"
+        return f"{shown(url)} contains whitespace or control characters"
     try:
         parts = urlsplit(url)
         parsed_port = parts.port
     except ValueError as exc:
-        return f"{url!r} is not a valid URL ({exc})"
+        return f"{shown(url)} is not a valid URL ({exc})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"{url!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100"
+        return f"{shown(url)} is not an http(s) URL; write e.g. http://127.0.0.1:8100"
     if parsed_port == 0:
-        return f"{url!r}: port must be from 1 to 65535"
+        return f"{shown(url)}: port must be from 1 to 65535"
     problem = host_problem(parts.hostname)
-    return f"{url!r}: host {problem}" if problem else None
+    return f"{shown(url)}: host {problem}" if problem else None
 
 
 def url_list(text: str) -> str:
@@ -123,35 +130,18 @@ def url_list(text: str) -> str:
     return text
 
 
-def int_list(low: int, high: int, max_items: int) -> Callable[[str], tuple[int, ...]]:
-    """Comma-separated integers in [low, high], at most `max_items` of them."""
-    item = bounded_int(low, high)
+def value_list(item: Callable[[str], float], what: str, max_items: int) -> Callable[[str], tuple]:
+    """Comma-separated values, each parsed by `item`, at most `max_items` of them; `what` describes
+    the expected text for the error (e.g. "comma-separated integers like 38,40")."""
 
-    def parse(text: str) -> tuple[int, ...]:
+    def parse(text: str) -> tuple:
         parts = text.split(",")
         if len(parts) > max_items:
             raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
         try:
             return tuple(item(part.strip()) for part in parts)
         except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"takes comma-separated integers like 38,40: {exc}") from None
-
-    parse.__name__ = "list"
-    return parse
-
-
-def float_list(low: float, high: float, max_items: int) -> Callable[[str], tuple[float, ...]]:
-    """Comma-separated finite numbers in (low, high], at most `max_items` of them."""
-    item = bounded_float(low, high)
-
-    def parse(text: str) -> tuple[float, ...]:
-        parts = text.split(",")
-        if len(parts) > max_items:
-            raise argparse.ArgumentTypeError(f"takes at most {max_items} comma-separated values, got {len(parts)}")
-        try:
-            return tuple(item(part.strip()) for part in parts)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"takes a number or comma-separated numbers like 60,64: {exc}") from None
+            raise argparse.ArgumentTypeError(f"takes {what}: {exc}") from None
 
     parse.__name__ = "list"
     return parse
@@ -161,7 +151,7 @@ def path_text(text: str) -> str:
     """A file system path: non-empty and free of control characters (NUL reaches no system call; a
     newline in a path is a typo far more often than a name)."""
     if not text or any(unicodedata.category(c) == "Cc" for c in text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a usable path (empty, or has control characters)")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a usable path (empty, or has control characters)")
     return text
 
 

@@ -19,6 +19,9 @@ MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
 MAX_BLOCK_SIZE = 1 << 20
 MAX_MTP = 64
 PLOT_FORMATS = ("png", "svg", "pdf")
+# The table has one row per rank of the cache-replica groups of all stages; the per-rank layout is
+# superlinear in the group size, so beyond this a plan takes minutes instead of seconds.
+MAX_GROUP, MAX_RANKS = 1024, 16384
 PLOT_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -33,7 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=cli_args.parallel_size, required=True, help="tensor-parallel size")
     p.add_argument("--pp", type=cli_args.parallel_size, default=None,
                    help="pipeline-parallel size (default: from --pp-layers, else 1)")
-    p.add_argument("--pp-layers", type=cli_args.int_list(1, cli_args.MAX_LAYERS, cli_args.MAX_PARALLEL),
+    p.add_argument("--pp-layers", type=cli_args.value_list(cli_args.bounded_int(1, cli_args.MAX_LAYERS),
+                                                           "comma-separated integers like 38,40",
+                                                           cli_args.MAX_PARALLEL),
                    default=None, metavar="N,N,...",
                    help="explicit target layers per PP stage, e.g. 38,40 (default: vLLM's even split)")
     p.add_argument("--pcp", type=cli_args.parallel_size, default=1,
@@ -43,7 +48,9 @@ def register(subparsers) -> None:
                    help="MTP layers served (their caches are replicated on the last stage); default 0, as in "
                    "the anchor measurements; MTP caches exist only when MTP decoding is enabled")
     p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None, help="KV cache dtype (default: the model's)")
-    p.add_argument("--memory-gib", type=cli_args.float_list(0.0, MAX_MEMORY_GIB, cli_args.MAX_PARALLEL),
+    p.add_argument("--memory-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, MAX_MEMORY_GIB),
+                                                            "a number or comma-separated numbers like 60,64",
+                                                            cli_args.MAX_PARALLEL),
                    default=(32.0,), metavar="GIB[,GIB...]",
                    help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
     p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,
@@ -63,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     split = args.pp_layers
     pp = args.pp if args.pp is not None else (len(split) if split else 1)
     topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner)
+    if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
+        raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
+                         f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
     kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
     warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp)))
     memory = [int(gib * GIB) for gib in args.memory_gib]

@@ -180,7 +180,9 @@ def pool_up(backend: str, state_dir: Path = DEFAULT_STATE_DIR, segment_bytes: in
         raise ValueError(f"a pool is already running (state {state}); run `kvpp pool down` first")
     info = start_mooncake(state_dir, segment_bytes, **mooncake_timers) if backend == "mooncake" else start_memcache(state_dir)
     tmp = state.with_name(f".{STATE_FILE}.{os.getpid()}")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(info)))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(info)))
     tmp.replace(state)
     return info
 

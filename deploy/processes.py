@@ -46,7 +46,8 @@ class ProcessIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     @classmethod
     def of(cls, pid: int) -> ProcessIdentity | None:
-        """The identity of the live process `pid` (None when there is none)."""
+        """The identity of process `pid`; None when there is none, or it has no command line (a
+        zombie, or a process in the middle of exec)."""
         stat = _proc_stat(pid)
         if stat is None:
             return None
@@ -54,7 +55,8 @@ class ProcessIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raw = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             return None
-        return cls(pid, stat.start_ticks, [os.fsdecode(a) for a in raw.split(b"\0")[:-1]])
+        argv = [os.fsdecode(a) for a in raw.split(b"\0")[:-1]]
+        return cls(pid, stat.start_ticks, argv) if argv else None
 
 
 class _Stat(msgspec.Struct, frozen=True):
@@ -94,19 +96,23 @@ def stop_recorded(recorded: ProcessIdentity, timeout: float = 10.0) -> str:
     except ProcessLookupError:
         return "gone"
     try:
-        current, stat = ProcessIdentity.of(recorded.pid), _proc_stat(recorded.pid)
-        if current is None or stat is None:
+        stat = _proc_stat(recorded.pid)
+        if stat is None:
             return "gone"
-        if stat.state == "Z" and stat.start_ticks == recorded.start_ticks:
-            _reap(recorded.pid)
+        if stat.state in ("Z", "X"):
+            if stat.start_ticks == recorded.start_ticks:
+                _reap(recorded.pid)
             return "gone"
-        if current != recorded:
+        if ProcessIdentity.of(recorded.pid) != recorded:
             return "foreign"
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            if stat.pgrp == recorded.pid:  # a group leader (start_new_session): the group goes too
-                os.killpg(recorded.pid, sig)
-            else:
-                signal.pidfd_send_signal(pidfd, sig)
+            try:
+                if stat.pgrp == recorded.pid:  # a group leader (start_new_session): the group goes too
+                    os.killpg(recorded.pid, sig)
+                else:
+                    signal.pidfd_send_signal(pidfd, sig)
+            except ProcessLookupError:  # exited (and its group emptied) just now
+                break
             if select.select([pidfd], [], [], timeout)[0]:  # readable once the process has exited
                 break
         _reap(recorded.pid)
@@ -123,21 +129,32 @@ def _reap(pid: int) -> None:
         pass
 
 
-def kill_strays(pgid: int) -> None:
-    """SIGKILL what is left of process group `pgid` after its leader was reaped.
+def kill_strays(pgid: int, timeout: float = 5.0) -> None:
+    """SIGKILL what is left of process group `pgid` after its leader was reaped, and wait (bounded)
+    until it has exited.
 
     Only members other than the leader count: while one exists the kernel cannot hand the number
-    `pgid` to a new process, so a member found here belongs to the original group, never to a
-    newcomer that got the leader's pid."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == pgid:
-            continue
-        stat = _proc_stat(int(entry))
-        if stat is not None and stat.pgrp == pgid:
+    `pgid` to a new process, so a member found here belongs to the original group (unless all had
+    exited and the pid space wrapped around within this instant)."""
+    deadline = time.monotonic() + timeout
+    while (strays := _group_members(pgid)) and time.monotonic() < deadline:
+        for pid in strays:
             try:
-                os.kill(int(entry), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        time.sleep(0.02)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Running members of group `pgid` other than its leader."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != pgid:
+            stat = _proc_stat(int(entry))
+            if stat is not None and stat.pgrp == pgid and stat.state not in ("Z", "X"):
+                members.append(int(entry))
+    return members
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -24,7 +24,7 @@ import yaml
 
 from kvpp_core.files import read_small_file
 
-from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem
+from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem, shown
 
 MAX_SPEC_BYTES = 1 << 20
 # Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,
@@ -32,6 +32,7 @@ MAX_SPEC_BYTES = 1 << 20
 MAX_VALUES = 100_000
 MAX_DEPTH = 64
 INT64_MAX = (1 << 63) - 1
+MAX_INSTANCES = 1024  # per role; port checks compare instances pairwise per host
 
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 POS_INT = {"type": "integer", "minimum": 1, "maximum": INT64_MAX}
@@ -111,8 +112,8 @@ SCHEMA = {
                 "mtp_layers": {"type": "integer", "minimum": 0, "maximum": 64},
             },
         },
-        "prefill": {"type": "array", "minItems": 1, "items": INSTANCE},
-        "decode": {"type": "array", "items": INSTANCE},
+        "prefill": {"type": "array", "minItems": 1, "maxItems": MAX_INSTANCES, "items": INSTANCE},
+        "decode": {"type": "array", "maxItems": MAX_INSTANCES, "items": INSTANCE},
         "pool": {
             "type": "object",
             "additionalProperties": False,
@@ -288,7 +289,7 @@ def _data_problems(data: Any) -> list[str]:
         if isinstance(value, dict):
             for key, item in value.items():
                 if not isinstance(key, str):
-                    problems.append(f"{where}: key {key!r} must be a string (quote it)")
+                    problems.append(f"{where}: key {shown(key)} must be a string (quote it)")
                     continue
                 problems.extend(f"{_path([*path, key])}: key {p}" for p in _string_problems(key))
                 visit(item, [*path, key], depth + 1)
@@ -335,62 +336,68 @@ def _text_problems(data: dict) -> list[str]:
             if problem:
                 problems.append(f"{where}: {problem}")
 
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    def section(value: Any, kind: type) -> Any:  # the schema reports wrong types; skip them here
+        return value if isinstance(value, kind) else kind()
+
+    model = section(data.get("model"), dict)
     for key in ("path", "served_name", "preset"):
         check(model.get(key), f"model.{key}", _argument_problem)
     for role in ("prefill", "decode"):
-        for i, inst in enumerate(data.get(role) or [] if isinstance(data.get(role), list) else []):
-            if not isinstance(inst, dict):
-                continue
+        for i, inst in enumerate(section(data.get(role), list)):
+            inst = section(inst, dict)
             check(inst.get("name"), f"{role}[{i}].name", _label_problem)
-            for j, host in enumerate(inst.get("hosts") or [] if isinstance(inst.get("hosts"), list) else []):
-                check(host, f"{role}[{i}].hosts[{j}]", host_problem)
-            env = inst.get("env") if isinstance(inst.get("env"), dict) else {}
-            for key in env:
+            for j, host in enumerate(section(inst.get("hosts"), list)):
+                check(host, f"{role}[{i}].hosts[{j}]", _spec_host_problem)
+            for key in section(inst.get("env"), dict):
                 if not _ENV_KEY.fullmatch(key):
-                    problems.append(f"{role}[{i}].env: key {key!r} is not an environment variable name (letters, "
+                    problems.append(f"{role}[{i}].env: key {shown(key)} is not an environment variable name (letters, "
                                     "digits and '_', not starting with a digit)")
-    proxy = data.get("proxy") if isinstance(data.get("proxy"), dict) else {}
-    check(proxy.get("host"), "proxy.host", host_problem)
-    pool = data.get("pool") if isinstance(data.get("pool"), dict) else {}
+    check(section(data.get("proxy"), dict).get("host"), "proxy.host", _spec_host_problem)
+    pool = section(data.get("pool"), dict)
     check(pool.get("address"), "pool.address", _address_problem)
     if pool.get("backend") == "memcache" and isinstance(pool.get("settings"), dict):
         for key, value in pool["settings"].items():
             if not _CONF_KEY.fullmatch(key):
-                problems.append(f"pool.settings: key {key!r} is not an mmc config key (letters, digits, '_', '.')")
+                problems.append(f"pool.settings: key {shown(key)} is not an mmc config key (letters, digits, '_', '.')")
             elif not isinstance(value, (str, int, float)) or isinstance(value, str) and _has_control(value):
                 problems.append(f"pool.settings.{key}: an mmc config value is one line of text or a number, got "
-                                f"{value!r}")
-    k8s = data.get("kubernetes") if isinstance(data.get("kubernetes"), dict) else {}
+                                f"{shown(value)}")
+    k8s = section(data.get("kubernetes"), dict)
     check(k8s.get("namespace"), "kubernetes.namespace", _label_problem)
     for key in ("image", "proxy_image"):
         check(k8s.get(key), f"kubernetes.{key}", lambda v: (
-            f"{v!r} is not an image reference (no whitespace or control characters)"
+            f"{shown(v)} is not an image reference (no whitespace or control characters)"
             if not v or any(c.isspace() or _has_control(c) for c in v) else None))
-    check(k8s.get("device_resource"), "kubernetes.device_resource", lambda v: (
-        None if _RESOURCE.fullmatch(v) else f"{v!r} is not a Kubernetes resource name (e.g. huawei.com/ascend-1980)"))
+    check(k8s.get("device_resource"), "kubernetes.device_resource", lambda v: None if _RESOURCE.fullmatch(v) else (
+        f"{shown(v)} is not a Kubernetes resource name (e.g. huawei.com/ascend-1980)"))
     return problems
+
+
+def _spec_host_problem(value: str) -> str | None:
+    if ":" in value:  # rendered into URLs and host:port addresses unbracketed
+        return f"{shown(value)}: IPv6 literals are not supported in specs; use a host name or an IPv4 address"
+    return host_problem(value)
 
 
 def _argument_problem(value: str) -> str | None:
     if not value or _has_control(value):
-        return f"{value!r} must be non-empty and free of control characters"
+        return f"{shown(value)} must be non-empty and free of control characters"
     if value.startswith("-"):
-        return f"{value!r} starts with '-', so vllm would read it as an option"
+        return f"{shown(value)} starts with '-', so vllm would read it as an option"
     return None
 
 
 def _label_problem(value: str) -> str | None:
     if _DNS_LABEL.fullmatch(value):
         return None
-    return f"{value!r} must be a lowercase DNS label (a-z, 0-9, '-'; it names Kubernetes objects)"
+    return f"{shown(value)} must be a lowercase DNS label (a-z, 0-9, '-'; it names Kubernetes objects)"
 
 
 def _address_problem(value: str) -> str | None:
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not 1 <= int(port[:6] or 0) <= 65535:
-        return f"{value!r} must be host:port with a port from 1 to 65535"
-    problem = host_problem(host)
+        return f"{shown(value)} must be host:port with a port from 1 to 65535"
+    problem = _spec_host_problem(host)
     return f"host {problem}" if problem else None
 
 
@@ -400,7 +407,7 @@ def _path(parts) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         elif not re.fullmatch(r"[A-Za-z0-9_.\-]+", part):
-            out += f"[{part!r}]"  # odd keys quoted, so a message stays one unambiguous line
+            out += f"[{shown(part)}]"  # odd keys quoted, so a message stays one unambiguous line
         else:
             out += f".{part}" if out else part
     return out or "(top level)"
@@ -410,7 +417,11 @@ def _message(err) -> str:
     if err.validator == "additionalProperties":
         allowed = sorted(err.schema.get("properties", {}))
         return f"{err.message}; allowed keys: {', '.join(allowed)}"
-    return err.message
+    if err.validator in ("maxItems", "maxLength"):
+        return f"has {len(err.instance)} {'items' if err.validator == 'maxItems' else 'characters'}, more than " \
+               f"the {err.validator_value} allowed"
+    message = err.message  # it quotes the value, which may be long: keep the line short
+    return message if len(message) <= 300 else message[:300] + "..."
 
 
 def _semantic_problems(data: dict) -> list[str]:

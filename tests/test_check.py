@@ -225,3 +225,16 @@ def test_kv_port_without_decode_is_a_warning(tmp_path):
     assert code == 0 and errors == []
     assert warnings == ["warning: prefill[0] (p): kv_port: kv_port is unused without decode instances (it is the "
                         "base of P/D handshake ports); remove it or add the decode instances"]
+
+
+def test_sizes_past_the_ceilings_are_refused_in_one_short_line_each():
+    spec = _spec([_prefill(name=f"p{i}") for i in range(1025)])
+    spec["prefill"][0]["tp"] = 8.0  # an integer written as a float would render as `8.0`
+    spec["decode"] = [_decode(hosts=["h" * 5000])]
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    problems = info.value.problems
+    assert "prefill: has 1025 items, more than the 1024 allowed" in problems
+    assert any(p.startswith("prefill[0].tp: 8.0 is not of type 'integer'") for p in problems)
+    assert any(p.startswith("decode[0].hosts[0]: 'hhhh") for p in problems)
+    assert all(len(p) < 400 for p in problems)

@@ -43,28 +43,29 @@ def _no_signals(*args, **kwargs):
     raise AssertionError(f"a fuzzed command tried to send a signal: {args}")
 
 
-@pytest.fixture
-def sandbox(tmp_path, monkeypatch):
-    """Stubs for everything long-running or process-affecting, and paths of every kind."""
+def stub_out(mp: pytest.MonkeyPatch, workdir: Path) -> None:
+    """Stubs for everything long-running or process-affecting; `workdir` becomes the working directory."""
     import deploy.demo
     import deploy.plan_cmd
     import deploy.pool_cmd
     import deploy.proxy
     import deploy.tiny_model
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(deploy.pool_cmd, "DEFAULT_STATE_DIR", tmp_path / "default-state")
-    monkeypatch.setattr(deploy.proxy.web, "run_app", _reached)
-    monkeypatch.setattr(deploy.pool_cmd, "start_mooncake", _reached)
-    monkeypatch.setattr(deploy.pool_cmd, "start_memcache", _reached)
-    monkeypatch.setattr(deploy.demo, "run_demo", _reached)
-    monkeypatch.setattr(deploy.tiny_model, "_hf_config", _reached)
-    monkeypatch.setattr(deploy.plan_cmd, "plot_ratio_vs_tp", _reached)
-    for name in ("kill", "killpg"):
-        monkeypatch.setattr(os, name, _no_signals)
-    monkeypatch.setattr(signal, "pidfd_send_signal", _no_signals)
-    monkeypatch.setattr(deploy.demo.signal, "signal", lambda *a: None)  # the demo installs a SIGTERM handler
+    mp.chdir(workdir)
+    mp.setattr(deploy.pool_cmd, "DEFAULT_STATE_DIR", workdir / "default-state")
+    for module, name in ((deploy.proxy.web, "run_app"), (deploy.pool_cmd, "start_mooncake"),
+                         (deploy.pool_cmd, "start_memcache"), (deploy.demo, "run_demo"),
+                         (deploy.tiny_model, "_hf_config"), (deploy.plan_cmd, "plot_ratio_vs_tp")):
+        mp.setattr(module, name, _reached)
+    for module, name in ((os, "kill"), (os, "killpg"), (signal, "pidfd_send_signal")):
+        mp.setattr(module, name, _no_signals)
+    mp.setattr(signal, "signal", lambda *a: None)  # the demo installs a SIGTERM handler
 
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    """Stubs in place, and paths of every kind."""
+    stub_out(monkeypatch, tmp_path)
     (tmp_path / "file.txt").write_text("not yaml: [")
     (tmp_path / "big.yaml").write_bytes(b"#" * (2 << 20))
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
@@ -87,10 +88,12 @@ def run(argv: list[str]) -> tuple[int | None, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def check_outcome(argv: list[str], bad: bool, code: int | None, err: str, check_style: bool = False) -> None:
+def check_outcome(argv: list[str], bad: bool, code: int | None, err: str, check_style: bool = False,
+                  out: str = "") -> None:
     assert "Traceback" not in err, (argv, err)
     lines = err.splitlines()
     if code == 2:
+        assert out == "", (argv, out)
         assert lines and all(ln.startswith(("kvpp: error: ", "kvpp: warning: ")) for ln in lines), (argv, err)
         assert any(ln.startswith("kvpp: error: ") for ln in lines), (argv, err)
     elif code == 1 and check_style:  # `kvpp check`: the spec has errors, one line each
@@ -141,7 +144,7 @@ def numbers(high: float):
 
 
 PORTS = ints(1, 65535)
-SIZES = ints(1, 4096)
+SIZES = ints(1, 1024)
 SECONDS = numbers(7 * 24 * 3600)
 HOSTS = st.one_of(
     good(st.sampled_from(["127.0.0.1", "0.0.0.0", "::1", "localhost", "node-1.example.com"])),
@@ -209,8 +212,8 @@ def fuzz(command: list[str], options_fn, required: tuple[str, ...] = (), check_s
     def one(data):
         argv, is_bad = argv_for(data.draw, command, options_fn(), required)
         argv += data.draw(flags)
-        code, _out, err = run(argv)
-        check_outcome(argv, is_bad, code, err, check_style)
+        code, out, err = run(argv)
+        check_outcome(argv, is_bad, code, err, check_style, out)
         tried.append(argv)
 
     one()
@@ -265,8 +268,8 @@ def test_check_and_render(sandbox):
     def content(text, command):
         generated.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
         argv = [command, str(generated)] + (["--out", str(sandbox / "gen-out")] if command == "render" else [])
-        code, _out, err = run(argv)
-        check_outcome(argv, False, code, err, check_style=command == "check")
+        code, out, err = run(argv)
+        check_outcome(argv, False, code, err, command == "check", out)
         tried.append(text)
 
     content()
@@ -347,21 +350,8 @@ def _run_isolated(argv):
     """Run in a scratch working directory: random words may well name an output directory."""
     import tempfile
 
-    import deploy.demo
-    import deploy.pool_cmd
-    import deploy.proxy
-    import deploy.tiny_model
-
     with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as scratch:
-        mp.chdir(scratch)
-        mp.setattr(deploy.pool_cmd, "DEFAULT_STATE_DIR", Path(scratch) / "pool")
-        mp.setattr(deploy.proxy.web, "run_app", _reached)
-        mp.setattr(deploy.pool_cmd, "start_mooncake", _reached)
-        mp.setattr(deploy.pool_cmd, "start_memcache", _reached)
-        mp.setattr(deploy.pool_cmd, "stop_recorded", _no_signals)
-        mp.setattr(deploy.demo, "run_demo", _reached)
-        mp.setattr(deploy.tiny_model, "_hf_config", _reached)
-        mp.setattr(deploy.demo.signal, "signal", lambda *a: None)
+        stub_out(mp, Path(scratch))
         return run(argv)
 
 

@@ -78,7 +78,7 @@ def test_tp1_warns_and_reports_ratio_1(capsys):
         (["--model", "glm-5.2", "--tp", "8", "--staging", "5"], "kvpp_staging_buffers must be an integer from 1 to 3"),
         (["--model", "glm-5.2", "--tp", "8", "--pcp", "2"], "set VLLM_USE_V2_MODEL_RUNNER=1"),
         (["--model", "glm-5.2", "--tp", "8", "--mtp", "-1"], "argument --mtp: expected an integer from 0 to 64, got -1"),
-        (["--model", "glm-5.2", "--tp", "0"], "argument --tp: expected an integer from 1 to 4096, got 0"),
+        (["--model", "glm-5.2", "--tp", "0"], "argument --tp: expected an integer from 1 to 1024, got 0"),
     ],
 )
 def test_bad_input_is_one_line(capsys, args, message):
@@ -111,3 +111,10 @@ def test_plot_to_unwritable_path_is_one_line(capsys, tmp_path):
     assert main(["plan", "--model", "glm-5.2", "--tp", "8", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("kvpp: error: ")
+
+
+def test_a_table_too_large_to_compute_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(dict(  # no head count: no divisibility check stops it
+        model_type="deepseek_v3", num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)))
+    assert main(["plan", "--model", str(tmp_path), "--tp", "1024", "--pp", "61"]) == 2
+    assert "62464 ranks to tabulate" in capsys.readouterr().err

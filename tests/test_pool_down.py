@@ -33,6 +33,14 @@ def sleepers():
         proc.wait()
 
 
+def identity(pid: int) -> ProcessIdentity:
+    """`pid`'s identity once its exec has finished (the command line is empty until then)."""
+    deadline = time.monotonic() + 10
+    while (found := ProcessIdentity.of(pid)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def write_state(state_dir, processes) -> None:
     info = PoolInfo("mooncake", {"backend": "mooncake"}, processes, boot_id(), str(state_dir))
     (state_dir / STATE_FILE).write_bytes(msgspec.json.encode(info))
@@ -40,7 +48,7 @@ def write_state(state_dir, processes) -> None:
 
 def test_a_reused_pid_is_left_alone(tmp_path, sleepers, capsys):
     pool = sleepers(600)
-    recorded = ProcessIdentity.of(pool.pid)
+    recorded = identity(pool.pid)
     pool.kill()
     pool.wait()
     other = sleepers(601)  # the state file now points at another process, as after pid reuse
@@ -53,7 +61,7 @@ def test_a_reused_pid_is_left_alone(tmp_path, sleepers, capsys):
 
 def test_same_pid_and_start_time_but_another_command_is_left_alone(tmp_path, sleepers):
     other = sleepers(600)
-    actual = ProcessIdentity.of(other.pid)
+    actual = identity(other.pid)
     write_state(tmp_path, [ProcessIdentity(other.pid, actual.start_ticks, ["mooncake_master", "--rpc_port=1"])])
     assert pool_down(tmp_path) == []
     assert running(other.pid)
@@ -67,7 +75,7 @@ def test_the_recorded_process_and_its_group_are_stopped(tmp_path):
         while len(members := _group_members(leader.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         child = next(p for p in members if p != leader.pid)
-        write_state(tmp_path, [ProcessIdentity.of(leader.pid)])
+        write_state(tmp_path, [identity(leader.pid)])
         assert pool_down(tmp_path, timeout=5) == [leader.pid]
         assert leader.poll() is not None and not running(child)
     finally:
