@@ -109,6 +109,7 @@ def test_mooncake_transfer_across_hosts_is_intact_and_bounded_when_the_link_is_c
             elapsed = time.monotonic() - started
             assert not cut["ok"], cut
             assert elapsed < 60, f"a read from a cut-off host took {elapsed:.0f}s"
+            print(f"read from a cut-off host failed after {elapsed:.1f}s")
             bed.set_link("prefill", up=True)
             again = json.loads(bed.run("decode", read, env={**os.environ, **ENV}).stdout)
             assert again["ok"] and again["intact"], again
