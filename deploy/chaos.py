@@ -127,7 +127,7 @@ class Run:
 
     async def run(self, schedule, gap_s: float) -> dict:
         load_task = asyncio.ensure_future(self.load.run())
-        ticker = asyncio.ensure_future(self._progress(len(schedule)))
+        ticker = asyncio.ensure_future(self._progress())
         try:
             await asyncio.sleep(gap_s)
             for i, fault in enumerate(schedule):
@@ -141,16 +141,16 @@ class Run:
             self.current = "draining"
             await self.load.stop()
             await load_task
+            drain_s, drain = await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, True)
+            self.current = "final P/D check"
+            counters = await self._counters_check()
         finally:
             ticker.cancel()
             if not load_task.done():
                 load_task.cancel()
-        drain_s, drain = await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, True)
-        self.current = "final P/D check"
-        counters = await self._counters_check()
         return self._report(drain_s, drain, counters)
 
-    async def _progress(self, n: int) -> None:
+    async def _progress(self) -> None:
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
             s = self.load.summary()
