@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deploy.chaos_load import Load, Prompt, cancel_probe, completion_body, prompt_texts, reference_prompts
-from deploy.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, start_local_stack
+from deploy.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
 from deploy.demo import LAYERS, engine_metrics, metric_total
 from deploy.processes import ProcessError
 from deploy.tiny_model import build_tiny_model, sample_prompt
@@ -56,8 +56,8 @@ class Fault:
 
 SHORT_SCHEDULE = (
     Fault("cancel", "stream"),
-    Fault("kill", "prefill", 2), Fault("stop", "prefill", 6),
-    Fault("kill", "decode", 2), Fault("stop", "decode", 6),
+    Fault("kill", "prefill", 8), Fault("stop", "prefill", 6),
+    Fault("kill", "decode", 8), Fault("stop", "decode", 6),
     Fault("kill", "pool_holder", 1), Fault("stop", "pool_master", 6),
     Fault("kill", "pool_master", 1), Fault("stop", "pool_holder", 6),
     Fault("kill", "proxy", 0), Fault("stop", "proxy", 4),
@@ -113,8 +113,9 @@ class Engines:
 
 class Run:
     def __init__(self, stack: Stack, model: str, prompts: list[Prompt], clients: int, seed: int,
-                 settings: StackSettings, page_bytes: int | None = None):
+                 settings: StackSettings, page_bytes: int | None = None, restart_under_load: bool = False):
         self.stack, self.model, self.prompts, self.settings = stack, model, prompts, settings
+        self.restart_under_load = restart_under_load
         self.page_bytes = page_bytes
         """Bytes one 16-token block of all layers takes (known for the local stack's model)."""
         self.engines = Engines(stack.engines)
@@ -126,7 +127,7 @@ class Run:
 
     async def run(self, schedule, gap_s: float) -> dict:
         load_task = asyncio.ensure_future(self.load.run())
-        ticker = asyncio.ensure_future(self._progress(len(schedule)))
+        ticker = asyncio.ensure_future(self._progress())
         try:
             await asyncio.sleep(gap_s)
             for i, fault in enumerate(schedule):
@@ -140,16 +141,16 @@ class Run:
             self.current = "draining"
             await self.load.stop()
             await load_task
+            drain_s, drain = await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, True)
+            self.current = "final P/D check"
+            counters = await self._counters_check()
         finally:
             ticker.cancel()
             if not load_task.done():
                 load_task.cancel()
-        drain_s, drain = await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, True)
-        self.current = "final P/D check"
-        counters = await self._counters_check()
         return self._report(drain_s, drain, counters)
 
-    async def _progress(self, n: int) -> None:
+    async def _progress(self) -> None:
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
             s = self.load.summary()
@@ -160,8 +161,20 @@ class Run:
     async def _fault(self, fault: Fault) -> None:
         member = self.stack.members[fault.target]
         start = time.monotonic()
-        await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
-        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": time.monotonic(),
+        if fault.kind == "kill" and fault.target in self.stack.engines and not self.restart_under_load:
+            # The outage is served under load; the restart is not: on a 2-core host the restarting
+            # engine's worker shares a pinned core with the other engine, which spins while busy and
+            # starves it for minutes.
+            await asyncio.to_thread(member.kill)
+            await asyncio.sleep(fault.down_s)
+            end = time.monotonic()
+            await self.load.pause()
+            await asyncio.to_thread(restart, member, self.stack)
+            self.load.resume()
+        else:
+            await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
+            end = time.monotonic()
+        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end,
                             "recovered_s": round(time.monotonic() - start, 2)})
 
     async def _cancel_probe(self, fault: Fault) -> None:
@@ -283,7 +296,8 @@ def _proxy_paths(url: str) -> dict:
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def run_chaos(workdir: Path, schedule, clients: int, seed: int, gap_s: float, settings: StackSettings) -> dict:
+def run_chaos(workdir: Path, schedule, clients: int, seed: int, gap_s: float, settings: StackSettings,
+              restart_under_load: bool = False) -> dict:
     progress("1/4 building the tiny 16-layer MLA model")
     model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
     progress("2/4 reference answers from a colocated engine (TP=2, KVPP off), then it stops")
@@ -292,8 +306,8 @@ def run_chaos(workdir: Path, schedule, clients: int, seed: int, gap_s: float, se
     stack = start_local_stack(model, workdir, settings)
     try:
         progress(f"4/4 {clients} clients, {len(schedule)} faults")
-        report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, LAYERS * PAGE_BYTES)
-                             .run(schedule, gap_s))
+        report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, LAYERS * PAGE_BYTES,
+                                 restart_under_load).run(schedule, gap_s))
     finally:
         stack.stop()
     report["settings"] = asdict(settings)
@@ -345,6 +359,9 @@ def register(subparsers) -> None:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--gap", type=float, default=4.0, metavar="S", help="fault-free load between faults (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart-under-load", action="store_true",
+                   help="keep the clients going while a killed engine restarts (default: they pause, which "
+                   "a 2-core host needs; the outage before the restart is always under load)")
     p.add_argument("--workdir", type=Path, help="model, logs and pool state (default: a temp dir)")
     p.add_argument("--report", type=Path, help="write the whole report (every request) as JSON here")
     p.add_argument("--json", action="store_true", help="print the report (without the request list) as JSON")
@@ -380,10 +397,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-chaos-") as tmp:
-                report = run_chaos(Path(tmp), schedule, args.clients, args.seed, args.gap, settings)
+                report = run_chaos(Path(tmp), schedule, args.clients, args.seed, args.gap, settings,
+                                   args.restart_under_load)
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
-            report = run_chaos(args.workdir, schedule, args.clients, args.seed, args.gap, settings)
+            report = run_chaos(args.workdir, schedule, args.clients, args.seed, args.gap, settings,
+                               args.restart_under_load)
     except ProcessError as exc:
         print(f"kvpp chaos: failed: {exc}", file=sys.stderr)
         return 1

@@ -197,6 +197,11 @@ def inject(member: Member, kind: str, down_s: float, stack: Stack) -> None:
         return
     member.kill()
     time.sleep(down_s)
+    restart(member, stack)
+
+
+def restart(member: Member, stack: Stack) -> None:
+    """Bring a killed member back as it was; a new pool master needs its segment holder again."""
     try:
         member.restart()
     except ProcessError as exc:
