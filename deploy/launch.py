@@ -34,6 +34,9 @@ class ConfigFile(str):
         path.file = file
         return path
 
+    def __reduce__(self):  # copies and pickles rebuild it from the file name, not the full path
+        return ConfigFile, (self.file,)
+
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """`base` with `override` merged in; nested objects merge, other values from `override` win."""

@@ -52,15 +52,16 @@ HOSTILE = st.one_of(
     st.text(alphabet="$()`'\"\\;&|<>#*?~!{}[] \n\tabc-=/.:", max_size=16),
 )
 # Fields and whether any string must be accepted there (free text, quoted by the renderer) or only
-# some (names, hosts, identifiers, ...: refused with their path when they do not fit).
+# some (names, hosts, identifiers, ...: refused with their path when they do not fit). Connector and
+# KVPP configs ("config") get hostile keys too, which their validation may refuse as unknown.
 FREE_TEXT = "free"
 FIELDS = {
     "model.path": "arg", "model.served_name": "arg", "prefill[0].name": "name", "prefill[0].hosts[0]": "host",
     "prefill[0].hosts[1]": "host", "decode[0].hosts[0]": "host", "prefill[0].env.KEY": "env-key",
     "prefill[0].env.VALUE": FREE_TEXT, "decode[0].env.VALUE": FREE_TEXT, "prefill[0].extra_args": FREE_TEXT,
-    "decode[0].extra_args": FREE_TEXT, "prefill[0].additional_config": FREE_TEXT,
-    "prefill[0].kv_transfer_config": FREE_TEXT, "pool.address": "address", "pool.settings": "settings",
-    "pool.extra_config": FREE_TEXT, "proxy.host": "host", "kubernetes.image": "image",
+    "decode[0].extra_args": FREE_TEXT, "prefill[0].additional_config": "config",
+    "prefill[0].kv_transfer_config": "config", "pool.address": "address", "pool.settings": "settings",
+    "pool.extra_config": "config", "proxy.host": "host", "kubernetes.image": "image",
     "kubernetes.namespace": "name", "kubernetes.device_resource": "resource", "kubernetes.proxy_image": "image",
 }
 
