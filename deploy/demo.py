@@ -248,11 +248,12 @@ def run_demo_hosts(workdir: Path) -> dict:
             raise DemoError("kvpp check refused the demo spec: " + "; ".join(errors))
         _progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
         stack.start_all(progress=_progress)
-        # Reference: the decode engine computing each prompt itself; KVPP off on prefill2 gives blocks off.
+        # Reference: the decode engine computing each prompt itself; its KV budget is the prefills', without
+        # KVPP, so its blocks are the capacity without KVPP.
         expected = {r.name: _complete(stack.url("decode"), model, r.prompt) for r in requests}
         _progress("4/4 requests through the proxy on host proxy")
         report = _drive(requests, model, stack.url("proxy"), [stack.url("prefill"), stack.url("prefill2")],
-                        stack.url("decode"), expected, _num_blocks(stack.url("prefill2")), plan)
+                        stack.url("decode"), expected, _num_blocks(stack.url("decode")), plan)
         report["hosts"] = {h.name: h.address for h in bed.hosts.values()}
         report["rendered"] = str(stack.scripts)
         return report

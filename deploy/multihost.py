@@ -24,7 +24,7 @@ from deploy.spec import parse_spec
 from deploy.testbed import Testbed
 
 HOSTS = ("prefill", "decode", "pool", "proxy", "prefill2")
-"""The demo deployment: a KVPP prefill, a decode, the pool, the proxy, and a second prefill that
+"""The demo deployment: a KVPP prefill, a decode, the pool, the proxy, and a second KVPP prefill that
 reuses what the first one pooled."""
 KV_PORT = {"prefill": 37000, "prefill2": 37000, "decode": 37010}
 HTTP_PORT = {"prefill": 8100, "prefill2": 8101, "decode": 8200}
@@ -51,7 +51,10 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
         "prefill": [
             _instance("prefill", bed.address("prefill"), 2, kv_cache_bytes, enable_kvpp=True,
                       lookup_rpc_port=LOOKUP_PORT["prefill"]),
-            _instance("prefill2", bed.address("prefill2"), 1, kv_cache_bytes, lookup_rpc_port=LOOKUP_PORT["prefill2"]),
+            # The same KV layout as the first (TP=2, KVPP): pooled objects are per owner shard, so only
+            # instances with one layout share prefixes.
+            _instance("prefill2", bed.address("prefill2"), 2, kv_cache_bytes, enable_kvpp=True,
+                      lookup_rpc_port=LOOKUP_PORT["prefill2"]),
         ],
         "decode": [_instance("decode", bed.address("decode"), 1, kv_cache_bytes, kv_transfer_config={
             "kv_load_failure_policy": "recompute",
