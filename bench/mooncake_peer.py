@@ -19,7 +19,7 @@ import torch
 
 from connectors.mooncake.channel import SideChannelServer
 from connectors.mooncake.holds import HoldTable
-from connectors.mooncake.messages import PROTOCOL_VERSION, DoneNotice, LayerDesc, MetaRequest, Released, WorkerMeta
+from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, MetaRequest, WorkerMeta
 from connectors.mooncake.transfer import MooncakeTransfer
 
 BLOCK_SHAPE = (16, 576)  # block size 16 x MLA head 576, the tiny model's page
@@ -61,7 +61,8 @@ def main() -> int:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--owned", default=None, help="comma-separated layers to publish as KVPP owner")
     ap.add_argument("--hold", action="append", default=[], help="request id to hold (repeatable)")
-    ap.add_argument("--hold-timeout", type=float, default=60.0)
+    ap.add_argument("--hold-timeout", type=float, default=60.0, help="initial lease (s)")
+    ap.add_argument("--lease", type=float, default=None, help="lease a renewal grants (s; default: --hold-timeout)")
     args = ap.parse_args()
 
     kv = pages(args.layers, args.blocks, args.seed)
@@ -69,17 +70,17 @@ def main() -> int:
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
     owned = None if args.owned is None else {int(x) for x in args.owned.split(",") if x}
     meta = local_meta(kv, args.engine_id, args.tp_rank, args.tp_size, te, owned)
-    holds = HoldTable(args.hold_timeout)
+    holds = HoldTable(args.hold_timeout, args.lease)
     for request_id in args.hold:
         holds.hold(request_id, args.hold_timeout)
 
     def handle(message):
         if isinstance(message, MetaRequest):
             return meta
-        if isinstance(message, DoneNotice):
-            held = holds.release(message.request_id, message.consumer, message.num_consumers)
-            return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=held)
-        raise ValueError(f"unexpected {type(message).__name__}")
+        reply = holds.answer(message)
+        if reply is None:
+            raise ValueError(f"unexpected {type(message).__name__}")
+        return reply
 
     server = SideChannelServer("127.0.0.1", args.port, handle, what="mooncake peer")
     print(json.dumps({"ready": True, "port": args.port, "te": te.session}), flush=True)

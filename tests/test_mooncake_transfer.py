@@ -121,7 +121,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
     kv, puller = make_puller(decode_side, layers=4, blocks=16)
     remote, local = [5, 6, 7, 20, 21, 3], [0, 1, 2, 3, 4, 5]
     h = handle(peer.port, "r1", remote)
-    nbytes, entries, _ = puller.read(h, local, remote)
+    nbytes, entries, _, _ = puller.read(h, local, remote)
     expected = pages(4, 32, 7)
     assert torch.equal(kv[:, local], expected[:, remote])
     assert not kv[:, 6:].any()  # nothing written outside the requested blocks
@@ -139,7 +139,7 @@ def test_batches_beyond_transport_limit_are_split(peers, free_port):
     try:
         kv, puller = make_puller(te, layers=1, blocks=2100)
         remote = list(range(0, 4200, 2))  # every other page: 2100 entries that cannot coalesce
-        _, entries, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
+        _, entries, _, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
         assert entries == 2100 and torch.equal(kv[0], pages(1, 4200, 3)[0, remote])
     finally:
         te.close()
@@ -226,3 +226,40 @@ def test_call_to_nobody_is_bounded(free_port):
     assert time.monotonic() - start < 2
     with pytest.raises(MessageError):
         decode(b"")
+
+
+def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_side, free_port):
+    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "4", "--hold", "r", "--hold", "orphan",
+                 "--hold-timeout", "1", "--lease", "1")
+    kv, puller = make_puller(decode_side, layers=2, blocks=8)
+    h = handle(peer.port, "r", [1, 2])
+    claim = puller.claim(h)  # travels while the read runs
+    puller.read(h, [0, 1], [1, 2])
+    lease_end = puller.lease_end(claim)
+    assert lease_end is not None and lease_end - time.monotonic() > 0.5
+    assert torch.equal(kv[:, :2], pages(2, 8, 4)[:, [1, 2]])
+    assert peer.line(timeout=5) == {"expired": "orphan"}  # never claimed: its initial lease lapsed
+    late = handle(peer.port, "orphan", [3])
+    claim = puller.claim(late)
+    puller.read(late, [2], [3])
+    assert puller.lease_end(claim) is None  # the decode must not trust what it read
+    assert puller.notify(late, ok=True) == (False, [])
+
+
+def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers, free_port):
+    from connectors.mooncake.leases import LeaseKeeper
+
+    # Initial lease 4 s, a renewal grants 2 s: the decode renews every 2/3 s.
+    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "4", "--lease", "2")
+    keeper = LeaseKeeper(timeout_s=1.0)
+    keeper.add("decode-req", PrefillHandle(remote_engine_id="peer", remote_request_id="r", remote_host="127.0.0.1",
+                                           remote_kv_port=peer.port, remote_tp_size=1, remote_block_ids=[0],
+                                           remote_num_tokens=16, remote_lease_s=2.0))
+    try:
+        with pytest.raises(TimeoutError):
+            peer.line(timeout=7)  # kept well past the 4 s initial lease while renewed
+    finally:
+        keeper.close()  # the decode dies: no more renewals
+    stopped = time.monotonic()
+    assert peer.line(timeout=5) == {"expired": "r"}
+    assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout

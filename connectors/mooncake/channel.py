@@ -7,6 +7,7 @@ costs at most `timeout_s` and never wedges the caller.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -111,3 +112,57 @@ def call(host: str, port: int, message: Message, timeout_s: float, expected: typ
             f"tcp://{host}:{port} answered {type(reply).__name__} to {type(message).__name__}"
         )
     return reply
+
+
+class Calls:
+    """One request sent to several peers at once; the answers are collected later, so the caller
+    can do other work (a read) meanwhile and the peers answer in parallel. Every answer is bounded
+    by one deadline. Use from one thread (ZeroMQ sockets are not thread-safe)."""
+
+    def __init__(self, targets: list[tuple[str, int]], message: Message, timeout_s: float, expected: type) -> None:
+        self.sent_at = time.monotonic()
+        self._deadline = self.sent_at + timeout_s
+        self._message = message
+        self._expected = expected
+        self._socks = []
+        frame = encode(message)
+        for host, port in targets:
+            sock = _client_context().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send(frame, zmq.NOBLOCK)  # queued until connected; the deadline bounds the rest
+            self._socks.append((f"tcp://{host}:{port}", sock))
+
+    def results(self) -> list[Message | ChannelError]:
+        """Per target, in order: its answer of the expected type, or the ChannelError why not."""
+        out: dict[int, Message | ChannelError] = {}
+        poller = zmq.Poller()
+        index = {}
+        for i, (_, sock) in enumerate(self._socks):
+            poller.register(sock, zmq.POLLIN)
+            index[id(sock)] = i
+        try:
+            while len(out) < len(self._socks):
+                left_ms = int((self._deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    break
+                for sock, _ in poller.poll(left_ms):
+                    i = index[id(sock)]
+                    out[i] = self._check(self._socks[i][0], sock.recv())
+                    poller.unregister(sock)
+        finally:
+            for _, sock in self._socks:
+                sock.close()
+        return [out[i] if i in out else ChannelError(f"no answer from {address} within the deadline")
+                for i, (address, _) in enumerate(self._socks)]
+
+    def _check(self, address: str, frame: bytes) -> Message | ChannelError:
+        try:
+            reply = decode(frame)
+        except MessageError as exc:
+            return ChannelError(f"{address}: {exc}")
+        if isinstance(reply, Ack) and not reply.ok:
+            return ChannelError(f"{address} refused {type(self._message).__name__}: {reply.error}")
+        if not isinstance(reply, self._expected):
+            return ChannelError(f"{address} answered {type(reply).__name__} to {type(self._message).__name__}")
+        return reply

@@ -116,7 +116,30 @@ class Released(_Versioned, tag="released"):
     held: bool
 
 
-Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released
+class LeaseClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request a decode still means to pull."""
+
+    request_id: str
+
+
+MAX_CLAIMS = 4096  # per renewal message; a decode batches its claims per prefill worker
+
+
+class LeaseRenewal(_Versioned, tag="lease"):
+    """A decode renews its leases (NIXL-style heartbeat): keep these requests' blocks for another
+    lease, counted from when the prefill worker reads this."""
+
+    claims: Annotated[list[LeaseClaim], msgspec.Meta(max_length=MAX_CLAIMS)]
+
+
+class LeaseGrant(_Versioned, tag="lease_grant"):
+    """Reply to a LeaseRenewal, claim by claim: seconds the blocks stay held from now on (0: not
+    held any more; the prefill freed them, so a pull of them must not be trusted)."""
+
+    seconds: list[Annotated[float, msgspec.Meta(ge=0)]]
+
+
+Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released | LeaseRenewal | LeaseGrant
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
@@ -157,7 +180,9 @@ class PrefillHandle(msgspec.Struct, frozen=True):
     remote_dp_size: Positive = 1
     remote_dp_rank: NonNeg = 0
     remote_hold_expires_at: float | None = None
-    """Unix time after which the prefill may free the blocks (its hold timeout)."""
+    """Unix time after which the prefill frees the blocks unless a decode renews their lease."""
+    remote_lease_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """How long one lease renewal keeps the blocks: the decode renews well within it."""
     protocol_version: int = PROTOCOL_VERSION
     do_remote_prefill: bool = True
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from connectors.mooncake.channel import ChannelError, call
+from connectors.mooncake.channel import Calls, ChannelError
 from connectors.mooncake.messages import (
     PROTOCOL_VERSION,
     DoneNotice,
-    MessageError,
+    LeaseClaim,
+    LeaseGrant,
+    LeaseRenewal,
     MetaRequest,
     PrefillHandle,
     Released,
@@ -41,6 +44,16 @@ def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
     ]
 
 
+class ReadResult(NamedTuple):
+    nbytes: int
+    entries: int
+    """Batch entries issued after coalescing."""
+    seconds: float
+    """In the transfer engine."""
+    handshake_s: float
+    """Fetching the prefill workers' metadata (0 when cached)."""
+
+
 class Puller:
     def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, mla: bool, timeout_s: float,
                  consumer_id: str, num_consumers: int) -> None:
@@ -61,9 +74,13 @@ class Puller:
         cached = self._peers.get(self._key(handle))
         if cached is not None:
             return cached
+        ports = prefill_ports(handle)
+        answers = Calls([(handle.remote_host, port) for _, _, port in ports], MetaRequest(version=PROTOCOL_VERSION),
+                        self.timeout_s, WorkerMeta).results()
         metas = []
-        for pp_rank, tp_rank, port in prefill_ports(handle):
-            meta = call(handle.remote_host, port, MetaRequest(version=PROTOCOL_VERSION), self.timeout_s, WorkerMeta)
+        for (pp_rank, tp_rank, port), meta in zip(ports, answers):
+            if isinstance(meta, ChannelError):
+                raise meta
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
                 raise ChannelError(
                     f"{handle.remote_host}:{port} is engine {meta.engine_id} pp{meta.pp_rank}/tp{meta.tp_rank}, "
@@ -79,9 +96,12 @@ class Puller:
         """Drop cached metadata after a failure, so a restarted prefill is asked afresh."""
         self._peers.pop(self._key(handle), None)
 
-    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> tuple[int, int, float]:
-        """Pull the blocks of every local layer; returns (bytes, batch entries, seconds in the TE)."""
-        sources = choose_sources(self.local, self.peer_metas(handle), self.mla)
+    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> ReadResult:
+        """Pull the blocks of every local layer."""
+        start = time.perf_counter()
+        metas = self.peer_metas(handle)
+        handshake_s = time.perf_counter() - start
+        sources = choose_sources(self.local, metas, self.mla)
         per_peer = build_descs(self.local_layers, sources, local_blocks, remote_blocks)
         start = time.perf_counter()
         nbytes = entries = 0
@@ -89,23 +109,40 @@ class Puller:
             b, e = self.transfer.read(session, descs)
             nbytes += b
             entries += e
-        return nbytes, entries, time.perf_counter() - start
+        return ReadResult(nbytes, entries, time.perf_counter() - start, handshake_s)
+
+    def claim(self, handle: PrefillHandle) -> Calls:
+        """Renew the request's lease on every prefill worker; collect the grants with `lease_end`
+        after the read (the renewals travel while it runs)."""
+        renewal = LeaseRenewal(version=PROTOCOL_VERSION, claims=[LeaseClaim(request_id=handle.remote_request_id)])
+        return Calls(_targets(handle), renewal, self.timeout_s, LeaseGrant)
+
+    @staticmethod
+    def lease_end(claim: Calls) -> float | None:
+        """Monotonic time until which every prefill worker keeps the blocks, or None if one did
+        not answer or had freed them already. A worker that granted the lease held the blocks when
+        it read the renewal (after `claim.sent_at`), and a hold never restarts once ended, so the
+        blocks stayed the request's from before the read until at least this time."""
+        grants = claim.results()
+        if any(isinstance(grant, ChannelError) or grant.seconds[0] <= 0 for grant in grants):
+            return None
+        return claim.sent_at + min(grant.seconds[0] for grant in grants)
 
     def notify(self, handle: PrefillHandle, ok: bool) -> tuple[bool | None, list[str]]:
-        """Tell every prefill worker to free the request's blocks.
+        """Tell every prefill worker (in parallel) to free the request's blocks.
 
-        Returns (held, errors): held is False if any worker had already freed them (timeout), True
-        if every worker confirmed it still held them, None if some did not answer; errors name the
-        workers that did not answer (they free after their hold timeout).
+        Returns (held, errors): held is False if any worker had already freed them (lease lapsed),
+        True if every worker confirmed it still held them, None if some did not answer; errors name
+        the workers that did not answer (they free when the lease lapses).
         """
         notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
-        answers, errors = [], []
-        for _, _, port in prefill_ports(handle):
-            try:
-                answers.append(call(handle.remote_host, port, notice, self.timeout_s, Released).held)
-            except (ChannelError, MessageError) as exc:
-                errors.append(f"{handle.remote_host}:{port}: {exc}")
-        if not all(answers):
+        answers = Calls(_targets(handle), notice, self.timeout_s, Released).results()
+        errors = [str(a) for a in answers if isinstance(a, ChannelError)]
+        if not all(a.held for a in answers if not isinstance(a, ChannelError)):
             return False, errors
         return (None if errors else True), errors
+
+
+def _targets(handle: PrefillHandle) -> list[tuple[str, int]]:
+    return [(handle.remote_host, port) for _, _, port in prefill_ports(handle)]

@@ -13,6 +13,17 @@ from connectors.metrics import CounterPromMetrics
 
 _FIELDS = ("bytes", "transfers", "failures", "seconds", "entries")
 
+# Where a pulled request's time to first token goes on the decode, phase by phase (seconds summed
+# over requests; each phase also counts its requests, so its mean is sum / count):
+PHASES = {
+    "admit": "arrival in the decode's scheduler -> its load scheduled",
+    "dispatch": "load scheduled -> a pull thread starts it",
+    "handshake": "fetching the prefill workers' metadata (0 once cached)",
+    "notify": "done-notice round trip while the request waits for it",
+    "report": "pull finished -> reported to vLLM by get_finished",
+    "resume": "scheduler saw the finished pull -> request scheduled to compute",
+}
+
 
 @dataclass
 class MooncakeV2Stats(KVConnectorStats):
@@ -38,6 +49,14 @@ class MooncakeV2Stats(KVConnectorStats):
     def reset(self) -> None:
         self.data = dict.fromkeys(_FIELDS, 0)
         self.data["seconds"] = 0.0
+        for phase in PHASES:
+            self.data[f"{phase}_s"] = 0.0
+            self.data[f"{phase}_n"] = 0
+
+    def record_phase(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.data[f"{phase}_s"] += max(0.0, seconds)
+            self.data[f"{phase}_n"] += 1
 
     def record_transfer(self, nbytes: int, seconds: float, entries: int) -> None:
         with self._lock:
@@ -57,7 +76,7 @@ class MooncakeV2Stats(KVConnectorStats):
         return snapshot
 
     def aggregate(self, other: KVConnectorStats) -> MooncakeV2Stats:
-        for key in _FIELDS:
+        for key in {*self.data, *other.data}:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         return self
 
@@ -70,10 +89,13 @@ class MooncakeV2Stats(KVConnectorStats):
             "transfer_seconds": round(seconds, 4),
             "batch_entries": self.data["entries"],
             "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
+            "read_ms": round(1000 * seconds / self.data["transfers"], 2) if self.data["transfers"] else 0.0,
+            **{f"{phase}_ms": round(1000 * self.data[f"{phase}_s"] / self.data[f"{phase}_n"], 2)
+               for phase in PHASES if self.data.get(f"{phase}_n")},
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in _FIELDS)
+        return not any(self.data.get(key) for key in (*_FIELDS, *(f"{phase}_n" for phase in PHASES)))
 
 
 class MooncakeV2PromMetrics(CounterPromMetrics):
@@ -82,4 +104,8 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
         "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
         "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+        **{f"{phase}_s": (f"vllm:mooncake_v2_{phase}_seconds", f"Pulled requests' time in phase: {doc}.")
+           for phase, doc in PHASES.items()},
+        **{f"{phase}_n": (f"vllm:mooncake_v2_{phase}_requests", f"Requests timed in phase {phase}.")
+           for phase in PHASES},
     }
