@@ -263,3 +263,12 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
     stopped = time.monotonic()
     assert peer.line(timeout=5) == {"expired": "r"}
     assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout
+
+
+def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_side, free_port):
+    peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9")
+    kv, puller = make_puller(decode_side, layers=3, blocks=8)
+    remote, local = [12, 11, 10, 9], [7, 6, 5, 4]  # how vLLM hands out blocks it freed in reverse
+    _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)
+    assert entries == 3  # one copy per layer, not one per page
+    assert torch.equal(kv[:, local], pages(3, 16, 9)[:, remote]) and not kv[:, :4].any()

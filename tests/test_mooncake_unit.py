@@ -174,6 +174,9 @@ def test_cut_entries_bounds_each_copy():
 def test_block_runs_follow_both_sides():
     assert block_runs([4, 5, 6, 9, 10, 11], [1, 2, 9, 10, 11, 3]) == [(4, 1, 2), (6, 9, 1), (9, 10, 2), (11, 3, 1)]
     assert block_runs([], []) == []
+    # descending on both sides (blocks vLLM freed in reverse order) is one range each
+    assert block_runs([9, 8, 7, 3, 4], [20, 19, 18, 5, 6]) == [(7, 18, 3), (3, 5, 2)]
+    assert block_runs([9, 8, 7], [18, 19, 20]) == [(9, 18, 1), (8, 19, 1), (7, 20, 1)]  # opposite ways
     with pytest.raises(ValueError, match="2 local blocks for 1 remote"):
         block_runs([1, 2], [1])
 
