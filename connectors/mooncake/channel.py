@@ -126,12 +126,21 @@ class Calls:
         self._expected = expected
         self._socks = []
         frame = encode(message)
-        for host, port in targets:
-            sock = _client_context().socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
-            sock.send(frame, zmq.NOBLOCK)  # queued until connected; the deadline bounds the rest
-            self._socks.append((f"tcp://{host}:{port}", sock))
+        try:
+            for host, port in targets:
+                sock = _client_context().socket(zmq.REQ)
+                self._socks.append((f"tcp://{host}:{port}", sock))
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{host}:{port}")
+                sock.send(frame, zmq.NOBLOCK)  # queued until connected; the deadline bounds the rest
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ChannelError(f"cannot send {type(message).__name__} to {self._socks[-1][0]}: {exc}") from exc
+
+    def close(self) -> None:
+        """Give up on the answers (idempotent)."""
+        for _, sock in self._socks:
+            sock.close()
 
     def results(self) -> list[Message | ChannelError]:
         """Per target, in order: its answer of the expected type, or the ChannelError why not."""
@@ -151,8 +160,7 @@ class Calls:
                     out[i] = self._check(self._socks[i][0], sock.recv())
                     poller.unregister(sock)
         finally:
-            for _, sock in self._socks:
-                sock.close()
+            self.close()
         return [out[i] if i in out else ChannelError(f"no answer from {address} within the deadline")
                 for i, (address, _) in enumerate(self._socks)]
 

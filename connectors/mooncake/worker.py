@@ -184,11 +184,14 @@ class MooncakeV2Worker:
         off its path to the first token."""
         handle = spec.handle
         self.stats.record_phase("dispatch", time.time() - spec.scheduled_at)
-        claim = self._puller.claim(handle)
+        claim = None
         try:
+            claim = self._puller.claim(handle)
             done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
+            lease_end = self._puller.lease_end(claim)
         except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
-            claim.results()
+            if claim is not None:
+                claim.close()
             self._puller.forget(handle)
             logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
                          handle.remote_engine_id, exc)
@@ -199,7 +202,6 @@ class MooncakeV2Worker:
             # overwrite what a recompute writes there. Only the report waits, no thread does.
             quarantine = self.settings.transfer_timeout_s if isinstance(exc, TransferError) else 0.0
             return _Pulled(False, time.perf_counter(), time.monotonic() + quarantine)
-        lease_end = self._puller.lease_end(claim)
         if lease_end is not None and time.monotonic() < lease_end - LEASE_MARGIN_S:
             ok = True
             self._notices.submit(self._notify, spec, True)
