@@ -35,7 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as `python bench/pd_transfer.py` like the other benchmarks
-from bench.mooncake_peer import BLOCK_SHAPE, local_meta, pages  # noqa: E402
+from bench.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages  # noqa: E402
 from connectors.mooncake.messages import PrefillHandle  # noqa: E402
 from connectors.mooncake.puller import Puller  # noqa: E402
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries  # noqa: E402
@@ -55,7 +55,7 @@ def transport(tokens: int, repeat: int) -> dict:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
     peer = subprocess.Popen([sys.executable, str(REPO / "bench" / "mooncake_peer.py"), "--port", str(port),
-                             "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11"],
+                             "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11", "--hold", "bench"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         ready = json.loads(peer.stdout.readline())
@@ -64,7 +64,8 @@ def transport(tokens: int, repeat: int) -> dict:
         te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
         puller = Puller(te, local_meta(kv, "bench-decode", 0, 1, te), mla=True, timeout_s=10,
                         consumer_id="bench/pp0/tp0", num_consumers=1)
-        handle = PrefillHandle(remote_engine_id="peer", remote_request_id="bench", remote_host="127.0.0.1",
+        handle = PrefillHandle(remote_engine_id="peer", remote_request_id="bench", remote_token=TOKEN,
+                               remote_host="127.0.0.1",
                                remote_kv_port=port, remote_tp_size=1, remote_block_ids=list(range(blocks)),
                                remote_num_tokens=tokens)
         ids = list(range(blocks))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from bench.mooncake_peer import BLOCK_SHAPE, layer_name, local_meta, pages
+from bench.mooncake_peer import BLOCK_SHAPE, TOKEN, layer_name, local_meta, pages
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, PrefillHandle, WorkerMeta, decode
 from connectors.mooncake.puller import Puller
@@ -110,10 +110,11 @@ def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float =
                       consumer_id="decode/pp0/tp0", num_consumers=1)
 
 
-def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer") -> PrefillHandle:
-    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_host="127.0.0.1",
+def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer", token: str = TOKEN,
+           **extra) -> PrefillHandle:
+    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_token=token, remote_host="127.0.0.1",
                          remote_kv_port=port, remote_tp_size=tp, remote_block_ids=blocks,
-                         remote_num_tokens=16 * len(blocks))
+                         remote_num_tokens=16 * len(blocks), **extra)
 
 
 def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side, free_port):
@@ -134,7 +135,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
 def test_batches_beyond_transport_limit_are_split(peers, free_port):
     # 2100 entries in one tcp batch fail (rc -1, pages half-written) in some runs and not in others
     # here; split into batches of <= 1024 they always arrive intact.
-    peer = peers(free_port, "--layers", "1", "--blocks", "4200", "--seed", "3")
+    peer = peers(free_port, "--layers", "1", "--blocks", "4200", "--seed", "3", "--hold", "r")
     te = MooncakeTransfer("127.0.0.1", timeout_s=5, max_batch_entries=1024)
     try:
         kv, puller = make_puller(te, layers=1, blocks=2100)
@@ -149,8 +150,10 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
     base = free_port_pair()
     # A TP=2 KVPP prefill: rank 0 owns layers 0-1, rank 1 layers 2-3; different content per rank
     # proves each layer came from its owner.
-    peers(base, "--layers", "4", "--blocks", "16", "--seed", "100", "--tp-rank", "0", "--tp-size", "2", "--owned", "0,1")
-    peers(base + 1, "--layers", "4", "--blocks", "16", "--seed", "101", "--tp-rank", "1", "--tp-size", "2", "--owned", "2,3")
+    peers(base, "--layers", "4", "--blocks", "16", "--seed", "100", "--tp-rank", "0", "--tp-size", "2", "--owned", "0,1",
+          "--hold", "r")
+    peers(base + 1, "--layers", "4", "--blocks", "16", "--seed", "101", "--tp-rank", "1", "--tp-size", "2", "--owned", "2,3",
+          "--hold", "r")
     kv, puller = make_puller(decode_side, layers=4, blocks=8)
     blocks = [1, 2, 3]
     puller.read(handle(base, "r", blocks, tp=2), blocks, blocks)
@@ -160,7 +163,7 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
 
 
 def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "1")
+    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "1", "--hold", "r")
     kv, puller = make_puller(decode_side, layers=2, blocks=8, timeout=1.0)
     h = handle(peer.port, "r", [1, 2])
     puller.read(h, [0, 1], [1, 2])  # metadata now cached, TE connected
@@ -178,14 +181,14 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
 
 
 def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, free_port):
-    peers(free_port, "--layers", "1", "--blocks", "4", "--engine-id", "new-engine")
+    peers(free_port, "--layers", "1", "--blocks", "4", "--engine-id", "new-engine", "--hold", "r")
     _, puller = make_puller(decode_side, layers=1, blocks=4)
     with pytest.raises(ChannelError, match="is engine new-engine"):
         puller.read(handle(free_port, "r", [0], engine="old-engine"), [0], [0])
 
 
 def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_port):
-    peers(free_port, "--layers", "1", "--blocks", "4")
+    peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r")
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 3000)
@@ -193,8 +196,9 @@ def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_p
     sock.send(b"\x80\x04\x95 pickle? no")
     reply = decode(sock.recv())
     sock.close()
-    assert reply.ok is False and "invalid MooncakeConnectorV2" in reply.error
-    meta = call("127.0.0.1", free_port, MetaRequest(version=PROTOCOL_VERSION), 3.0, WorkerMeta)
+    assert reply.ok is False and reply.error == "malformed"  # a code, not the decoder's message
+    meta = call("127.0.0.1", free_port, MetaRequest(version=PROTOCOL_VERSION, request_id="r", token=TOKEN), 3.0,
+                WorkerMeta)
     assert meta.layers[0].name == layer_name(0)
 
 
@@ -203,10 +207,11 @@ def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode
     start = time.monotonic()
     assert peer.line(timeout=5) == {"expired": "orphan"}
     assert 0.9 < time.monotonic() - start < 4
-    # A decode that reads after the timeout must learn the blocks were no longer held.
+    # A decode that comes after the timeout gets no addresses and learns the blocks are gone.
     _, puller = make_puller(decode_side, layers=1, blocks=4)
     h = handle(free_port, "orphan", [0])
-    puller.read(h, [0], [0])
+    with pytest.raises(ChannelError, match="refused MetaRequest: expired"):
+        puller.read(h, [0], [0])
     assert puller.notify(h, ok=True) == (False, [])
 
 
@@ -222,7 +227,8 @@ def test_taken_handshake_port_is_a_clear_error(free_port):
 def test_call_to_nobody_is_bounded(free_port):
     start = time.monotonic()
     with pytest.raises(ChannelError):
-        call("127.0.0.1", free_port, MetaRequest(version=PROTOCOL_VERSION), 0.5, WorkerMeta)
+        call("127.0.0.1", free_port, MetaRequest(version=PROTOCOL_VERSION, request_id="r", token=TOKEN), 0.5,
+             WorkerMeta)
     assert time.monotonic() - start < 2
     with pytest.raises(MessageError):
         decode(b"")
@@ -252,9 +258,7 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
     # Initial lease 4 s, a renewal grants 2 s: the decode renews every 2/3 s.
     peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "4", "--lease", "2")
     keeper = LeaseKeeper(timeout_s=1.0)
-    keeper.add("decode-req", PrefillHandle(remote_engine_id="peer", remote_request_id="r", remote_host="127.0.0.1",
-                                           remote_kv_port=peer.port, remote_tp_size=1, remote_block_ids=[0],
-                                           remote_num_tokens=16, remote_lease_s=2.0))
+    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=2.0))
     try:
         with pytest.raises(TimeoutError):
             peer.line(timeout=7)  # kept well past the 4 s initial lease while renewed
@@ -265,8 +269,25 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
     assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout
 
 
+def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(peers, free_port):
+    from connectors.mooncake.leases import LeaseKeeper
+
+    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "3", "--lease", "1")
+    keeper = LeaseKeeper(timeout_s=1.0)
+    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=1.0, token="f" * 43))
+    start = time.monotonic()
+    lines = []
+    try:
+        while not lines or lines[-1] == {"refused": "unauthorized"}:  # a heartbeat every 1/3 s
+            lines.append(peer.line(timeout=5))
+    finally:
+        keeper.close()
+    assert len(lines) > 2 and lines[-1] == {"expired": "r"}  # every renewal before it was refused
+    assert time.monotonic() - start < 4.5  # the forged renewals did not extend the 3 s initial lease
+
+
 def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9")
+    peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9", "--hold", "r")
     kv, puller = make_puller(decode_side, layers=3, blocks=8)
     remote, local = [12, 11, 10, 9], [7, 6, 5, 4]  # how vLLM hands out blocks it freed in reverse
     _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)

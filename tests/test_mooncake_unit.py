@@ -22,6 +22,8 @@ pytestmark = pytest.mark.unit
 
 V = m.PROTOCOL_VERSION
 BLOCK = 16 * 576 * 4
+TOKEN = "t" * 43
+OTHER = "o" * 43
 
 
 def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
@@ -30,7 +32,7 @@ def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
 
 
 def meta(tp_rank, layers, tp_size=2, kvpp=False, **kw):
-    fields = dict(version=V, engine_id="pre", tp_rank=tp_rank, tp_size=tp_size, pp_rank=0,
+    fields = dict(version=V, engine_id="pre", tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
                   te_host="127.0.0.1", te_rpc_port=20000 + tp_rank, model="DeepseekV2ForCausalLM/layers=4",
                   dtype="float32", block_size=16, kvpp=kvpp, layers=layers)
     fields.update(kw)
@@ -47,7 +49,8 @@ def test_messages_round_trip_typed():
     sent = meta(1, [layer(names(1)[0], 4096, owner=1)], kvpp=True)
     got = m.decode(m.encode(sent), m.WorkerMeta)
     assert got == sent and got.te_session == "127.0.0.1:20001"
-    notice = m.DoneNotice(version=V, request_id="r", consumer="d/pp0/tp0", num_consumers=1, success=True)
+    notice = m.DoneNotice(version=V, request_id="r", token=TOKEN, consumer="d/pp0/tp0", num_consumers=1,
+                          success=True)
     assert m.decode(m.encode(notice)) == notice
 
 
@@ -61,7 +64,7 @@ def _raw(**fields):
     (_raw(type="ack", version=V, ok=True, extra=1), "extra"),
     (_raw(type="pickle", version=V), "pickle"),
     (b"\x80\x04not msgpack", "invalid"),
-    (_raw(type="done", version=V, request_id="r", consumer="c", num_consumers=0, success=True), ">= 1"),
+    (_raw(type="done", version=V, request_id="r", token=TOKEN, consumer="c", num_consumers=0, success=True), ">= 1"),
 ])
 def test_decode_rejects_bad_frames(frame, fragment):
     with pytest.raises(m.MessageError, match="invalid MooncakeConnectorV2") as info:
@@ -75,7 +78,7 @@ def test_decode_rejects_unexpected_type():
 
 
 def test_worker_meta_rejects_foreign_owner_under_kvpp():
-    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=2, pp_rank=0, te_host="h",
+    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, te_host="h",
                  te_rpc_port=1, model="x", dtype="float32", block_size=16, kvpp=True,
                  layers=[dict(name="model.layers.0.a", base_addr=1, num_blocks=1, block_len=8,
                               block_stride=8, owner=1)])
@@ -84,7 +87,7 @@ def test_worker_meta_rejects_foreign_owner_under_kvpp():
 
 
 def test_layer_desc_rejects_overlapping_blocks():
-    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, te_host="h",
+    frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, te_host="h",
                  te_rpc_port=1, model="x", dtype="f", block_size=16, kvpp=False,
                  layers=[dict(name="l", base_addr=1, num_blocks=1, block_len=16, block_stride=8)])
     with pytest.raises(m.MessageError, match="block_stride 8 < block_len 16"):
@@ -92,7 +95,8 @@ def test_layer_desc_rejects_overlapping_blocks():
 
 
 def _params(**over):
-    p = dict(remote_engine_id="e", remote_request_id="r", remote_host="127.0.0.1", remote_kv_port=37000,
+    p = dict(remote_engine_id="e", remote_request_id="r", remote_token=TOKEN, remote_host="127.0.0.1",
+             remote_kv_port=37000,
              remote_tp_size=2, remote_block_ids=[3, 4], remote_num_tokens=20, do_remote_prefill=True,
              proxy_added_key="ignored")
     p.update(over)
@@ -291,6 +295,7 @@ def _scheduler(hold=7.0, **settings):
                                         data_parallel_rank=0),
         kv_transfer_config=SimpleNamespace(kv_port=37000),
         cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(max_model_len=4096),
     )
     return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold, **settings))
 
@@ -312,6 +317,7 @@ def test_prefill_holds_finished_request_and_returns_handle():
     assert 6.0 < h.remote_hold_expires_at - time.time() <= 7.0
     meta_ = sched.build_connector_meta(STEP)
     assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(STEP).holds == {}
+    assert meta_.tokens == {"req-1": h.remote_token} and len(h.remote_token) >= 43
     sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}, finished_recving=None))
     assert not sched.has_pending_block_frees()
 
@@ -326,7 +332,7 @@ def test_prefill_frees_aborted_request_at_once():
 
 def test_decode_counts_remote_tokens_and_maps_blocks():
     sched = _scheduler()
-    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_host="127.0.0.1",
+    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
                              remote_kv_port=37000, remote_tp_size=2, remote_block_ids=[10, 11, 12],
                              remote_num_tokens=40).to_params()
     req = _request(params, computed=0)
@@ -348,7 +354,7 @@ def test_decode_with_bad_params_computes_locally():
 
 def test_decode_abort_before_schedule_still_frees_prefill():
     sched = _scheduler()
-    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_host="127.0.0.1",
+    params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
                              remote_kv_port=37000, remote_tp_size=1, remote_block_ids=[1],
                              remote_num_tokens=10).to_params()
     assert sched.request_finished(_request(params), []) == (False, None)
@@ -359,7 +365,7 @@ def test_decode_abort_before_schedule_still_frees_prefill():
 def test_decode_renews_the_lease_from_arrival_until_the_pull_is_reported():
     sched = _scheduler(handshake_timeout_s=0.2)  # nobody listens on the prefill's ports here
     try:
-        params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_host="127.0.0.1",
+        params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
                                  remote_kv_port=37000, remote_tp_size=1, remote_block_ids=[10, 11, 12],
                                  remote_num_tokens=40, remote_lease_s=3).to_params()
         req = _request(params, computed=0)
@@ -441,12 +447,12 @@ def test_hold_released_only_when_every_decode_worker_is_done():
 
     clock = _Clock()
     table = HoldTable(timeout_s=30, clock=clock)
-    table.hold("r", 30)
-    table.release("r", "decode/pp0/tp0", num_consumers=2)
+    table.hold("r", 30, TOKEN)
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)
     assert table.pop_finished() == (set(), set()) and len(table) == 1
-    table.release("r", "decode/pp0/tp0", num_consumers=2)  # a repeated notice does not count twice
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)  # a repeated notice does not count twice
     assert table.pop_finished() == (set(), set())
-    table.release("r", "decode/pp0/tp1", num_consumers=2)
+    table.release("r", "decode/pp0/tp1", num_consumers=2, token=TOKEN)
     assert table.pop_finished() == ({"r"}, set()) and len(table) == 0
 
 
@@ -455,18 +461,18 @@ def test_initial_lease_lapses_and_early_notice_is_kept():
 
     clock = _Clock()
     table = HoldTable(timeout_s=5, clock=clock)
-    table.hold("orphan", 5)
-    table.release("fast", "d", 1)  # notice before the scheduler announced the hold
+    table.hold("orphan", 5, TOKEN)
+    table.release("fast", "d", 1, TOKEN)  # notice before the scheduler announced the hold
     clock.now += 1
-    table.hold("fast", 5)
+    table.hold("fast", 5, TOKEN)
     assert table.pop_finished() == ({"fast"}, set())
     clock.now += 3.5
     assert table.pop_finished() == (set(), set())
     clock.now += 0.5
     assert table.pop_finished() == (set(), {"orphan"})
-    assert table.release("orphan", "d", 1) is False  # too late: the blocks may be reused
-    assert table.renew(["orphan"]) == [0.0]
-    assert table.release("fresh", "d", 1) is True
+    assert table.release("orphan", "d", 1, TOKEN) == "expired"  # too late: the blocks may be reused
+    assert table.renew([("orphan", TOKEN)]) == [(0.0, "expired")]
+    assert table.release("fresh", "d", 1, TOKEN) == "unknown"  # kept until its hold arrives
 
 
 def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
@@ -475,11 +481,11 @@ def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
     clock = _Clock()
     table = HoldTable(timeout_s=30, lease_s=4, clock=clock)
     for rid in ("dead", "slow", "unclaimed"):
-        table.hold(rid, 30)
-    assert table.renew(["dead", "slow"]) == [4, 4]
+        table.hold(rid, 30, TOKEN)
+    assert _renew(table, "dead", "slow") == [4, 4]
     for _ in range(30):  # the slow decode renews every 2 s for a minute, twice the initial lease
         clock.now += 2
-        assert table.renew(["slow"]) == [4]
+        assert _renew(table, "slow") == [4]
         released, lapsed = table.pop_finished()
         assert "slow" not in lapsed
         if clock.now - 100 < 4:
@@ -488,9 +494,13 @@ def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
             assert lapsed == {"dead"}  # 4 s after its last renewal, not after the 30 s initial lease
         if 30 <= clock.now - 100 < 32:
             assert lapsed == {"unclaimed"}  # never claimed: the initial lease applies
-    assert table.release("slow", "d", 1) is True
+    assert table.release("slow", "d", 1, TOKEN) == "ok"
     assert table.pop_finished() == ({"slow"}, set())
-    assert table.renew(["slow"]) == [0.0]  # released: nothing to keep any more
+    assert _renew(table, "slow") == [0.0]  # released: nothing to keep any more
+
+
+def _renew(table, *request_ids, token=TOKEN):
+    return [seconds for seconds, _ in table.renew((rid, token) for rid in request_ids)]
 
 
 def test_early_renewal_is_honoured_when_the_hold_is_announced():
@@ -498,13 +508,25 @@ def test_early_renewal_is_honoured_when_the_hold_is_announced():
 
     clock = _Clock()
     table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
-    assert table.renew(["early"]) == [5]
+    assert _renew(table, "early") == [5]
     clock.now += 1
-    table.hold("early", 2)  # shorter than the lease already granted: the grant wins
+    assert table.hold("early", 2, TOKEN) == 0  # shorter than the lease already granted: the grant wins
     clock.now += 4.9
     assert table.pop_finished() == (set(), set())
     clock.now += 0.2
     assert table.pop_finished() == (set(), {"early"})
+
+
+def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
+    assert _renew(table, "r", token=OTHER) == [5]  # unchecked until the hold (and its token) arrives
+    clock.now += 1
+    assert table.hold("r", 2, TOKEN) == 1  # counted as refused; the forged grant does not extend the hold
+    clock.now += 2
+    assert table.pop_finished() == (set(), {"r"})
 
 
 def test_table_of_unknown_notices_is_bounded_and_forgotten():
@@ -513,30 +535,37 @@ def test_table_of_unknown_notices_is_bounded_and_forgotten():
     clock = _Clock()
     table = HoldTable(timeout_s=5, clock=clock, max_unknown=100)
     for i in range(10_000):
-        table.release(f"stray-{i}", "d", 1)
-        table.renew([f"claim-{i}"])
+        table.release(f"stray-{i}", "d", 1, TOKEN)
+        _renew(table, f"claim-{i}")
     assert len(table._unknown) == 100 and "claim-9999" in table._unknown  # newest kept
     clock.now += 6
     table.pop_finished()
     assert not table._unknown and len(table) == 0
-    table.hold("stray-9999", 5)  # a late hold is not released by the forgotten notice
+    table.hold("stray-9999", 5, TOKEN)  # a late hold is not released by the forgotten notice
     assert table.pop_finished() == (set(), set()) and len(table) == 1
 
 
 def test_hold_table_answers_notices_and_renewals():
     from connectors.mooncake.holds import HoldTable
 
+    from connectors.mooncake.channel import Refused
+    from connectors.mooncake.responder import PrefillResponder
+
     table = HoldTable(timeout_s=30, lease_s=3, clock=_Clock())
-    table.hold("r", 30)
-    renewal = m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id="r"), m.LeaseClaim(request_id="x")])
-    assert table.answer(m.decode(m.encode(renewal))) == m.LeaseGrant(version=V, seconds=[3, 3])
-    notice = m.DoneNotice(version=V, request_id="r", consumer="d", num_consumers=1, success=True)
-    assert table.answer(notice) == m.Released(version=V, request_id="r", held=True)
-    assert table.answer(m.MetaRequest(version=V)) is None
+    table.hold("r", 30, TOKEN)
+    responder = PrefillResponder(table)
+    renewal = m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id="r", token=TOKEN),
+                                                m.LeaseClaim(request_id="x", token=TOKEN)])
+    assert responder(m.decode(m.encode(renewal))) == m.LeaseGrant(version=V, seconds=[3, 3])
+    notice = m.DoneNotice(version=V, request_id="r", token=TOKEN, consumer="d", num_consumers=1, success=True)
+    assert responder(notice) == m.Released(version=V, request_id="r", held=True)
+    with pytest.raises(Refused) as info:
+        responder(m.MetaRequest(version=V, request_id="r", token=TOKEN))
+    assert info.value.code == "not_ready"
 
 
 def test_lease_renewal_size_is_bounded():
-    frame = _raw(type="lease", version=V, claims=[{"request_id": str(i)} for i in range(m.MAX_CLAIMS + 1)])
+    frame = _raw(type="lease", version=V, claims=[{"request_id": str(i), "token": TOKEN} for i in range(m.MAX_CLAIMS + 1)])
     with pytest.raises(m.MessageError, match="length"):
         m.decode(frame)
 

@@ -136,6 +136,41 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed_before
 
 
+def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocated):
+    """An attacker who knows a held request's id but not its token: its done-notices, metadata
+    requests and lease renewals to every prefill worker are refused and counted, the blocks stay
+    held, and the real decode still pulls them and answers like the colocated engine."""
+    from connectors.mooncake import messages as m
+    from connectors.mooncake.channel import ChannelError, call
+    from connectors.mooncake.puller import prefill_ports
+
+    prefill, n = pd["prefill"], 45
+    refused_before = metric(prefill.url, "vllm:mooncake_v2_side_channel_refused_total")
+    params = post(f"{prefill.url}/v1/completions",
+                  {"model": pd["model"], "prompt": sample_prompt(n, seed=n), "max_tokens": 1, "temperature": 0,
+                   "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    handle = m.parse_handle(params)
+    forged = "f" * 43
+    hostile = [
+        m.DoneNotice(version=m.PROTOCOL_VERSION, request_id=handle.remote_request_id, token=forged,
+                     consumer="attacker", num_consumers=1, success=True),
+        m.MetaRequest(version=m.PROTOCOL_VERSION, request_id=handle.remote_request_id, token=forged),
+        m.LeaseRenewal(version=m.PROTOCOL_VERSION,
+                       claims=[m.LeaseClaim(request_id=handle.remote_request_id, token=forged)]),
+    ]
+    for _, _, port in prefill_ports(handle):
+        for message in hostile:
+            with pytest.raises(ChannelError, match="unauthorized"):
+                call(handle.remote_host, port, message, 10.0, m.Released)
+    tried = len(hostile) * handle.remote_tp_size
+    wait_for(lambda: metric(prefill.url, "vllm:mooncake_v2_side_channel_refused_total") >= refused_before + tried,
+             20, "refusals counted")
+    assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0  # still held for the real decode
+    got = completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n), kv_transfer_params=params)
+    assert tokens_and_logprobs(got)[0] == tokens_and_logprobs(colocated[n])[0]
+    print(f"forged side-channel requests sent to the real prefill: {tried}, all refused and counted")
+
+
 def test_no_blocks_leak_after_pulls(pd):
     for s in (pd["prefill"], pd["decode"]):
         wait_for(lambda: metric(s.url, "vllm:kv_cache_usage_perc") == 0, 20, f"{s.name} KV usage back to 0")

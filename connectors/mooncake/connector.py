@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connectors.mooncake.messages import is_ident
 from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
 from connectors.mooncake.step_meta import MooncakeV2Metadata
@@ -53,6 +54,9 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         settings = parse_settings(transfer.kv_connector_extra_config)
         engine_id = transfer.engine_id
+        if not is_ident(engine_id):
+            raise ValueError(f"kv_transfer_config.engine_id {engine_id!r} cannot travel in kv_transfer_params: "
+                             "use 1-256 visible ASCII characters (no spaces), or leave it unset")
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from connectors.mooncake.scheduler import MooncakeV2Scheduler

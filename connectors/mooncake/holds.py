@@ -1,4 +1,4 @@
-"""Prefill-side bookkeeping of blocks kept for decode workers: holds with leases.
+"""Prefill-side bookkeeping of blocks kept for decode workers: holds with leases and tokens.
 
 A hold ends when every decode worker sent its done-notice, or when its lease lapses. A finished
 request starts with an initial lease (`timeout_s`, for a decode that never claims it); each renewal
@@ -6,39 +6,57 @@ from a decode (`LeaseRenewal`, sent from the moment the decode knows the request
 sets the lease to `lease_s` from now. So the blocks of a request whose decode died are freed
 `lease_s` after its last renewal, while a slow decode that keeps renewing keeps them.
 
+Every hold has the token the prefill issued in kv_transfer_params: a notice or renewal counts only
+with that token (compared in constant time), so no other peer can free or keep the blocks.
 Notices and renewals can arrive before the scheduler's hold announcement reaches this worker; they
-are kept (at most `max_unknown`, oldest dropped first, each for one `timeout_s`) and applied when
-the hold is announced. A notice or renewal for a hold that already lapsed is answered "not held",
-so the decode discards what it read instead of decoding from blocks that may have been reused.
+are kept (at most `max_unknown` requests, oldest dropped first, each for one `timeout_s`) and
+checked against the token when the hold is announced. An ended hold is remembered as long (and as
+many): a late or replayed notice for it is answered from that record and never starts a new entry.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
-from connectors.mooncake.messages import (
-    PROTOCOL_VERSION,
-    DoneNotice,
-    LeaseGrant,
-    LeaseRenewal,
-    Message,
-    Released,
-)
+from typing import Literal
 
 MAX_UNKNOWN = 4096
+MAX_EARLY_TOKENS = 4
+"""Distinct tokens kept per not-yet-announced request (the right one plus a few forgeries)."""
+
+Verdict = Literal["ok", "unknown", "expired", "unauthorized"]
+
+
+@dataclass
+class _Early:
+    """Notices and renewals that came before the hold announcement, unchecked."""
+
+    first_seen: float
+    notices: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """consumer -> (token, num_consumers)"""
+    renewed: set[str] = field(default_factory=set)
+    """tokens that renewed the lease"""
 
 
 @dataclass
 class _Hold:
+    token: str
     deadline: float
-    """When the lease lapses (monotonic); +inf for an entry not announced yet."""
+    """When the lease lapses (monotonic)."""
     consumers: set[str] = field(default_factory=set)
     needed: int = 1
-    first_seen: float = 0.0
+
+
+@dataclass
+class _Ended:
+    when: float
+    lapsed: bool
+    token: str
+    consumers: set[str]
 
 
 class HoldTable:
@@ -52,57 +70,93 @@ class HoldTable:
         self._max_unknown = max_unknown
         self._lock = threading.Lock()  # notices and renewals arrive on the side-channel thread
         self._holds: dict[str, _Hold] = {}
-        self._unknown: OrderedDict[str, _Hold] = OrderedDict()  # seen before their announcement
-        self._ended: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # id -> (when, lapsed)
+        self._unknown: OrderedDict[str, _Early] = OrderedDict()  # in arrival order
+        self._ended: OrderedDict[str, _Ended] = OrderedDict()  # in ending order
         self._noticed = threading.Event()
 
-    def hold(self, request_id: str, seconds: float) -> None:
+    def hold(self, request_id: str, seconds: float, token: str) -> int:
+        """Keep a request's blocks for `seconds` (the scheduler's announcement); returns how many early
+        notices and renewals carried a wrong token (dropped)."""
         now = self._clock()
         with self._lock:
-            early = self._unknown.pop(request_id, None)
-            hold = self._holds[request_id] = early or _Hold(deadline=0.0, first_seen=now)
-            # An early renewal granted `lease_s` from its own arrival: never grant less than that.
-            hold.deadline = now + (max(seconds, self.lease_s) if early else seconds)
+            self._ended.pop(request_id, None)
+            early = self._unknown.pop(request_id, None) or _Early(now)
+            hold = self._holds[request_id] = _Hold(token, now + seconds)
+            dropped = 0
+            for claimed in early.renewed:
+                if hmac.compare_digest(claimed, token):
+                    # An early renewal granted `lease_s` from its own arrival: never grant less.
+                    hold.deadline = now + max(seconds, self.lease_s)
+                else:
+                    dropped += 1
+            for consumer, (claimed, needed) in early.notices.items():
+                if hmac.compare_digest(claimed, token):
+                    hold.consumers.add(consumer)
+                    hold.needed = needed
+                else:
+                    dropped += 1
+            return dropped
 
-    def _entry(self, request_id: str, now: float) -> _Hold:
-        hold = self._holds.get(request_id) or self._unknown.get(request_id)
-        if hold is None:
-            hold = self._unknown[request_id] = _Hold(deadline=float("inf"), first_seen=now)
+    def _verdict(self, request_id: str, token: str) -> Verdict:
+        record = self._holds.get(request_id) or self._ended.get(request_id)
+        if record is None:
+            return "unknown"
+        if not hmac.compare_digest(record.token, token):
+            return "unauthorized"
+        return "expired" if isinstance(record, _Ended) else "ok"
+
+    def _early(self, request_id: str, now: float) -> _Early:
+        early = self._unknown.get(request_id)
+        if early is None:
+            early = self._unknown[request_id] = _Early(now)
             while len(self._unknown) > self._max_unknown:
                 self._unknown.popitem(last=False)
-        return hold
+        return early
 
-    def release(self, request_id: str, consumer: str, num_consumers: int) -> bool:
-        """Record a decode worker's done-notice; False if the blocks were already freed by lapse."""
+    def authorize(self, request_id: str, token: str) -> Verdict:
+        """Whether `token` is the live hold's token ("unknown": not announced yet; "expired": over)."""
+        with self._lock:
+            return self._verdict(request_id, token)
+
+    def release(self, request_id: str, consumer: str, num_consumers: int, token: str) -> Verdict:
+        """Record a decode worker's done-notice. "expired": the blocks were freed before this consumer
+        said done (lease lapsed); "unknown": kept until the hold arrives with the token to check."""
         now = self._clock()
         with self._lock:
-            ended = self._ended.get(request_id)
-            if ended is not None:
-                return not ended[1]
-            hold = self._entry(request_id, now)
-            hold.consumers.add(consumer)
-            hold.needed = num_consumers
+            verdict = self._verdict(request_id, token)
+            if verdict == "ok":
+                hold = self._holds[request_id]
+                hold.consumers.add(consumer)
+                hold.needed = num_consumers
+            elif verdict == "unknown":
+                early = self._early(request_id, now)
+                if consumer in early.notices or len(early.notices) < MAX_EARLY_TOKENS:
+                    early.notices[consumer] = (token, num_consumers)
+            elif verdict == "expired":
+                ended = self._ended[request_id]
+                # A repeated notice of a consumer counted before the release keeps its answer.
+                return "ok" if not ended.lapsed and consumer in ended.consumers else "expired"
+            else:
+                return verdict
         self._noticed.set()
-        return True
+        return verdict
 
-    def renew(self, request_ids: Iterable[str]) -> list[float]:
-        """Extend each request's lease to `lease_s` from now; per id the seconds granted (0: the
-        blocks are no longer held)."""
+    def renew(self, claims: Iterable[tuple[str, str]]) -> list[tuple[float, Verdict]]:
+        """Extend each (request id, token)'s lease to `lease_s` from now; per claim the seconds granted
+        (0: not held any more, or a wrong token) and the verdict."""
         now = self._clock()
-        granted = []
+        out = []
         with self._lock:
-            for request_id in request_ids:
-                ended = self._ended.get(request_id)
-                if ended is not None:
-                    granted.append(0.0)
-                    continue
-                hold = self._holds.get(request_id)
-                if hold is not None:
-                    hold.deadline = now + self.lease_s
-                else:
-                    self._entry(request_id, now)  # announced later: hold() honours this lease
-                granted.append(self.lease_s)
-        return granted
+            for request_id, token in claims:
+                verdict = self._verdict(request_id, token)
+                if verdict == "ok":
+                    self._holds[request_id].deadline = now + self.lease_s
+                elif verdict == "unknown":  # announced later: hold() checks the token, honours the lease
+                    early = self._early(request_id, now)
+                    if len(early.renewed) < MAX_EARLY_TOKENS:
+                        early.renewed.add(token)
+                out.append((self.lease_s if verdict in ("ok", "unknown") else 0.0, verdict))
+        return out
 
     def wait_for_notice(self, timeout: float) -> None:
         """Block until a done-notice arrives or `timeout` passes (instead of polling in a busy loop)."""
@@ -122,22 +176,14 @@ class HoldTable:
                 else:
                     continue
                 del self._holds[request_id]
-                self._ended[request_id] = (now, request_id in lapsed)
+                self._ended[request_id] = _Ended(now, request_id in lapsed, hold.token, hold.consumers)
+            while len(self._ended) > self._max_unknown:
+                self._ended.popitem(last=False)
             # Both tables are in arrival order: drop from the front what is older than one timeout.
-            for table, age in ((self._unknown, lambda h: h.first_seen), (self._ended, lambda e: e[0])):
+            for table, age in ((self._unknown, lambda e: e.first_seen), (self._ended, lambda e: e.when)):
                 while table and now - age(next(iter(table.values()))) > self.timeout_s:
                     table.popitem(last=False)
         return released, lapsed
-
-    def answer(self, message: Message) -> Message | None:
-        """The reply to a decode's done-notice or lease renewal; None for other messages."""
-        if isinstance(message, DoneNotice):
-            held = self.release(message.request_id, message.consumer, message.num_consumers)
-            return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=held)
-        if isinstance(message, LeaseRenewal):
-            seconds = self.renew(claim.request_id for claim in message.claims)
-            return LeaseGrant(version=PROTOCOL_VERSION, seconds=seconds)
-        return None
 
     def __len__(self) -> int:
         return len(self._holds)

@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 
 from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import Calls, ChannelError
+from connectors.mooncake.curve import CurveKeys, client_setup
 from connectors.mooncake.messages import MAX_CLAIMS, PROTOCOL_VERSION, LeaseClaim, LeaseGrant, LeaseRenewal, PrefillHandle
 from connectors.mooncake.puller import prefill_ports
 
@@ -30,8 +31,9 @@ def renew_interval(handle: PrefillHandle) -> float:
 
 
 class LeaseKeeper:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.timeout_s = timeout_s
+        self.curve = curve
         self._lock = threading.Lock()
         self._claims: dict[str, tuple[PrefillHandle, float]] = {}  # request id -> (handle, next due)
         self._stop = threading.Event()
@@ -55,8 +57,8 @@ class LeaseKeeper:
     def renew_due(self) -> None:
         """One heartbeat: renew every claim that is due, one message per prefill worker."""
         now = time.monotonic()
-        # prefill worker -> [(our request id, the prefill's request id)]
-        batches: dict[tuple[str, int], list[tuple[str, str]]] = defaultdict(list)
+        # (prefill worker, its CURVE key) -> [(our request id, its handle)]
+        batches: dict[tuple[str, int, str | None], list[tuple[str, PrefillHandle]]] = defaultdict(list)
         # A dead prefill must not hold up the next round (and the leases on live prefills with it).
         timeout = self.timeout_s
         with self._lock:
@@ -66,16 +68,18 @@ class LeaseKeeper:
                 timeout = min(timeout, renew_interval(handle))
                 self._claims[request_id] = (handle, now + renew_interval(handle))
                 for _, _, port in prefill_ports(handle):
-                    batches[(handle.remote_host, port)].append((request_id, handle.remote_request_id))
+                    batches[(handle.remote_host, port, handle.remote_curve_key)].append((request_id, handle))
         if not batches:
             return
         sent = []
-        for target, ids in batches.items():
+        for (*target, key), ids in batches.items():
+            target = tuple(target)
             for start in range(0, len(ids), MAX_CLAIMS):
                 chunk = ids[start:start + MAX_CLAIMS]
-                renewal = LeaseRenewal(version=PROTOCOL_VERSION,
-                                       claims=[LeaseClaim(request_id=remote) for _, remote in chunk])
-                sent.append((target, chunk, Calls([target], renewal, timeout, LeaseGrant)))
+                renewal = LeaseRenewal(version=PROTOCOL_VERSION, claims=[
+                    LeaseClaim(request_id=handle.remote_request_id, token=handle.remote_token) for _, handle in chunk])
+                calls = Calls([target], renewal, timeout, LeaseGrant, client_setup(self.curve, key))
+                sent.append((target, chunk, calls))
         for target, chunk, calls in sent:
             (grant,) = calls.results()
             if isinstance(grant, ChannelError):

@@ -1,22 +1,75 @@
 """Wire messages of MooncakeConnectorV2's ZeroMQ side channel and of its kv_transfer_params.
 
 Everything a peer sends is decoded into a typed msgspec struct and checked before use (no pickle):
-a message from another version, a malformed frame or a bad address is a `MessageError`, never a
-crash or a silently wrong read.
+a message from another version, a malformed or oversize frame, a bad address or an out-of-bounds
+handle is a `MessageError`, never a crash or a silently wrong read. Requests that touch a held
+request carry its token (issued by the prefill in kv_transfer_params); refusals name only a fixed
+`PeerError` code, never local details.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from kvpp_core.ports import PortLayout
+
+PROTOCOL_VERSION = 2
+
+MAX_CLAIMS = 128
+"""Claims per lease renewal; a decode batches its claims per prefill worker in messages this big."""
+MAX_REQUEST_BYTES = 64 << 10
+"""Largest frame a side-channel server accepts: a renewal of MAX_CLAIMS claims with the longest ids
+and tokens (52 KB); other requests are a few hundred bytes."""
+MAX_REPLY_BYTES = 4 << 20
+"""Largest reply a decode accepts (WorkerMeta of a few thousand layers fits easily)."""
+MAX_FANOUT = 1024
+"""Most prefill workers (tp * pp * pcp) one handle may make a decode worker contact."""
+MAX_LAYERS = 8192
+MAX_BLOCK_ID = (1 << 31) - 1
+EXTRA_BLOCKS = 4
+"""Blocks a prefill may hold beyond its prompt (speculative lookahead slots)."""
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_FANOUT)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+_IDENT = r"\A[!-~]{1,256}\Z"
+Ident = Annotated[str, msgspec.Meta(pattern=_IDENT)]
+"""Engine, request and consumer ids: 1-256 visible ASCII characters (no spaces or control codes)."""
+Text = Annotated[str, msgspec.Meta(pattern=r"\A[ -~]{0,256}\Z")]
+Token = Annotated[str, msgspec.Meta(pattern=r"\A[A-Za-z0-9_-]{32,128}\Z")]
+"""A request's side-channel token (secrets.token_urlsafe): only the request's parties know it."""
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+CurveKey = Annotated[str, msgspec.Meta(pattern=r"\A[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40}\Z")]
+"""A Z85-encoded CURVE public key."""
+
+PeerError = Literal["malformed", "unauthorized", "unknown_request", "expired", "not_ready", "internal"]
+"""What a refused peer is told; the details stay in the refusing side's log."""
+
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def is_ident(value: str) -> bool:
+    return re.search(_IDENT, value) is not None
+
+
+def check_host(host: str, what: str) -> None:
+    """An IP literal or a DNS name; anything else (whitespace, control characters, URLs) is refused."""
+    try:
+        if "%" not in host:  # a scoped IPv6 address's zone may hold any character
+            ipaddress.ip_address(host)
+            return
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
+        raise ValueError(f"{what} {host!r} is neither an IP address nor a DNS name")
 
 
 class MessageError(ValueError):
@@ -41,7 +94,7 @@ class LayerDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     off, i.e. every rank of the group holds it).
     """
 
-    name: str
+    name: Ident
     base_addr: Positive
     num_blocks: Positive
     block_len: Positive
@@ -58,22 +111,26 @@ class LayerDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class WorkerMeta(_Versioned, tag="meta"):
     """What a worker publishes about itself: identity, compatibility keys and its layers."""
 
-    engine_id: str
+    engine_id: Ident
     tp_rank: NonNeg
-    tp_size: Positive
+    tp_size: Count
     pp_rank: NonNeg
-    te_host: str
+    pp_size: Count
+    te_host: Host
     te_rpc_port: Port
-    model: str
-    dtype: str
+    model: Text
+    dtype: Text
     block_size: Positive
     kvpp: bool
-    layers: list[LayerDesc]
+    layers: Annotated[list[LayerDesc], msgspec.Meta(max_length=MAX_LAYERS)]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} outside pp_size {self.pp_size}")
+        check_host(self.te_host, "te_host")
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError("duplicate layer names in published metadata")
@@ -91,21 +148,25 @@ class WorkerMeta(_Versioned, tag="meta"):
 
 
 class MetaRequest(_Versioned, tag="get_meta"):
-    """Asks a worker for its WorkerMeta."""
+    """Asks a worker for its WorkerMeta, on behalf of a request it holds (proved by the token)."""
+
+    request_id: Ident
+    token: Token
 
 
 class DoneNotice(_Versioned, tag="done"):
     """A decode worker finished reading (or gave up on) a request's blocks: free them."""
 
-    request_id: str
-    consumer: str
-    num_consumers: Positive
+    request_id: Ident
+    token: Token
+    consumer: Ident
+    num_consumers: Count
     success: bool
 
 
 class Ack(_Versioned, tag="ack"):
     ok: bool
-    error: str = ""
+    error: PeerError | None = None
 
 
 class Released(_Versioned, tag="released"):
@@ -117,12 +178,10 @@ class Released(_Versioned, tag="released"):
 
 
 class LeaseClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request a decode still means to pull."""
+    """One request a decode still means to pull, with its token."""
 
-    request_id: str
-
-
-MAX_CLAIMS = 4096  # per renewal message; a decode batches its claims per prefill worker
+    request_id: Ident
+    token: Token
 
 
 class LeaseRenewal(_Versioned, tag="lease"):
@@ -136,7 +195,7 @@ class LeaseGrant(_Versioned, tag="lease_grant"):
     """Reply to a LeaseRenewal, claim by claim: seconds the blocks stay held from now on (0: not
     held any more; the prefill freed them, so a pull of them must not be trusted)."""
 
-    seconds: list[Annotated[float, msgspec.Meta(ge=0)]]
+    seconds: Annotated[list[Annotated[float, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_CLAIMS)]
 
 
 Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released | LeaseRenewal | LeaseGrant
@@ -149,8 +208,10 @@ def encode(message: Message) -> bytes:
     return _ENCODER.encode(message)
 
 
-def decode(frame: bytes, expected: type | None = None) -> Message:
+def decode(frame: bytes, expected: type | None = None, max_bytes: int = MAX_REPLY_BYTES) -> Message:
     """Decode and validate one frame; `expected` narrows the accepted message type."""
+    if len(frame) > max_bytes:
+        raise MessageError(f"side-channel frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
     try:
         message = _DECODER.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
@@ -165,24 +226,28 @@ def decode(frame: bytes, expected: type | None = None) -> Message:
 class PrefillHandle(msgspec.Struct, frozen=True):
     """The kv_transfer_params a prefill returns and a decode request carries unchanged.
 
-    Unknown keys are ignored on purpose: proxies and vLLM itself add their own.
+    Unknown keys are ignored on purpose: proxies and vLLM itself add their own. It comes from an
+    HTTP client, so everything is bounded before the decode connects anywhere.
     """
 
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
+    remote_engine_id: Ident
+    remote_request_id: Ident
+    remote_token: Token
+    remote_host: Host
     remote_kv_port: Port
-    remote_tp_size: Positive
-    remote_block_ids: list[NonNeg]
+    remote_tp_size: Count
+    remote_block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=1 << 20)]
     remote_num_tokens: NonNeg
-    remote_pp_size: Positive = 1
-    remote_pcp_size: Positive = 1
-    remote_dp_size: Positive = 1
+    remote_pp_size: Count = 1
+    remote_pcp_size: Count = 1
+    remote_dp_size: Count = 1
     remote_dp_rank: NonNeg = 0
     remote_hold_expires_at: float | None = None
     """Unix time after which the prefill frees the blocks unless a decode renews their lease."""
     remote_lease_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """How long one lease renewal keeps the blocks: the decode renews well within it."""
+    remote_curve_key: CurveKey | None = None
+    """The prefill's CURVE public key when its side channel is encrypted."""
     protocol_version: int = PROTOCOL_VERSION
     do_remote_prefill: bool = True
 
@@ -195,6 +260,28 @@ class PrefillHandle(msgspec.Struct, frozen=True):
         if self.remote_dp_rank >= self.remote_dp_size:
             raise ValueError(
                 f"remote_dp_rank {self.remote_dp_rank} outside remote_dp_size {self.remote_dp_size}"
+            )
+        check_host(self.remote_host, "remote_host")
+        fanout = self.remote_tp_size * self.remote_pp_size * self.remote_pcp_size
+        if fanout > MAX_FANOUT:
+            raise ValueError(f"remote tp*pp*pcp = {fanout} prefill workers, more than {MAX_FANOUT}")
+        PortLayout(self.remote_kv_port, tp=self.remote_tp_size, pp=self.remote_pp_size,
+                   pcp=self.remote_pcp_size, dp=self.remote_dp_size)  # the derived range fits 1-65535
+
+    def check_blocks(self, block_size: int, max_tokens: int) -> None:
+        """The block list covers remote_num_tokens (a short list would leave claimed tokens unread)
+        and no more than a lookahead beyond; the token count fits this decode's max_model_len."""
+        if self.remote_num_tokens > max_tokens:
+            raise MessageError(
+                f"invalid kv_transfer_params: remote_num_tokens {self.remote_num_tokens} exceeds this "
+                f"decode's max_model_len {max_tokens}"
+            )
+        need = -(-self.remote_num_tokens // block_size)
+        if not need <= len(self.remote_block_ids) <= need + EXTRA_BLOCKS:
+            raise MessageError(
+                f"invalid kv_transfer_params: {len(self.remote_block_ids)} remote_block_ids for "
+                f"{self.remote_num_tokens} tokens of block size {block_size} (expected {need} to "
+                f"{need + EXTRA_BLOCKS})"
             )
 
     def to_params(self) -> dict[str, Any]:

@@ -1,17 +1,20 @@
 """Decode-side pull of one prefilled request, independent of vLLM's process state.
 
-Fetches (and caches) the prefill workers' metadata over the side channel, checks compatibility,
-plans each layer's source, reads with the transfer engine and sends done-notices. The worker and
+Fetches (and caches) the prefill workers' metadata over the side channel, proving with the
+request's token that it may, checks compatibility, plans each layer's source, reads with the
+transfer engine and sends done-notices. The first prefill worker's answer must advertise the
+parallel sizes the handle claims before any other worker is contacted. The worker and
 bench/pd_transfer.py drive the same object, so the benchmark measures the connector's real path.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from connectors.mooncake.channel import Calls, ChannelError
+from connectors.mooncake.curve import CurveKeys, client_setup
 from connectors.mooncake.messages import (
     PROTOCOL_VERSION,
     DoneNotice,
@@ -56,7 +59,7 @@ class ReadResult(NamedTuple):
 
 class Puller:
     def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, mla: bool, timeout_s: float,
-                 consumer_id: str, num_consumers: int) -> None:
+                 consumer_id: str, num_consumers: int, curve: CurveKeys | None = None) -> None:
         self.transfer = transfer
         self.local = local
         self.local_layers = {layer.name: layer for layer in local.layers}
@@ -64,6 +67,7 @@ class Puller:
         self.timeout_s = timeout_s
         self.consumer_id = consumer_id
         self.num_consumers = num_consumers
+        self.curve = curve
         self._peers: dict[tuple[str, str, int], list[WorkerMeta]] = {}
 
     @staticmethod
@@ -74,11 +78,10 @@ class Puller:
         cached = self._peers.get(self._key(handle))
         if cached is not None:
             return cached
-        ports = prefill_ports(handle)
-        answers = Calls([(handle.remote_host, port) for _, _, port in ports], MetaRequest(version=PROTOCOL_VERSION),
-                        self.timeout_s, WorkerMeta).results()
+        request = MetaRequest(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token)
+        answers = self._ask(handle, request, WorkerMeta, check_first=lambda meta: self._check_sizes(handle, meta))
         metas = []
-        for (pp_rank, tp_rank, port), meta in zip(ports, answers):
+        for (pp_rank, tp_rank, port), meta in zip(prefill_ports(handle), answers):
             if isinstance(meta, ChannelError):
                 raise meta
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
@@ -91,6 +94,33 @@ class Puller:
         check_compatible(self.local, metas, self.mla)
         self._peers[self._key(handle)] = metas
         return metas
+
+    @staticmethod
+    def _check_sizes(handle: PrefillHandle, meta: WorkerMeta) -> None:
+        if (meta.tp_size, meta.pp_size) != (handle.remote_tp_size, handle.remote_pp_size):
+            raise ChannelError(
+                f"{handle.remote_host}:{handle.remote_kv_port} runs tp_size {meta.tp_size} x pp_size {meta.pp_size}, "
+                f"but kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
+            )
+
+    def _calls(self, handle: PrefillHandle, ports: list[tuple[int, int, int]], message, expected: type) -> Calls:
+        return Calls([(handle.remote_host, port) for _, _, port in ports], message, self.timeout_s, expected,
+                     client_setup(self.curve, handle.remote_curve_key))
+
+    def _ask(self, handle: PrefillHandle, message, expected: type,
+             check_first: Callable[[WorkerMeta], None] | None = None) -> list:
+        """Every prefill worker's answer (or ChannelError), asked in parallel. Until peer_metas verified
+        the handle, the first worker is asked alone and the others (None: not asked) only once it
+        answered, so a forged handle cannot make a decode contact many ports."""
+        ports = prefill_ports(handle)
+        if self._key(handle) in self._peers:
+            return self._calls(handle, ports, message, expected).results()
+        (first,) = self._calls(handle, ports[:1], message, expected).results()
+        if isinstance(first, ChannelError):
+            return [first] + [None] * (len(ports) - 1)
+        if check_first is not None:
+            check_first(first)
+        return [first] + (self._calls(handle, ports[1:], message, expected).results() if len(ports) > 1 else [])
 
     def forget(self, handle: PrefillHandle) -> None:
         """Drop cached metadata after a failure, so a restarted prefill is asked afresh."""
@@ -114,8 +144,9 @@ class Puller:
     def claim(self, handle: PrefillHandle) -> Calls:
         """Renew the request's lease on every prefill worker; collect the grants with `lease_end`
         after the read (the renewals travel while it runs)."""
-        renewal = LeaseRenewal(version=PROTOCOL_VERSION, claims=[LeaseClaim(request_id=handle.remote_request_id)])
-        return Calls(_targets(handle), renewal, self.timeout_s, LeaseGrant)
+        renewal = LeaseRenewal(version=PROTOCOL_VERSION,
+                               claims=[LeaseClaim(request_id=handle.remote_request_id, token=handle.remote_token)])
+        return self._calls(handle, prefill_ports(handle), renewal, LeaseGrant)
 
     @staticmethod
     def lease_end(claim: Calls) -> float | None:
@@ -133,16 +164,16 @@ class Puller:
 
         Returns (held, errors): held is False if any worker had already freed them (lease lapsed),
         True if every worker confirmed it still held them, None if some did not answer; errors name
-        the workers that did not answer (they free when the lease lapses).
+        the workers that did not answer (they free when the lease lapses). However many workers a
+        handle names, a round costs at most two timeouts.
         """
-        notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id,
+        notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
-        answers = Calls(_targets(handle), notice, self.timeout_s, Released).results()
+        answers = self._ask(handle, notice, Released)
         errors = [str(a) for a in answers if isinstance(a, ChannelError)]
-        if not all(a.held for a in answers if not isinstance(a, ChannelError)):
+        if None in answers:
+            errors[-1] += f"; {answers.count(None)} more workers not notified"
+        if not all(a.held for a in answers if isinstance(a, Released)):
             return False, errors
         return (None if errors else True), errors
 
-
-def _targets(handle: PrefillHandle) -> list[tuple[str, int]]:
-    return [(handle.remote_host, port) for _, _, port in prefill_ports(handle)]

@@ -3,18 +3,24 @@
 Role-agnostic on purpose: a request carrying `do_remote_decode` is prefilled here and held for a
 decode; one carrying `do_remote_prefill` has its prompt KV pulled from the prefill named in its
 kv_transfer_params. vLLM's kv_role only decides which of the two ever happens.
+
+A held request's kv_transfer_params carry a fresh unguessable token: the prefill's workers answer
+side-channel requests about it only to the holder of that token. The decode checks a handle's
+bounds (and CURVE agreement) before it connects anywhere; a bad one is computed locally.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from connectors.mooncake.curve import load_curve, server_key
 from connectors.mooncake.leases import LeaseKeeper
-from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, parse_handle
+from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, is_ident, parse_handle
 from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
@@ -42,6 +48,8 @@ class MooncakeV2Scheduler:
         self.engine_id = engine_id
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
+        self.max_tokens = vllm_config.model_config.max_model_len
+        self.curve = load_curve(settings.curve_secret_key_file, settings.curve_public_keys_dir)
         self._handle_fields = {
             "remote_engine_id": engine_id,
             "remote_host": local_host(),
@@ -53,12 +61,14 @@ class MooncakeV2Scheduler:
             "remote_dp_rank": parallel.data_parallel_rank,
             "protocol_version": PROTOCOL_VERSION,
             "remote_lease_s": settings.lease_s,
+            "remote_curve_key": self.curve.public.decode() if self.curve else None,
         }
         self._new_loads: list[LoadSpec] = []
         self._new_holds: dict[str, float] = {}
+        self._new_tokens: dict[str, str] = {}
         self._held: set[str] = set()
         self.stats = MooncakeV2Stats()
-        self.leases = LeaseKeeper(settings.handshake_timeout_s)
+        self.leases = LeaseKeeper(settings.handshake_timeout_s, self.curve)
         self._arrived: dict[str, float] = {}  # decode: request id -> arrival (perf_counter)
         self._pulled: dict[str, float] = {}  # decode: request id -> when its finished pull was seen
 
@@ -69,7 +79,10 @@ class MooncakeV2Scheduler:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return parse_handle(params)
+            handle = parse_handle(params)
+            handle.check_blocks(self.block_size, self.max_tokens)
+            server_key(self.curve, handle.remote_curve_key)
+            return handle
         except MessageError as exc:
             # Computing the prompt locally still gives the right tokens; say why it happened.
             logger.error("request %s: %s; computing its prompt locally", request.request_id, exc)
@@ -133,11 +146,17 @@ class MooncakeV2Scheduler:
             return False, None
         if not params.get("do_remote_decode") or request.status not in _HOLDABLE or not block_ids:
             return False, None  # aborted or errored prefill: free now, nobody will pull
+        if not is_ident(request.request_id):
+            logger.error("request id %r cannot travel in kv_transfer_params (1-256 visible ASCII characters, "
+                         "check X-Request-Id); its KV is not kept for a decode", request.request_id)
+            return False, None
         self._new_holds[request.request_id] = self.settings.hold_timeout_s
+        self._new_tokens[request.request_id] = token = secrets.token_urlsafe(32)
         self._held.add(request.request_id)
         handle = PrefillHandle(
             remote_hold_expires_at=time.time() + self.settings.hold_timeout_s,
             remote_request_id=request.request_id,
+            remote_token=token,
             remote_block_ids=list(block_ids),
             remote_num_tokens=request.num_computed_tokens,
             **self._handle_fields,
@@ -167,7 +186,7 @@ class MooncakeV2Scheduler:
             now = time.perf_counter()
             for request_id in self._pulled.keys() & scheduler_output.num_scheduled_tokens.keys():
                 self.stats.record_phase("resume", now - self._pulled.pop(request_id))
-        meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds,
+        meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds, tokens=self._new_tokens,
                                   idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._new_loads, self._new_holds = [], {}
+        self._new_loads, self._new_holds, self._new_tokens = [], {}, {}
         return meta

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -33,21 +34,34 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
     max_entry_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_MAX_ENTRY_BYTES
     """Longest single copy; coalesced runs are cut to this so the engine spreads them over threads."""
+    curve_secret_key_file: str = ""
+    """This node's ZeroMQ certificate with its secret key: turns CURVE on for the side channel."""
+    curve_public_keys_dir: str = ""
+    """Directory of the public certificates of the peers this node trusts (CURVE)."""
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
-    try:
-        settings = msgspec.convert(dict(extra or {}), Settings)
-    except msgspec.ValidationError as exc:
-        fields = ", ".join(Settings.__struct_fields__)
+    """Every problem at once: each unknown key (with the closest valid one) and each bad value."""
+    extra = dict(extra or {})
+    fields = Settings.__struct_fields__
+    problems = []
+    for key in sorted(k for k in extra if k not in fields):
+        close = difflib.get_close_matches(key, fields, n=1)
+        problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for key in fields:
+        if key in extra:
+            try:
+                msgspec.convert({key: extra[key]}, Settings)
+            except msgspec.ValidationError as exc:
+                problems.append(str(exc))
+    settings = None if problems else msgspec.convert(extra, Settings)
+    if settings is not None and settings.lease_s > settings.hold_timeout_s:
+        problems.append(f"lease_s {settings.lease_s} exceeds hold_timeout_s {settings.hold_timeout_s}; "
+                        "the initial lease must cover one renewal")
+    if problems:
         raise ValueError(
-            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {exc} "
-            f"(accepted keys: {fields})"
-        ) from exc
-    if settings.lease_s > settings.hold_timeout_s:
-        raise ValueError(
-            f"invalid kv_connector_extra_config for MooncakeConnectorV2: lease_s {settings.lease_s} "
-            f"exceeds hold_timeout_s {settings.hold_timeout_s}; the initial lease must cover one renewal"
+            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {'; '.join(problems)} "
+            f"(accepted keys: {', '.join(fields)})"
         )
     return settings
 

@@ -11,7 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connectors.metrics import CounterPromMetrics
 
-_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries")
+_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed")
+_HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}
 
 # Where a pulled request's time to first token goes on the decode, phase by phase (seconds summed
 # over requests; each phase also counts its requests, so its mean is sum / count):
@@ -29,6 +30,9 @@ PHASES = {
 class MooncakeV2Stats(KVConnectorStats):
     """Sums since the last report: bytes pulled, requests pulled, failed pulls, seconds spent in
     the transfer engine and batch entries issued (after coalescing).
+
+    A prefill worker also counts side-channel requests it refused: `refused` (no live hold for the
+    request, a wrong token, or a CURVE key it does not trust) and `malformed` (undecodable frames, requests without a token).
 
     Plain sums (not per-transfer lists) keep the payload constant-size however busy the step was.
     """
@@ -69,6 +73,13 @@ class MooncakeV2Stats(KVConnectorStats):
         with self._lock:
             self.data["failures"] += 1
 
+    def record_refusal(self, code: str) -> None:
+        """Count a side-channel refusal by its peer-facing code (benign ones, e.g. "expired", are not)."""
+        key = _HOSTILE.get(code)
+        if key is not None:
+            with self._lock:
+                self.data[key] += 1
+
     def clone_and_reset(self) -> MooncakeV2Stats:
         with self._lock:
             snapshot = MooncakeV2Stats(data=dict(self.data))
@@ -88,6 +99,8 @@ class MooncakeV2Stats(KVConnectorStats):
             "failed_pulls": self.data["failures"],
             "transfer_seconds": round(seconds, 4),
             "batch_entries": self.data["entries"],
+            "refused_requests": self.data.get("refused", 0),
+            "malformed_frames": self.data.get("malformed", 0),
             "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
             "read_ms": round(1000 * seconds / self.data["transfers"], 2) if self.data["transfers"] else 0.0,
             **{f"{phase}_ms": round(1000 * self.data[f"{phase}_s"] / self.data[f"{phase}_n"], 2)
@@ -108,4 +121,7 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
            for phase, doc in PHASES.items()},
         **{f"{phase}_n": (f"vllm:mooncake_v2_{phase}_requests", f"Requests timed in phase {phase}.")
            for phase in PHASES},
+        "refused": ("vllm:mooncake_v2_side_channel_refused",
+                    "Side-channel requests refused: wrong token, no live hold, untrusted CURVE key."),
+        "malformed": ("vllm:mooncake_v2_side_channel_malformed", "Undecodable side-channel frames (a request without its token included)."),
     }

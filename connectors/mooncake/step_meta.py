@@ -30,5 +30,7 @@ class MooncakeV2Metadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     holds: dict[str, float] = field(default_factory=dict)
     """Producer: requests whose blocks the workers keep for a decode, -> seconds to keep them."""
+    tokens: dict[str, str] = field(default_factory=dict)
+    """Producer: the side-channel token issued for each request in `holds`."""
     idle: bool = False
     """The step schedules no tokens: the engine only polls for finished pulls."""

@@ -19,18 +19,12 @@ from vllm.logger import init_logger
 
 from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
+from connectors.mooncake.curve import load_curve
 from connectors.mooncake.holds import HoldTable
-from connectors.mooncake.messages import (
-    PROTOCOL_VERSION,
-    Ack,
-    LayerDesc,
-    Message,
-    MessageError,
-    MetaRequest,
-    WorkerMeta,
-)
+from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, WorkerMeta
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.pulls import PullPool
+from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
@@ -101,6 +95,8 @@ class MooncakeV2Worker:
                                          max_entry_bytes=settings.max_entry_bytes)
         self.stats = MooncakeV2Stats()
         self.holds = HoldTable(settings.hold_timeout_s, settings.lease_s)
+        self.curve = load_curve(settings.curve_secret_key_file, settings.curve_public_keys_dir)
+        self._responder = PrefillResponder(self.holds)
         self._meta: WorkerMeta | None = None
         self._puller: Puller | None = None
         # Unpinned: the pull threads (and the ZeroMQ I/O thread they start) must not queue behind
@@ -113,8 +109,11 @@ class MooncakeV2Worker:
         self._idle_step = False
         self._failed_blocks: set[int] = set()
         try:
-            self._server = SideChannelServer(self.host, self.port, self._on_message,
-                                             what=f"MooncakeConnectorV2 worker tp_rank {self.tp_rank}")
+            # A decode may ask before this worker learns of the hold: answer within half its timeout.
+            self._server = SideChannelServer(self.host, self.port, self._responder,
+                                             what=f"MooncakeConnectorV2 worker tp_rank {self.tp_rank}",
+                                             on_refused=self.stats.record_refusal,
+                                             defer_s=settings.handshake_timeout_s / 2, curve=self.curve)
         except PortInUseError as exc:
             raise PortInUseError(
                 f"{exc}. The port comes from kv_port={transfer_config.kv_port} (this instance uses "
@@ -136,40 +135,30 @@ class MooncakeV2Worker:
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})
         self._meta = WorkerMeta(
             version=PROTOCOL_VERSION, engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            pp_rank=self.pp_rank, te_host=self.host, te_rpc_port=self.transfer.rpc_port,
+            pp_rank=self.pp_rank, pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
+            te_host=self.host, te_rpc_port=self.transfer.rpc_port,
             model=model_key(self.vllm_config), dtype=",".join(dtypes),
             block_size=self.vllm_config.cache_config.block_size, kvpp=layout is not None, layers=layers,
         )
+        self._responder.meta = self._meta
         parallel = self.vllm_config.parallel_config
         self._puller = Puller(
             self.transfer, self._meta, mla=bool(self.vllm_config.model_config.use_mla),
             timeout_s=self.settings.handshake_timeout_s,
             consumer_id=f"{self.engine_id}/pp{self.pp_rank}/tp{self.tp_rank}",
-            num_consumers=self.tp_size * parallel.pipeline_parallel_size,
+            num_consumers=self.tp_size * parallel.pipeline_parallel_size, curve=self.curve,
         )
         logger.info("MooncakeConnectorV2 tp_rank %d: %d layers published on %s:%d (KVPP %s), TE %s",
                     self.tp_rank, len(layers), self.host, self.port, "on" if layout else "off",
                     self.transfer.session)
-
-    # ---- prefill role ------------------------------------------------------------------------
-
-    def _on_message(self, message: Message) -> Message:
-        """Side-channel thread: answer a metadata request, a done-notice or a lease renewal."""
-        if isinstance(message, MetaRequest):
-            if self._meta is None:
-                return Ack(version=PROTOCOL_VERSION, ok=False, error="KV caches not registered yet")
-            return self._meta
-        reply = self.holds.answer(message)
-        if reply is None:
-            raise MessageError(f"unexpected {type(message).__name__} on a handshake port")
-        return reply
 
     # ---- decode role -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: MooncakeV2Metadata) -> None:
         self._idle_step = meta.idle
         for request_id, seconds in meta.holds.items():
-            self.holds.hold(request_id, seconds)
+            for _ in range(self.holds.hold(request_id, seconds, meta.tokens[request_id])):
+                self.stats.record_refusal("unauthorized")  # an early notice or renewal with a wrong token
         for spec in meta.loads:
             if not spec.local_block_ids:  # nothing to read (aborted before scheduled): only free
                 self._notices.submit(self._notify, spec, False)
