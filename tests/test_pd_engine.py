@@ -166,17 +166,15 @@ def _occupy(url: str, model: str) -> urllib.request.addinfourl:
             "ignore_eos": True, "stream": True}
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=120)
-    resp.readline()  # running
-    return resp
+    return urllib.request.urlopen(req, timeout=120)  # returns with the headers, queued or running
 
 
-def _in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     out: dict = {}
 
     def run():
         try:
-            out["value"] = fn(*args)
+            out["value"] = fn(*args, **kwargs)
         except Exception as exc:  # reported by the caller's assertion
             out["error"] = exc
 
@@ -197,6 +195,7 @@ def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, coloca
     queue.wait_ready(timeout=400)
 
     slots = [_occupy(queue.url, model), _occupy(queue.url, model)]  # one runs, one waits: a long queue
+    time.sleep(1)
     params = _prefill_leg(pd, sample_prompt(n, seed=n))
     thread, out = _in_thread(completion, queue.url, model, sample_prompt(n, seed=n), kv_transfer_params=params)
     time.sleep(HOLD_TIMEOUT_S + 3)
