@@ -8,12 +8,16 @@ same regions cut to the connector's entry size, and one entry per page, between 
 processes and engines. Reported: seconds (median of --repeat), MB/s, and the connector's
 throughput relative to the fastest raw variant (target >= 0.9).
 
-Engine part (--engine; run the command under `flock /tmp/kvpp-engine.lock`): a prefill server (TP=2, KVPP on) and a
-decode server (TP=1) joined by the connector plus `kvpp proxy`; TTFT of a streamed completion
-through the proxy against the decode server serving the same prompt by itself (colocated), and
-the connector's in-engine pull throughput from the decode's /metrics.
+Engine part (--engine; run the command under `flock /tmp/kvpp-engine.lock`): the raw transfer time
+of each prompt length's bytes (as above, before any engine runs), then a prefill server (TP=2,
+KVPP on) and a decode server (TP=1) joined by the connector. Per prompt length (--lengths) and at
+concurrency 1 and 4: the decode leg's TTFT for prompts whose KV arrives by transfer (prefill leg
+driven by hand, as the proxy does) next to the decode computing the same prompts itself and the raw
+transfer time, the target (local + raw + 30 ms, at concurrency 1) and the decode's per-phase means
+from its /metrics. Then vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, 256-token
+prompts, 4 concurrent clients) through `kvpp proxy` and against the decode server alone (colocated).
 
-    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine]
+    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine] [--lengths 256,1024,4096]
 """
 
 from __future__ import annotations
