@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--owned", default=None, help="comma-separated layers to publish as KVPP owner")
     ap.add_argument("--hold", action="append", default=[], help="ID or ID=TOKEN to hold (repeatable)")
     ap.add_argument("--hold-timeout", type=float, default=60.0)
+    ap.add_argument("--lease", type=float, default=None, help="lease a renewal grants (s; default: --hold-timeout)")
     args = ap.parse_args()
 
     kv = pages(args.layers, args.blocks, args.seed)
@@ -73,7 +74,7 @@ def main() -> int:
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
     owned = None if args.owned is None else {int(x) for x in args.owned.split(",") if x}
     meta = local_meta(kv, args.engine_id, args.tp_rank, args.tp_size, te, owned)
-    holds = HoldTable(args.hold_timeout)
+    holds = HoldTable(args.hold_timeout, args.lease)
     for spec in args.hold:
         request_id, _, token = spec.partition("=")
         holds.hold(request_id, args.hold_timeout, token or TOKEN)

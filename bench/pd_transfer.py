@@ -8,12 +8,16 @@ same regions cut to the connector's entry size, and one entry per page, between 
 processes and engines. Reported: seconds (median of --repeat), MB/s, and the connector's
 throughput relative to the fastest raw variant (target >= 0.9).
 
-Engine part (--engine; run the command under `flock /tmp/kvpp-engine.lock`): a prefill server (TP=2, KVPP on) and a
-decode server (TP=1) joined by the connector plus `kvpp proxy`; TTFT of a streamed completion
-through the proxy against the decode server serving the same prompt by itself (colocated), and
-the connector's in-engine pull throughput from the decode's /metrics.
+Engine part (--engine; run the command under `flock /tmp/kvpp-engine.lock`): the raw transfer time
+of each prompt length's bytes (as above, before any engine runs), then a prefill server (TP=2,
+KVPP on) and a decode server (TP=1) joined by the connector. Per prompt length (--lengths) and at
+concurrency 1 and 4: the decode leg's TTFT for prompts whose KV arrives by transfer (prefill leg
+driven by hand, as the proxy does) next to the decode computing the same prompts itself and the raw
+transfer time, the target (local + raw + 30 ms, at concurrency 1) and the decode's per-phase means
+from its /metrics. Then vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, 256-token
+prompts, 4 concurrent clients) through `kvpp proxy` and against the decode server alone (colocated).
 
-    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine]
+    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine] [--lengths 256,1024,4096]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -131,9 +136,15 @@ def _metric(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def _ttft(url: str, model: str, prompt: str, max_tokens: int = 4) -> float:
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def _ttft(url: str, model: str, prompt: str, max_tokens: int = 4, **extra) -> float:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
+                       "stream": True, **extra}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -146,40 +157,132 @@ def _ttft(url: str, model: str, prompt: str, max_tokens: int = 4) -> float:
     raise RuntimeError(f"no streamed token from {url}")
 
 
-def engine(words: int, repeat: int) -> dict:
+def _pd_legs(prefill_url: str, decode_url: str, model: str, prompt: str) -> tuple[float, float]:
+    """(prefill leg seconds, decode leg TTFT) of one request driven by hand, as the proxy does."""
+    start = time.perf_counter()
+    params = _post(f"{prefill_url}/v1/completions",
+                   {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    prefill_s = time.perf_counter() - start
+    return prefill_s, _ttft(decode_url, model, prompt, kv_transfer_params=params)
+
+
+def _together(fn, args_list: list[tuple]) -> list:
+    """Run fn(*args) for every args tuple at once (one thread each); results in order."""
+    with ThreadPoolExecutor(max_workers=len(args_list)) as pool:
+        return list(pool.map(lambda args: fn(*args), args_list))
+
+
+def _phase_counters(url: str) -> dict[str, float]:
+    from connectors.mooncake.stats import PHASES
+
+    out = {}
+    for phase in PHASES:
+        out[f"{phase}_s"] = _metric(url, f"vllm:mooncake_v2_{phase}_seconds_total")
+        out[f"{phase}_n"] = _metric(url, f"vllm:mooncake_v2_{phase}_requests_total")
+    out["read_s"] = _metric(url, "vllm:mooncake_v2_transfer_seconds_total")
+    out["read_n"] = _metric(url, "vllm:mooncake_v2_pulls_total")
+    return out
+
+
+def _phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    phases = sorted({key[:-2] for key in after})
+    return {f"{p}_ms": round(1000 * (after[f"{p}_s"] - before[f"{p}_s"]) / (after[f"{p}_n"] - before[f"{p}_n"]), 2)
+            for p in phases if after[f"{p}_n"] > before[f"{p}_n"]}
+
+
+STATS_FLUSH_S = 11  # vLLM's stats logger pushes connector counters to /metrics about every 10 s
+
+
+def ttft_table(prefill_url: str, decode_url: str, model: str, lengths: list[int], repeat: int,
+               concurrency: int, raw_s: dict[int, float]) -> list[dict]:
+    """Per prompt length: decode-leg TTFT of transferred prompts against the decode computing the
+    same prompts itself and the raw transfer time of their bytes, plus the decode's phase means."""
+    from deploy.tiny_model import sample_prompt
+
+    rows = []
+    for tokens in lengths:
+        local, legs = [], []
+        before = _phase_counters(decode_url)
+        for r in range(repeat):
+            prompts = [sample_prompt(tokens, seed=1000 * tokens + 10 * r + c) for c in range(concurrency)]
+            local += _together(lambda p: _ttft(decode_url, model, p), [(p,) for p in prompts])
+            legs += _together(lambda p: _pd_legs(prefill_url, decode_url, model, p), [(p,) for p in prompts])
+            print(f"# c={concurrency} {tokens} tokens: round {r + 1}/{repeat}", file=sys.stderr, flush=True)
+        time.sleep(STATS_FLUSH_S)
+        phases = _phase_means_ms(before, _phase_counters(decode_url))
+        decode_ttft = statistics.median(d for _, d in legs)
+        local_ttft = statistics.median(local)
+        budget = local_ttft + raw_s[tokens] + 0.030
+        rows.append({
+            "concurrency": concurrency, "prompt_tokens": tokens, "requests": len(legs),
+            "decode_leg_ttft_s": round(decode_ttft, 4),
+            "decode_leg_ttft_max_s": round(max(d for _, d in legs), 4),
+            "local_compute_ttft_s": round(local_ttft, 4),
+            "raw_transfer_s": round(raw_s[tokens], 4),
+            "prefill_leg_s": round(statistics.median(p for p, _ in legs), 4),
+            "target_s": round(budget, 4),
+            "meets_target": decode_ttft <= budget if concurrency == 1 else None,
+            "decode_phases_ms": phases,
+        })
+    return rows
+
+
+def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len: int, num_prompts: int,
+                      concurrency: int) -> dict:
+    """vLLM's own serving benchmark (vllm.benchmarks.serve, random dataset) against one endpoint."""
+    result = out_dir / f"serve-{label}.json"
+    runner = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks.serve import add_cli_args, main; "
+              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    argv = [sys.executable, "-c", runner, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", "16", "--ignore-eos", "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--seed", "7", "--save-result",
+            "--result-dir", str(out_dir), "--result-filename", result.name, "--label", label]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=1200)
+    data = json.loads(result.read_text())
+    keys = ("completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "median_e2el_ms")
+    return {key: round(data[key], 2) if isinstance(data.get(key), float) else data.get(key) for key in keys}
+
+
+def engine(lengths: list[int], repeat: int, serve_prompts: int) -> dict:
     from bench.pd_servers import pd_server
     from deploy.processes import ManagedProcess, free_port_range, start_servers
     from deploy.proxy import start_proxy
     from deploy.tiny_model import build_tiny_model, sample_prompt
 
+    # Raw transfer time of each length's bytes, between two processes, before any engine competes.
+    raw_s = {tokens: min(transport(tokens, repeat)[k]["seconds"] for k in ("raw_per_layer", "raw_chunked",
+                                                                            "raw_per_page"))
+             for tokens in lengths}
     tmp = Path(tempfile.mkdtemp(prefix="kvpp-pd-bench-"))
     model = str(build_tiny_model(tmp / "tiny16", layers=LAYERS))
+    server = {"kv_cache_bytes": 1 << 30, "max_model_len": max(lengths) + 64}
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
-        decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2))
+                            extra_args=["--additional-config", json.dumps({"enable_kvpp": True})], server=server)
+        decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
+                           server=server)
         start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
-        prompts = [sample_prompt(words, seed=100 + i) for i in range(repeat)]
-        _ttft(decode.url, model, sample_prompt(words, seed=99))  # warm both paths
-        _ttft(proxy_url, model, sample_prompt(words, seed=98))
-        before = {k: _metric(decode.url, f"vllm:mooncake_v2_{k}") for k in ("pulled_bytes_total", "transfer_seconds_total")}
-        pd = [_ttft(proxy_url, model, p) for p in prompts]
-        time.sleep(12)  # the stats logger flushes connector counters every ~10 s
-        moved = {k: _metric(decode.url, f"vllm:mooncake_v2_{k}") - v for k, v in before.items()}
-        colocated = [_ttft(decode.url, model, p) for p in prompts]
-        return {
-            "prompt_tokens": words, "requests": repeat,
-            "ttft_pd_proxy_s": round(statistics.median(pd), 4),
-            "ttft_colocated_s": round(statistics.median(colocated), 4),
-            "ttft_ratio_pd_vs_colocated": round(statistics.median(pd) / statistics.median(colocated), 3),
-            "in_engine_pulled_bytes": int(moved["pulled_bytes_total"]),
-            "in_engine_transfer_seconds": round(moved["transfer_seconds_total"], 4),
-            "in_engine_pull_MBps": round(moved["pulled_bytes_total"] / moved["transfer_seconds_total"] / 1e6, 1)
-            if moved["transfer_seconds_total"] else None,
-        }
+        _ttft(decode.url, model, sample_prompt(64, seed=99))  # warm both paths
+        _pd_legs(prefill.url, decode.url, model, sample_prompt(64, seed=98))
+        out: dict = {"raw_transfer_s": {str(k): round(v, 5) for k, v in raw_s.items()}, "ttft": []}
+        for concurrency in (1, 4):
+            out["ttft"] += ttft_table(prefill.url, decode.url, model, lengths, repeat, concurrency, raw_s)
+        if serve_prompts:
+            print("# vllm.benchmarks.serve through kvpp proxy and against the colocated decode", file=sys.stderr,
+                  flush=True)
+            out["serving_benchmark"] = {
+                "input_len": 256, "num_prompts": serve_prompts, "max_concurrency": 4,
+                "pd_proxy": serving_benchmark(proxy_url, model, "pd-proxy", tmp, 256, serve_prompts, 4),
+                "colocated": serving_benchmark(decode.url, model, "colocated", tmp, 256, serve_prompts, 4),
+            }
+        return out
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -189,12 +292,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="prompt length of the transport comparison")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--engine", action="store_true", help="also measure TTFT through real servers and the proxy")
-    ap.add_argument("--engine-words", type=int, default=1500, help="prompt length (tokens) of the engine part")
+    ap.add_argument("--engine", action="store_true", help="also measure TTFT with real servers and the proxy")
+    ap.add_argument("--lengths", default="256,1024,4096", help="prompt lengths (tokens) of the engine part")
+    ap.add_argument("--serve-prompts", type=int, default=32,
+                    help="requests of vLLM's serving benchmark per endpoint (0: skip it)")
     args = ap.parse_args()
     out = {"transport": transport(args.tokens, args.repeat)}
     if args.engine:
-        out["engine"] = engine(args.engine_words, args.repeat)
+        out["engine"] = engine([int(x) for x in args.lengths.split(",")], args.repeat, args.serve_prompts)
     print(json.dumps(out, indent=2))
     return 0
 

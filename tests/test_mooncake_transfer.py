@@ -110,10 +110,11 @@ def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float =
                       consumer_id="decode/pp0/tp0", num_consumers=1)
 
 
-def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer") -> PrefillHandle:
-    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_token=TOKEN, remote_host="127.0.0.1",
+def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer", token: str = TOKEN,
+           **extra) -> PrefillHandle:
+    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_token=token, remote_host="127.0.0.1",
                          remote_kv_port=port, remote_tp_size=tp, remote_block_ids=blocks,
-                         remote_num_tokens=16 * len(blocks))
+                         remote_num_tokens=16 * len(blocks), **extra)
 
 
 def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side, free_port):
@@ -121,7 +122,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
     kv, puller = make_puller(decode_side, layers=4, blocks=16)
     remote, local = [5, 6, 7, 20, 21, 3], [0, 1, 2, 3, 4, 5]
     h = handle(peer.port, "r1", remote)
-    nbytes, entries, _ = puller.read(h, local, remote)
+    nbytes, entries, _, _ = puller.read(h, local, remote)
     expected = pages(4, 32, 7)
     assert torch.equal(kv[:, local], expected[:, remote])
     assert not kv[:, 6:].any()  # nothing written outside the requested blocks
@@ -139,7 +140,7 @@ def test_batches_beyond_transport_limit_are_split(peers, free_port):
     try:
         kv, puller = make_puller(te, layers=1, blocks=2100)
         remote = list(range(0, 4200, 2))  # every other page: 2100 entries that cannot coalesce
-        _, entries, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
+        _, entries, _, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
         assert entries == 2100 and torch.equal(kv[0], pages(1, 4200, 3)[0, remote])
     finally:
         te.close()
@@ -231,3 +232,64 @@ def test_call_to_nobody_is_bounded(free_port):
     assert time.monotonic() - start < 2
     with pytest.raises(MessageError):
         decode(b"")
+
+
+def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_side, free_port):
+    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "4", "--hold", "r", "--hold", "orphan",
+                 "--hold-timeout", "1", "--lease", "1")
+    kv, puller = make_puller(decode_side, layers=2, blocks=8)
+    h = handle(peer.port, "r", [1, 2])
+    claim = puller.claim(h)  # travels while the read runs
+    puller.read(h, [0, 1], [1, 2])
+    lease_end = puller.lease_end(claim)
+    assert lease_end is not None and lease_end - time.monotonic() > 0.5
+    assert torch.equal(kv[:, :2], pages(2, 8, 4)[:, [1, 2]])
+    assert peer.line(timeout=5) == {"expired": "orphan"}  # never claimed: its initial lease lapsed
+    late = handle(peer.port, "orphan", [3])
+    claim = puller.claim(late)
+    puller.read(late, [2], [3])
+    assert puller.lease_end(claim) is None  # the decode must not trust what it read
+    assert puller.notify(late, ok=True) == (False, [])
+
+
+def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers, free_port):
+    from connectors.mooncake.leases import LeaseKeeper
+
+    # Initial lease 4 s, a renewal grants 2 s: the decode renews every 2/3 s.
+    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "4", "--lease", "2")
+    keeper = LeaseKeeper(timeout_s=1.0)
+    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=2.0))
+    try:
+        with pytest.raises(TimeoutError):
+            peer.line(timeout=7)  # kept well past the 4 s initial lease while renewed
+    finally:
+        keeper.close()  # the decode dies: no more renewals
+    stopped = time.monotonic()
+    assert peer.line(timeout=5) == {"expired": "r"}
+    assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout
+
+
+def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(peers, free_port):
+    from connectors.mooncake.leases import LeaseKeeper
+
+    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "3", "--lease", "1")
+    keeper = LeaseKeeper(timeout_s=1.0)
+    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=1.0, token="f" * 43))
+    start = time.monotonic()
+    lines = []
+    try:
+        while not lines or lines[-1] == {"refused": "unauthorized"}:  # a heartbeat every 1/3 s
+            lines.append(peer.line(timeout=5))
+    finally:
+        keeper.close()
+    assert len(lines) > 2 and lines[-1] == {"expired": "r"}  # every renewal before it was refused
+    assert time.monotonic() - start < 4.5  # the forged renewals did not extend the 3 s initial lease
+
+
+def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_side, free_port):
+    peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9", "--hold", "r")
+    kv, puller = make_puller(decode_side, layers=3, blocks=8)
+    remote, local = [12, 11, 10, 9], [7, 6, 5, 4]  # how vLLM hands out blocks it freed in reverse
+    _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)
+    assert entries == 3  # one copy per layer, not one per page
+    assert torch.equal(kv[:, local], pages(3, 16, 9)[:, remote]) and not kv[:, :4].any()

@@ -16,13 +16,14 @@ from connectors.mooncake.plan import block_runs
 from connectors.mooncake.transfer import Desc, coalesce, cut_entries, split_batches
 
 # A scheduler step that computes tokens (the connector only reads its token count).
-STEP = SimpleNamespace(total_num_scheduled_tokens=1)
+STEP = SimpleNamespace(total_num_scheduled_tokens=1, num_scheduled_tokens={})
 
 pytestmark = pytest.mark.unit
 
 V = m.PROTOCOL_VERSION
 BLOCK = 16 * 576 * 4
 TOKEN = "t" * 43
+OTHER = "o" * 43
 
 
 def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
@@ -132,7 +133,10 @@ def test_parse_handle_names_missing_field():
 
 def test_settings_defaults_and_errors():
     s = parse_settings(None)
-    assert (s.protocol, s.transfer_timeout_s, s.hold_timeout_s, s.max_batch_entries) == ("tcp", 30, 120.0, 1024)
+    assert (s.protocol, s.transfer_timeout_s, s.hold_timeout_s, s.lease_s, s.max_batch_entries) == ("tcp", 30, 30.0, 5.0, 1024)
+    assert (s.max_parallel_pulls, s.max_pulls_per_prefill) == (4, 2)
+    with pytest.raises(ValueError, match="lease_s 40.0 exceeds hold_timeout_s 30.0"):
+        parse_settings({"lease_s": 40})
     with pytest.raises(ValueError, match="accepted keys: protocol"):
         parse_settings({"protocl": "tcp"})
     with pytest.raises(ValueError, match="transfer_timeout_s"):
@@ -174,6 +178,9 @@ def test_cut_entries_bounds_each_copy():
 def test_block_runs_follow_both_sides():
     assert block_runs([4, 5, 6, 9, 10, 11], [1, 2, 9, 10, 11, 3]) == [(4, 1, 2), (6, 9, 1), (9, 10, 2), (11, 3, 1)]
     assert block_runs([], []) == []
+    # descending on both sides (blocks vLLM freed in reverse order) is one range each
+    assert block_runs([9, 8, 7, 3, 4], [20, 19, 18, 5, 6]) == [(7, 18, 3), (3, 5, 2)]
+    assert block_runs([9, 8, 7], [18, 19, 20]) == [(9, 18, 1), (8, 19, 1), (7, 20, 1)]  # opposite ways
     with pytest.raises(ValueError, match="2 local blocks for 1 remote"):
         block_runs([1, 2], [1])
 
@@ -311,7 +318,7 @@ def test_prefill_holds_finished_request_and_returns_handle():
     meta_ = sched.build_connector_meta(STEP)
     assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(STEP).holds == {}
     assert meta_.tokens == {"req-1": h.remote_token} and len(h.remote_token) >= 43
-    sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}))
+    sched.update_connector_output(SimpleNamespace(finished_sending={"req-1"}, finished_recving=None))
     assert not sched.has_pending_block_frees()
 
 
@@ -355,6 +362,76 @@ def test_decode_abort_before_schedule_still_frees_prefill():
     assert load.local_block_ids == () and load.handle.remote_request_id == "pr"
 
 
+def test_decode_renews_the_lease_from_arrival_until_the_pull_is_reported():
+    sched = _scheduler(handshake_timeout_s=0.2)  # nobody listens on the prefill's ports here
+    try:
+        params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN, remote_host="127.0.0.1",
+                                 remote_kv_port=37000, remote_tp_size=1, remote_block_ids=[10, 11, 12],
+                                 remote_num_tokens=40, remote_lease_s=3).to_params()
+        req = _request(params, computed=0)
+        sched.on_new_request(req)
+        assert "req-1" in sched.leases  # claimed on arrival, while it waits in the queue
+        blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None) for b in (3, 4, 5)]])
+        sched.update_state_after_alloc(req, blocks, 40)
+        assert "req-1" in sched.leases  # still renewed while the pull runs
+        sched.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"req-1"}))
+        assert "req-1" not in sched.leases
+        sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1, num_scheduled_tokens={"req-1": 1}))
+        phases = sched.get_stats().reduce()
+        assert "admit_ms" in phases and "resume_ms" in phases
+
+        other = _request(dict(params, remote_request_id="pr2", do_remote_prefill=True), computed=0)
+        sched.on_new_request(other)
+        assert "req-1" in sched.leases
+        sched.request_finished(other, [])  # aborted while queued: stop renewing, free on the prefill
+        assert "req-1" not in sched.leases
+    finally:
+        sched.shutdown()
+
+
+def test_prefill_advertises_its_lease():
+    from vllm.v1.request import RequestStatus
+
+    sched = _scheduler(hold=9.0, lease_s=2.5)
+    _, params = sched.request_finished(_request({"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED), [1])
+    assert m.parse_handle(params).remote_lease_s == 2.5
+
+
+# ---- pull pool ---------------------------------------------------------------------------------
+
+def test_pulls_from_different_prefills_run_in_parallel_bounded_per_prefill():
+    import threading
+
+    from connectors.mooncake.pulls import PullPool
+
+    pool = PullPool(workers=3, per_prefill=2)
+    gate, lock = threading.Event(), threading.Lock()
+    running: dict[str, int] = {"dead": 0, "live": 0}
+    peak = dict(running)
+
+    def pull(prefill):
+        with lock:
+            running[prefill] += 1
+            peak[prefill] = max(peak[prefill], running[prefill])
+        if prefill == "dead":
+            gate.wait(10)  # a hung prefill
+        with lock:
+            running[prefill] -= 1
+        return prefill
+
+    try:
+        hung = [pool.submit("dead", pull, "dead") for _ in range(5)]
+        live = [pool.submit("live", pull, "live") for _ in range(4)]
+        assert [f.result(timeout=5) for f in live] == ["live"] * 4  # not stuck behind the dead prefill
+        assert peak == {"dead": 2, "live": 1} and not any(f.done() for f in hung)
+        gate.set()
+        assert [f.result(timeout=5) for f in hung] == ["dead"] * 5
+        assert peak["dead"] == 2
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
 # ---- prefill hold table ------------------------------------------------------------------------
 
 class _Clock:
@@ -379,7 +456,7 @@ def test_hold_released_only_when_every_decode_worker_is_done():
     assert table.pop_finished() == ({"r"}, set()) and len(table) == 0
 
 
-def test_hold_expires_after_timeout_and_early_notice_is_kept():
+def test_initial_lease_lapses_and_early_notice_is_kept():
     from connectors.mooncake.holds import HoldTable
 
     clock = _Clock()
@@ -394,32 +471,113 @@ def test_hold_expires_after_timeout_and_early_notice_is_kept():
     clock.now += 0.5
     assert table.pop_finished() == (set(), {"orphan"})
     assert table.release("orphan", "d", 1, TOKEN) == "expired"  # too late: the blocks may be reused
+    assert table.renew([("orphan", TOKEN)]) == [(0.0, "expired")]
     assert table.release("fresh", "d", 1, TOKEN) == "unknown"  # kept until its hold arrives
 
 
-def test_stray_notice_is_forgotten_after_timeout():
+def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
     from connectors.mooncake.holds import HoldTable
 
     clock = _Clock()
-    table = HoldTable(timeout_s=5, clock=clock)
-    table.release("never-held", "d", 1, TOKEN)
-    clock.now += 6
+    table = HoldTable(timeout_s=30, lease_s=4, clock=clock)
+    for rid in ("dead", "slow", "unclaimed"):
+        table.hold(rid, 30, TOKEN)
+    assert _renew(table, "dead", "slow") == [4, 4]
+    for _ in range(30):  # the slow decode renews every 2 s for a minute, twice the initial lease
+        clock.now += 2
+        assert _renew(table, "slow") == [4]
+        released, lapsed = table.pop_finished()
+        assert "slow" not in lapsed
+        if clock.now - 100 < 4:
+            assert lapsed == set()
+        elif clock.now - 100 < 6:
+            assert lapsed == {"dead"}  # 4 s after its last renewal, not after the 30 s initial lease
+        if 30 <= clock.now - 100 < 32:
+            assert lapsed == {"unclaimed"}  # never claimed: the initial lease applies
+    assert table.release("slow", "d", 1, TOKEN) == "ok"
+    assert table.pop_finished() == ({"slow"}, set())
+    assert _renew(table, "slow") == [0.0]  # released: nothing to keep any more
+
+
+def _renew(table, *request_ids, token=TOKEN):
+    return [seconds for seconds, _ in table.renew((rid, token) for rid in request_ids)]
+
+
+def test_early_renewal_is_honoured_when_the_hold_is_announced():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
+    assert _renew(table, "early") == [5]
+    clock.now += 1
+    assert table.hold("early", 2, TOKEN) == 0  # shorter than the lease already granted: the grant wins
+    clock.now += 4.9
     assert table.pop_finished() == (set(), set())
-    table.hold("never-held", 5, TOKEN)  # a late hold is not released by the forgotten notice
+    clock.now += 0.2
+    assert table.pop_finished() == (set(), {"early"})
+
+
+def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
+    assert _renew(table, "r", token=OTHER) == [5]  # unchecked until the hold (and its token) arrives
+    clock.now += 1
+    assert table.hold("r", 2, TOKEN) == 1  # counted as refused; the forged grant does not extend the hold
+    clock.now += 2
+    assert table.pop_finished() == (set(), {"r"})
+
+
+def test_table_of_unknown_notices_is_bounded_and_forgotten():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = _Clock()
+    table = HoldTable(timeout_s=5, clock=clock, max_unknown=100)
+    for i in range(10_000):
+        table.release(f"stray-{i}", "d", 1, TOKEN)
+        _renew(table, f"claim-{i}")
+    assert len(table._unknown) == 100 and "claim-9999" in table._unknown  # newest kept
+    clock.now += 6
+    table.pop_finished()
+    assert not table._unknown and len(table) == 0
+    table.hold("stray-9999", 5, TOKEN)  # a late hold is not released by the forgotten notice
     assert table.pop_finished() == (set(), set()) and len(table) == 1
 
 
-def test_read_is_trusted_only_if_the_prefill_still_held_it():
-    from connectors.mooncake.worker import _read_was_held
+def test_hold_table_answers_notices_and_renewals():
+    from connectors.mooncake.holds import HoldTable
 
-    def h(expires):
-        return m.PrefillHandle(remote_engine_id="p", remote_request_id="r", remote_token=TOKEN, remote_host="127.0.0.1",
-                               remote_kv_port=1, remote_tp_size=1, remote_block_ids=[0], remote_num_tokens=1,
-                               remote_hold_expires_at=expires)
+    from connectors.mooncake.channel import Refused
+    from connectors.mooncake.responder import PrefillResponder
 
-    now = time.time()
-    assert _read_was_held(h(now - 100), True, now)  # confirmed by every prefill worker
-    assert not _read_was_held(h(now + 100), False, now)  # one worker had already freed them
-    assert _read_was_held(h(now + 100), None, now)  # unconfirmed, but far inside the hold window
-    assert not _read_was_held(h(now + 0.5), None, now)  # unconfirmed and too close to expiry
-    assert not _read_was_held(h(None), None, now)
+    table = HoldTable(timeout_s=30, lease_s=3, clock=_Clock())
+    table.hold("r", 30, TOKEN)
+    responder = PrefillResponder(table)
+    renewal = m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id="r", token=TOKEN),
+                                                m.LeaseClaim(request_id="x", token=TOKEN)])
+    assert responder(m.decode(m.encode(renewal))) == m.LeaseGrant(version=V, seconds=[3, 3])
+    notice = m.DoneNotice(version=V, request_id="r", token=TOKEN, consumer="d", num_consumers=1, success=True)
+    assert responder(notice) == m.Released(version=V, request_id="r", held=True)
+    with pytest.raises(Refused) as info:
+        responder(m.MetaRequest(version=V, request_id="r", token=TOKEN))
+    assert info.value.code == "not_ready"
+
+
+def test_lease_renewal_size_is_bounded():
+    frame = _raw(type="lease", version=V, claims=[{"request_id": str(i), "token": TOKEN} for i in range(m.MAX_CLAIMS + 1)])
+    with pytest.raises(m.MessageError, match="length"):
+        m.decode(frame)
+
+
+def test_read_is_trusted_only_within_the_granted_lease():
+    from connectors.mooncake.channel import ChannelError
+    from connectors.mooncake.puller import Puller
+
+    def claim(*grants):
+        answers = [g if isinstance(g, ChannelError) else m.LeaseGrant(version=V, seconds=[g]) for g in grants]
+        return SimpleNamespace(sent_at=50.0, results=lambda: answers)
+
+    assert Puller.lease_end(claim(5.0, 3.0)) == 53.0  # the shortest grant of all prefill workers
+    assert Puller.lease_end(claim(5.0, 0.0)) is None  # one worker had freed the blocks
+    assert Puller.lease_end(claim(5.0, ChannelError("no answer"))) is None

@@ -1,13 +1,16 @@
 """P/D end to end with real servers: a prefill (`vllm serve`-equivalent, TP=2, KVPP on) and a decode
 (TP=1) joined by MooncakeConnectorV2 over Mooncake TE (tcp, loopback), driven through `kvpp proxy`.
 
-One pair of servers serves every assertion; the fault test kills the prefill, so it runs last.
+One pair of servers serves every assertion; the lease test adds a decode it kills, and the fault
+test kills the prefill, so they run last.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +27,8 @@ pytestmark = pytest.mark.engine
 LAYERS = 16
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 MAX_TOKENS = 8
-HOLD_TIMEOUT_S = 40  # generous: two engines busy-stepping on a 2-core host delay pulls by up to ~20 s
+HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
+LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing
 PROMPT_WORDS = (300, 45, 170)
 
 
@@ -68,7 +72,7 @@ def pd(tiny_model, tmp_path_factory):
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", tiny_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
-                         kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S,
+                         kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
         decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5)
@@ -133,9 +137,9 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
 
 
 def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocated):
-    """An attacker who knows a held request's id but not its token: its done-notices and metadata
-    requests to every prefill worker are refused and counted, the blocks stay held, and the real
-    decode still pulls them and answers like the colocated engine."""
+    """An attacker who knows a held request's id but not its token: its done-notices, metadata
+    requests and lease renewals to every prefill worker are refused and counted, the blocks stay
+    held, and the real decode still pulls them and answers like the colocated engine."""
     from connectors.mooncake import messages as m
     from connectors.mooncake.channel import ChannelError, call
     from connectors.mooncake.puller import prefill_ports
@@ -151,6 +155,8 @@ def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocate
         m.DoneNotice(version=m.PROTOCOL_VERSION, request_id=handle.remote_request_id, token=forged,
                      consumer="attacker", num_consumers=1, success=True),
         m.MetaRequest(version=m.PROTOCOL_VERSION, request_id=handle.remote_request_id, token=forged),
+        m.LeaseRenewal(version=m.PROTOCOL_VERSION,
+                       claims=[m.LeaseClaim(request_id=handle.remote_request_id, token=forged)]),
     ]
     for _, _, port in prefill_ports(handle):
         for message in hostile:
@@ -180,7 +186,77 @@ def test_prefill_frees_blocks_when_decode_never_pulls(pd):
     wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, HOLD_TIMEOUT_S + 15,
              "prefill frees unpulled blocks")
     assert time.monotonic() - answered >= HOLD_TIMEOUT_S - 2  # freed by the timeout, not right away
-    assert "within hold_timeout_s" in prefill.log_path.read_text()
+    assert "no decode claimed them within hold_timeout_s" in prefill.log_path.read_text()
+
+
+def _prefill_leg(pd, prompt: str) -> dict:
+    return post(f"{pd['prefill'].url}/v1/completions",
+                {"model": pd["model"], "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                 "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+
+
+def _occupy(url: str, model: str) -> urllib.request.addinfourl:
+    """A streamed long generation holding the decode's only run slot until the stream is closed."""
+    body = {"model": model, "prompt": sample_prompt(8, seed=1), "max_tokens": 1900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120)  # returns with the headers, queued or running
+
+
+def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except Exception as exc:  # reported by the caller's assertion
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, colocated):
+    """A decode with one run slot: a P/D request waits in its queue far longer than the initial lease;
+    the decode's renewals keep its blocks and it answers right when it runs. Then a request queued on
+    that decode when it is SIGKILLed: the prefill frees its blocks about one lease later, not after
+    the initial lease."""
+    prefill, model, n = pd["prefill"], pd["model"], 170
+    queue = pd_server("decode-queue", model, pd["tmp"], tp=1, cores=[1], role="kv_consumer",
+                      kv_port=free_port_range(2), transfer_timeout_s=5, extra_args=["--max-num-seqs", "1"])
+    pd["started"].append(queue.start())
+    queue.wait_ready(timeout=400)
+
+    slots = [_occupy(queue.url, model), _occupy(queue.url, model)]  # one runs, one waits: a long queue
+    time.sleep(1)
+    params = _prefill_leg(pd, sample_prompt(n, seed=n))
+    thread, out = _in_thread(completion, queue.url, model, sample_prompt(n, seed=n), kv_transfer_params=params)
+    time.sleep(HOLD_TIMEOUT_S + 3)
+    assert thread.is_alive(), "the P/D request should still be queued behind the long generations"
+    assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0  # kept past the initial lease: renewed
+    for slot in slots:
+        slot.close()  # the client goes away: vLLM aborts the long generations
+    thread.join(timeout=120)
+    assert "value" in out, out.get("error")
+    tokens, lps = tokens_and_logprobs(out["value"])
+    ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
+    assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, 20, "prefill freed the pulled blocks")
+
+    slot = _occupy(queue.url, model)
+    params = _prefill_leg(pd, sample_prompt(200, seed=6))
+    _in_thread(completion, queue.url, model, sample_prompt(200, seed=6), kv_transfer_params=params)
+    time.sleep(2)  # arrived and claimed
+    assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0
+    queue._signal_group(signal.SIGKILL)
+    killed = time.monotonic()
+    freed = wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, HOLD_TIMEOUT_S + 10,
+                     "prefill frees a killed decode's blocks")
+    slot.close()
+    assert freed < LEASE_S + 4, f"freed {freed:.1f} s after the decode died (lease {LEASE_S} s)"
+    assert time.monotonic() - killed < HOLD_TIMEOUT_S
 
 
 def test_prefill_killed_before_pull(pd, colocated):

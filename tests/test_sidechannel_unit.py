@@ -228,7 +228,7 @@ def test_requests_without_token_or_with_bad_fields_do_not_decode():
 
 def test_oversize_frames_are_refused_before_decoding():
     big = m.encode(m.Ack(version=V, ok=True)) + b" " * m.MAX_REQUEST_BYTES
-    with pytest.raises(m.MessageError, match="exceeds the 16384-byte limit"):
+    with pytest.raises(m.MessageError, match=f"exceeds the {m.MAX_REQUEST_BYTES}-byte limit"):
         m.decode(big, max_bytes=m.MAX_REQUEST_BYTES)
     with pytest.raises(m.MessageError, match="limit"):
         m.decode(b"\x00" * (m.MAX_REPLY_BYTES + 1))
@@ -296,6 +296,43 @@ def test_responder_verdicts():
     with pytest.raises(Refused) as info:
         responder(m.Ack(version=V, ok=True))
     assert info.value.code == "malformed"
+
+
+def test_lease_renewal_needs_the_live_token():
+    from connectors.mooncake.channel import Refused
+
+    clock = [100.0]
+    table = HoldTable(timeout_s=30, lease_s=3, clock=lambda: clock[0])
+    responder = PrefillResponder(table)
+    table.hold("r", 5, TOKEN)
+    table.hold("s", 5, TOKEN)
+
+    def renewal(*claims):
+        return m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id=r, token=t) for r, t in claims])
+
+    with pytest.raises(Refused) as info:  # only forged claims: refused like a forged notice
+        responder(renewal(("r", OTHER)))
+    assert info.value.code == "unauthorized" and info.value.reply is None
+    clock[0] += 4
+    with pytest.raises(Refused) as info:  # a batch with one forged claim: counted, the rest granted
+        responder(renewal(("r", OTHER), ("s", TOKEN)))
+    assert info.value.code == "unauthorized" and info.value.reply == m.LeaseGrant(version=V, seconds=[0.0, 3.0])
+    clock[0] += 1
+    assert table.pop_finished() == (set(), {"r"})  # the forged renewals did not keep r's blocks
+    assert responder(renewal(("s", TOKEN))) == m.LeaseGrant(version=V, seconds=[3.0])
+
+
+def test_ended_hold_is_not_revived_by_a_late_or_replayed_notice():
+    table = HoldTable(timeout_s=30)
+    table.hold("r", 30, TOKEN)
+    assert table.release("r", "d0", 1, TOKEN) == "ok"
+    assert table.pop_finished() == ({"r"}, set())
+    assert table.release("r", "d0", 1, TOKEN) == "ok"  # a repeated notice: the read was held
+    assert table.release("r", "d1", 1, TOKEN) == "expired"  # anyone else: the blocks are gone
+    assert table.release("r", "d0", 1, OTHER) == "unauthorized"
+    assert table.renew([("r", TOKEN)]) == [(0.0, "expired")]
+    assert table.authorize("r", TOKEN) == "expired"
+    assert not table._unknown and len(table) == 0 and table.pop_finished() == (set(), set())
 
 
 def test_refusals_are_counted_in_stats_and_prometheus_keys():

@@ -54,11 +54,13 @@ class PortInUseError(RuntimeError):
 
 
 class Refused(Exception):
-    """Raised by a handler: the peer gets `code`, the log gets `detail`."""
+    """Raised by a handler: the peer gets `code` (or `reply`, a partial answer of a batch whose
+    refused items it marks), the log and the counters get `detail` and `code`."""
 
-    def __init__(self, code: PeerError, detail: str) -> None:
+    def __init__(self, code: PeerError, detail: str, reply: Message | None = None) -> None:
         super().__init__(detail)
         self.code = code
+        self.reply = reply
 
 
 def endpoint(host: str, port: int) -> str:
@@ -159,7 +161,7 @@ class SideChannelServer:
         try:
             reply = self._handler(message)
         except Refused as exc:
-            self._refuse(identity, exc.code, str(exc))
+            self._refuse(identity, exc.code, str(exc), reply=exc.reply)
             return
         except Exception as exc:  # the server thread must outlive one bad request
             logger.exception("%s failed to answer %s", self._what, type(message).__name__)
@@ -174,7 +176,8 @@ class SideChannelServer:
             return
         self._sock.send_multipart([identity, b"", encode(reply)])
 
-    def _refuse(self, identity: bytes | None, code: PeerError, detail: str, frame: zmq.Frame | None = None) -> None:
+    def _refuse(self, identity: bytes | None, code: PeerError, detail: str, frame: zmq.Frame | None = None,
+                reply: Message | None = None) -> None:
         self._on_refused(code)
         peer = ""
         if frame is not None:
@@ -184,7 +187,8 @@ class SideChannelServer:
                 pass
         self._log.warn(code, self._what, detail + peer)
         if identity is not None:
-            self._sock.send_multipart([identity, b"", encode(Ack(version=PROTOCOL_VERSION, ok=False, error=code))])
+            reply = reply or Ack(version=PROTOCOL_VERSION, ok=False, error=code)
+            self._sock.send_multipart([identity, b"", encode(reply)])
 
     def _close(self, ctx: zmq.Context, sock: zmq.Socket | None) -> None:
         if sock is not None:
@@ -211,34 +215,87 @@ def _client_context() -> zmq.Context:
     return _client_ctx
 
 
-def call(host: str, port: int, message: Message, timeout_s: float, expected: type,
-         secure: Callable[[zmq.Socket], None] | None = None) -> Message:
-    """Send one request and wait at most `timeout_s` for its reply of type `expected`.
-
-    `secure` sets CURVE keys on the socket (CurveKeys.client); a server that does not admit them
-    never answers, which ends as the timeout.
-    """
-    where = endpoint(host, port)
+def _client_socket(secure: Callable[[zmq.Socket], None] | None) -> zmq.Socket:
     sock = _client_context().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.setsockopt(zmq.IPV6, 1)
-    ms = max(1, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, ms)
-    sock.setsockopt(zmq.RCVTIMEO, ms)
-    try:
-        if secure is not None:
-            secure(sock)
-        sock.connect(where)
-        sock.send(encode(message))
-        frame = sock.recv()
-    except zmq.Again as exc:
-        raise NoAnswer(f"no answer from {where} within {timeout_s}s") from exc
-    finally:
-        sock.close()
-    reply = decode(frame, max_bytes=MAX_REPLY_BYTES)
-    if isinstance(reply, Ack) and not reply.ok:
-        raise ChannelError(f"{where} refused {type(message).__name__}: {reply.error}")
-    if not isinstance(reply, expected):
-        raise ChannelError(f"{where} answered {type(reply).__name__} to {type(message).__name__}")
+    if secure is not None:
+        secure(sock)
+    return sock
+
+
+class Calls:
+    """One request sent to several peers at once; the answers are collected later, so the caller
+    can do other work (a read) meanwhile and the peers answer in parallel. Every answer is bounded
+    by one deadline. Use from one thread (ZeroMQ sockets are not thread-safe).
+
+    `secure` sets CURVE keys on each socket (CurveKeys.client); a server that does not admit them
+    never answers, which ends as `NoAnswer`.
+    """
+
+    def __init__(self, targets: list[tuple[str, int]], message: Message, timeout_s: float, expected: type,
+                 secure: Callable[[zmq.Socket], None] | None = None) -> None:
+        self.sent_at = time.monotonic()
+        self._timeout_s = timeout_s
+        self._message = message
+        self._expected = expected
+        self._socks = []
+        frame = encode(message)
+        try:
+            for host, port in targets:
+                sock = _client_socket(secure)
+                self._socks.append((endpoint(host, port), sock))
+                sock.connect(self._socks[-1][0])
+                sock.send(frame, zmq.NOBLOCK)  # queued until connected; the deadline bounds the rest
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ChannelError(f"cannot send {type(message).__name__} to {self._socks[-1][0]}: {exc}") from exc
+
+    def close(self) -> None:
+        """Give up on the answers (idempotent)."""
+        for _, sock in self._socks:
+            sock.close()
+
+    def results(self) -> list[Message | ChannelError]:
+        """Per target, in order: its answer of the expected type, or the ChannelError why not."""
+        out: dict[int, Message | ChannelError] = {}
+        poller = zmq.Poller()
+        index = {}
+        for i, (_, sock) in enumerate(self._socks):
+            poller.register(sock, zmq.POLLIN)
+            index[id(sock)] = i
+        deadline = self.sent_at + self._timeout_s
+        try:
+            while len(out) < len(self._socks):
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    break
+                for sock, _ in poller.poll(left_ms):
+                    i = index[id(sock)]
+                    out[i] = self._check(self._socks[i][0], sock)
+                    poller.unregister(sock)
+        finally:
+            self.close()
+        return [out[i] if i in out else NoAnswer(f"no answer from {where} within {self._timeout_s}s")
+                for i, (where, _) in enumerate(self._socks)]
+
+    def _check(self, where: str, sock: zmq.Socket) -> Message | ChannelError:
+        try:
+            reply = decode(sock.recv(zmq.NOBLOCK), max_bytes=MAX_REPLY_BYTES)
+        except (MessageError, zmq.ZMQError) as exc:  # an oversize reply drops the connection
+            return ChannelError(f"{where}: {exc}")
+        if isinstance(reply, Ack) and not reply.ok:
+            return ChannelError(f"{where} refused {type(self._message).__name__}: {reply.error}")
+        if not isinstance(reply, self._expected):
+            return ChannelError(f"{where} answered {type(reply).__name__} to {type(self._message).__name__}")
+        return reply
+
+
+def call(host: str, port: int, message: Message, timeout_s: float, expected: type,
+         secure: Callable[[zmq.Socket], None] | None = None) -> Message:
+    """Send one request and wait at most `timeout_s` for its reply of type `expected`."""
+    (reply,) = Calls([(host, port)], message, timeout_s, expected, secure).results()
+    if isinstance(reply, ChannelError):
+        raise reply
     return reply

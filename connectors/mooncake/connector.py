@@ -61,6 +61,9 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -113,8 +116,7 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.get_stats() if self._worker is not None else None
+        return (self._worker or self._scheduler).get_stats()
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        (self._worker or self._scheduler).shutdown()

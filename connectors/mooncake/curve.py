@@ -146,6 +146,12 @@ def server_key(keys: CurveKeys | None, advertised: str | None) -> bytes | None:
     return key
 
 
+def client_setup(keys: CurveKeys | None, advertised: str | None) -> Callable[[zmq.Socket], None] | None:
+    """Socket setup to reach a prefill that advertised `advertised` (None: plain ZeroMQ)."""
+    key = server_key(keys, advertised)
+    return None if key is None else keys.client(key)
+
+
 def create_keys(directory: str, name: str) -> tuple[Path, Path]:
     """Write NAME.key (public) and NAME.key_secret (owner-only) into `directory`."""
     out = Path(directory)

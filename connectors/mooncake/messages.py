@@ -20,8 +20,11 @@ from kvpp_core.ports import PortLayout
 
 PROTOCOL_VERSION = 2
 
-MAX_REQUEST_BYTES = 16 << 10
-"""Largest frame a side-channel server accepts (requests are a few hundred bytes)."""
+MAX_CLAIMS = 128
+"""Claims per lease renewal; a decode batches its claims per prefill worker in messages this big."""
+MAX_REQUEST_BYTES = 64 << 10
+"""Largest frame a side-channel server accepts: a renewal of MAX_CLAIMS claims with the longest ids
+and tokens (52 KB); other requests are a few hundred bytes."""
 MAX_REPLY_BYTES = 4 << 20
 """Largest reply a decode accepts (WorkerMeta of a few thousand layers fits easily)."""
 MAX_FANOUT = 1024
@@ -174,7 +177,28 @@ class Released(_Versioned, tag="released"):
     held: bool
 
 
-Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released
+class LeaseClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request a decode still means to pull, with its token."""
+
+    request_id: Ident
+    token: Token
+
+
+class LeaseRenewal(_Versioned, tag="lease"):
+    """A decode renews its leases (NIXL-style heartbeat): keep these requests' blocks for another
+    lease, counted from when the prefill worker reads this."""
+
+    claims: Annotated[list[LeaseClaim], msgspec.Meta(max_length=MAX_CLAIMS)]
+
+
+class LeaseGrant(_Versioned, tag="lease_grant"):
+    """Reply to a LeaseRenewal, claim by claim: seconds the blocks stay held from now on (0: not
+    held any more; the prefill freed them, so a pull of them must not be trusted)."""
+
+    seconds: Annotated[list[Annotated[float, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_CLAIMS)]
+
+
+Message = WorkerMeta | MetaRequest | DoneNotice | Ack | Released | LeaseRenewal | LeaseGrant
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
@@ -219,7 +243,9 @@ class PrefillHandle(msgspec.Struct, frozen=True):
     remote_dp_size: Count = 1
     remote_dp_rank: NonNeg = 0
     remote_hold_expires_at: float | None = None
-    """Unix time after which the prefill may free the blocks (its hold timeout)."""
+    """Unix time after which the prefill frees the blocks unless a decode renews their lease."""
+    remote_lease_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """How long one lease renewal keeps the blocks: the decode renews well within it."""
     remote_curve_key: CurveKey | None = None
     """The prefill's CURVE public key when its side channel is encrypted."""
     protocol_version: int = PROTOCOL_VERSION

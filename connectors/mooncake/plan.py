@@ -78,16 +78,23 @@ def choose_sources(
 
 
 def block_runs(local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(local start, remote start, count) of runs where both block ids go up by one together."""
+    """(local start, remote start, count) of runs where both block ids go up, or both go down, by
+    one together. vLLM frees a request's blocks in reverse order, so the next request is often
+    given descending ids: such a run still covers one contiguous range on each side."""
     if len(local_blocks) != len(remote_blocks):
         raise ValueError(f"{len(local_blocks)} local blocks for {len(remote_blocks)} remote blocks")
-    runs: list[list[int]] = []
+    runs: list[list[int]] = []  # [local start, remote start, count, direction (+1, -1, 0: unknown)]
     for lb, rb in zip(local_blocks, remote_blocks):
-        if runs and runs[-1][0] + runs[-1][2] == lb and runs[-1][1] + runs[-1][2] == rb:
-            runs[-1][2] += 1
-        else:
-            runs.append([lb, rb, 1])
-    return [tuple(run) for run in runs]
+        if runs:
+            start_l, start_r, count, direction = runs[-1]
+            if direction >= 0 and (lb, rb) == (start_l + count, start_r + count):
+                runs[-1] = [start_l, start_r, count + 1, 1]
+                continue
+            if direction <= 0 and (lb, rb) == (start_l - 1, start_r - 1):
+                runs[-1] = [lb, rb, count + 1, -1]
+                continue
+        runs.append([lb, rb, 1, 0])
+    return [(start_l, start_r, count) for start_l, start_r, count, _ in runs]
 
 
 def build_descs(

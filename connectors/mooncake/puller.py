@@ -10,14 +10,17 @@ bench/pd_transfer.py drive the same object, so the benchmark measures the connec
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from connectors.mooncake.channel import ChannelError, NoAnswer, call
-from connectors.mooncake.curve import CurveKeys, server_key
+from connectors.mooncake.channel import Calls, ChannelError
+from connectors.mooncake.curve import CurveKeys, client_setup
 from connectors.mooncake.messages import (
     PROTOCOL_VERSION,
     DoneNotice,
-    MessageError,
+    LeaseClaim,
+    LeaseGrant,
+    LeaseRenewal,
     MetaRequest,
     PrefillHandle,
     Released,
@@ -44,6 +47,16 @@ def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
     ]
 
 
+class ReadResult(NamedTuple):
+    nbytes: int
+    entries: int
+    """Batch entries issued after coalescing."""
+    seconds: float
+    """In the transfer engine."""
+    handshake_s: float
+    """Fetching the prefill workers' metadata (0 when cached)."""
+
+
 class Puller:
     def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, mla: bool, timeout_s: float,
                  consumer_id: str, num_consumers: int, curve: CurveKeys | None = None) -> None:
@@ -66,14 +79,11 @@ class Puller:
         if cached is not None:
             return cached
         request = MetaRequest(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token)
+        answers = self._ask(handle, request, WorkerMeta, check_first=lambda meta: self._check_sizes(handle, meta))
         metas = []
-        for pp_rank, tp_rank, port in prefill_ports(handle):
-            meta = self._call(handle, port, request, WorkerMeta)
-            if (meta.tp_size, meta.pp_size) != (handle.remote_tp_size, handle.remote_pp_size):
-                raise ChannelError(
-                    f"{handle.remote_host}:{port} runs tp_size {meta.tp_size} x pp_size {meta.pp_size}, but "
-                    f"kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
-                )
+        for (pp_rank, tp_rank, port), meta in zip(prefill_ports(handle), answers):
+            if isinstance(meta, ChannelError):
+                raise meta
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
                 raise ChannelError(
                     f"{handle.remote_host}:{port} is engine {meta.engine_id} pp{meta.pp_rank}/tp{meta.tp_rank}, "
@@ -85,18 +95,43 @@ class Puller:
         self._peers[self._key(handle)] = metas
         return metas
 
-    def _call(self, handle: PrefillHandle, port: int, message, expected: type):
-        key = server_key(self.curve, handle.remote_curve_key)
-        secure = None if key is None else self.curve.client(key)
-        return call(handle.remote_host, port, message, self.timeout_s, expected, secure=secure)
+    @staticmethod
+    def _check_sizes(handle: PrefillHandle, meta: WorkerMeta) -> None:
+        if (meta.tp_size, meta.pp_size) != (handle.remote_tp_size, handle.remote_pp_size):
+            raise ChannelError(
+                f"{handle.remote_host}:{handle.remote_kv_port} runs tp_size {meta.tp_size} x pp_size {meta.pp_size}, "
+                f"but kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
+            )
+
+    def _calls(self, handle: PrefillHandle, ports: list[tuple[int, int, int]], message, expected: type) -> Calls:
+        return Calls([(handle.remote_host, port) for _, _, port in ports], message, self.timeout_s, expected,
+                     client_setup(self.curve, handle.remote_curve_key))
+
+    def _ask(self, handle: PrefillHandle, message, expected: type,
+             check_first: Callable[[WorkerMeta], None] | None = None) -> list:
+        """Every prefill worker's answer (or ChannelError), asked in parallel. Until peer_metas verified
+        the handle, the first worker is asked alone and the others (None: not asked) only once it
+        answered, so a forged handle cannot make a decode contact many ports."""
+        ports = prefill_ports(handle)
+        if self._key(handle) in self._peers:
+            return self._calls(handle, ports, message, expected).results()
+        (first,) = self._calls(handle, ports[:1], message, expected).results()
+        if isinstance(first, ChannelError):
+            return [first] + [None] * (len(ports) - 1)
+        if check_first is not None:
+            check_first(first)
+        return [first] + (self._calls(handle, ports[1:], message, expected).results() if len(ports) > 1 else [])
 
     def forget(self, handle: PrefillHandle) -> None:
         """Drop cached metadata after a failure, so a restarted prefill is asked afresh."""
         self._peers.pop(self._key(handle), None)
 
-    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> tuple[int, int, float]:
-        """Pull the blocks of every local layer; returns (bytes, batch entries, seconds in the TE)."""
-        sources = choose_sources(self.local, self.peer_metas(handle), self.mla)
+    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> ReadResult:
+        """Pull the blocks of every local layer."""
+        start = time.perf_counter()
+        metas = self.peer_metas(handle)
+        handshake_s = time.perf_counter() - start
+        sources = choose_sources(self.local, metas, self.mla)
         per_peer = build_descs(self.local_layers, sources, local_blocks, remote_blocks)
         start = time.perf_counter()
         nbytes = entries = 0
@@ -104,29 +139,41 @@ class Puller:
             b, e = self.transfer.read(session, descs)
             nbytes += b
             entries += e
-        return nbytes, entries, time.perf_counter() - start
+        return ReadResult(nbytes, entries, time.perf_counter() - start, handshake_s)
+
+    def claim(self, handle: PrefillHandle) -> Calls:
+        """Renew the request's lease on every prefill worker; collect the grants with `lease_end`
+        after the read (the renewals travel while it runs)."""
+        renewal = LeaseRenewal(version=PROTOCOL_VERSION,
+                               claims=[LeaseClaim(request_id=handle.remote_request_id, token=handle.remote_token)])
+        return self._calls(handle, prefill_ports(handle), renewal, LeaseGrant)
+
+    @staticmethod
+    def lease_end(claim: Calls) -> float | None:
+        """Monotonic time until which every prefill worker keeps the blocks, or None if one did
+        not answer or had freed them already. A worker that granted the lease held the blocks when
+        it read the renewal (after `claim.sent_at`), and a hold never restarts once ended, so the
+        blocks stayed the request's from before the read until at least this time."""
+        grants = claim.results()
+        if any(isinstance(grant, ChannelError) or grant.seconds[0] <= 0 for grant in grants):
+            return None
+        return claim.sent_at + min(grant.seconds[0] for grant in grants)
 
     def notify(self, handle: PrefillHandle, ok: bool) -> tuple[bool | None, list[str]]:
-        """Tell every prefill worker to free the request's blocks.
+        """Tell every prefill worker (in parallel) to free the request's blocks.
 
-        Returns (held, errors): held is False if any worker had already freed them (timeout), True
-        if every worker confirmed it still held them, None if some did not answer; errors name the
-        workers that did not answer (they free after their hold timeout). The first worker that does
-        not answer ends the round: a handle naming many unreachable workers costs one timeout.
+        Returns (held, errors): held is False if any worker had already freed them (lease lapsed),
+        True if every worker confirmed it still held them, None if some did not answer; errors name
+        the workers that did not answer (they free when the lease lapses). However many workers a
+        handle names, a round costs at most two timeouts.
         """
         notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
-        answers, errors = [], []
-        ports = [port for _, _, port in prefill_ports(handle)]
-        for i, port in enumerate(ports):
-            try:
-                answers.append(self._call(handle, port, notice, Released).held)
-            except NoAnswer as exc:
-                errors.append(f"{handle.remote_host}:{port}: {exc}"
-                              + (f"; {len(ports) - i - 1} more workers not notified" if i + 1 < len(ports) else ""))
-                break
-            except (ChannelError, MessageError) as exc:
-                errors.append(f"{handle.remote_host}:{port}: {exc}")
-        if not all(answers):
+        answers = self._ask(handle, notice, Released)
+        errors = [str(a) for a in answers if isinstance(a, ChannelError)]
+        if None in answers:
+            errors[-1] += f"; {answers.count(None)} more workers not notified"
+        if not all(a.held for a in answers if isinstance(a, Released)):
             return False, errors
         return (None if errors else True), errors
+

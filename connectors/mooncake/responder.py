@@ -1,16 +1,26 @@
 """What a prefill worker answers on its side channel, and to whom.
 
-Metadata (layer addresses, transfer-engine port) and releases of held blocks go only to a peer
-that presents the token the prefill issued for a request it holds now. A request naming a hold
-not announced to this worker yet is answered once the announcement arrives (the server defers it
-briefly); a done-notice that early is kept and checked against the token when the hold arrives.
+Metadata (layer addresses, transfer-engine port), lease renewals and releases of held blocks go
+only to a peer that presents the token the prefill issued for a request it holds now. A metadata
+request naming a hold not announced to this worker yet is answered once the announcement arrives
+(the server defers it briefly); a done-notice or renewal that early is kept and checked against the
+token when the hold arrives.
 """
 
 from __future__ import annotations
 
 from connectors.mooncake.channel import Refused
 from connectors.mooncake.holds import HoldTable
-from connectors.mooncake.messages import PROTOCOL_VERSION, DoneNotice, Message, MetaRequest, Released, WorkerMeta
+from connectors.mooncake.messages import (
+    PROTOCOL_VERSION,
+    DoneNotice,
+    LeaseGrant,
+    LeaseRenewal,
+    Message,
+    MetaRequest,
+    Released,
+    WorkerMeta,
+)
 
 
 class PrefillResponder:
@@ -35,4 +45,16 @@ class PrefillResponder:
                 raise Refused(verdict, f"done-notice for {message.request_id!r} from {message.consumer!r} "
                               "with a wrong token; its blocks stay held")
             return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=verdict != "expired")
+        if isinstance(message, LeaseRenewal):
+            granted = self.holds.renew((claim.request_id, claim.token) for claim in message.claims)
+            grant = LeaseGrant(version=PROTOCOL_VERSION, seconds=[seconds for seconds, _ in granted])
+            forged = [claim.request_id for claim, (_, verdict) in zip(message.claims, granted)
+                      if verdict == "unauthorized"]
+            if forged:
+                # The rightful claims of a batch keep their grant (a decode may carry one forged handle);
+                # the forged ones get 0 and the renewal counts as refused.
+                raise Refused("unauthorized", f"lease renewal with a wrong token for {forged[:8]!r}"
+                              + (f" and {len(forged) - 8} more" if len(forged) > 8 else ""),
+                              reply=None if len(forged) == len(granted) else grant)
+            return grant
         raise Refused("malformed", f"{type(message).__name__} is not a request")

@@ -19,8 +19,10 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from connectors.mooncake.curve import load_curve, server_key
+from connectors.mooncake.leases import LeaseKeeper
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, is_ident, parse_handle
 from connectors.mooncake.settings import Settings, local_host
+from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 
 if TYPE_CHECKING:
@@ -58,12 +60,17 @@ class MooncakeV2Scheduler:
             "remote_dp_size": parallel.data_parallel_size,
             "remote_dp_rank": parallel.data_parallel_rank,
             "protocol_version": PROTOCOL_VERSION,
+            "remote_lease_s": settings.lease_s,
             "remote_curve_key": self.curve.public.decode() if self.curve else None,
         }
         self._new_loads: list[LoadSpec] = []
         self._new_holds: dict[str, float] = {}
         self._new_tokens: dict[str, str] = {}
         self._held: set[str] = set()
+        self.stats = MooncakeV2Stats()
+        self.leases = LeaseKeeper(settings.handshake_timeout_s, self.curve)
+        self._arrived: dict[str, float] = {}  # decode: request id -> arrival (perf_counter)
+        self._pulled: dict[str, float] = {}  # decode: request id -> when its finished pull was seen
 
     # ---- decode side -------------------------------------------------------------------------
 
@@ -81,6 +88,12 @@ class MooncakeV2Scheduler:
             logger.error("request %s: %s; computing its prompt locally", request.request_id, exc)
             params["do_remote_prefill"] = False
             return None
+
+    def on_new_request(self, request: Request) -> None:
+        handle = self._handle(request)
+        if handle is not None:
+            self._arrived[request.request_id] = time.perf_counter()
+            self.leases.add(request.request_id, handle)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         handle = self._handle(request)
@@ -108,11 +121,19 @@ class MooncakeV2Scheduler:
             )
             local = tuple(block.block_id for block in group[first:end])
             remote = tuple(handle.remote_block_ids[first:end])
-        self._new_loads.append(LoadSpec(request.request_id, handle, local, remote))
+        arrived = self._arrived.pop(request.request_id, None)
+        if arrived is not None and local:
+            self.stats.record_phase("admit", time.perf_counter() - arrived)
+        if not local:
+            self.leases.drop(request.request_id)  # nothing to read: the worker only frees the hold
+        self._new_loads.append(LoadSpec(request.request_id, handle, local, remote, scheduled_at=time.time()))
 
     # ---- prefill side ------------------------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._arrived.pop(request.request_id, None)
+        self._pulled.pop(request.request_id, None)
+        self.leases.drop(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -147,10 +168,24 @@ class MooncakeV2Scheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._held.difference_update(output.finished_sending or ())
+        now = time.perf_counter()
+        for request_id in output.finished_recving or ():
+            self._pulled[request_id] = now
+            self.leases.drop(request_id)
+
+    def get_stats(self) -> MooncakeV2Stats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        self.leases.close()
 
     # ---- both --------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeV2Metadata:
+        if self._pulled:
+            now = time.perf_counter()
+            for request_id in self._pulled.keys() & scheduler_output.num_scheduled_tokens.keys():
+                self.stats.record_phase("resume", now - self._pulled.pop(request_id))
         meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds, tokens=self._new_tokens,
                                   idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._new_holds, self._new_tokens = [], {}, {}

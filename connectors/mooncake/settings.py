@@ -20,8 +20,16 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bound on one batch read from a hung peer (Mooncake's MC_TRANSFER_TIMEOUT)."""
     handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     """Bound on one side-channel request (metadata fetch, done-notice)."""
-    hold_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
-    """How long a prefill keeps a finished request's blocks for a decode that never pulls."""
+    hold_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Initial lease: how long a prefill keeps a finished request's blocks for a decode that never
+    claims them (NIXL's 30 s)."""
+    lease_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """How long a decode's lease renewal keeps the blocks: a claimed request's blocks are freed this
+    long after its decode stops renewing (dies); a slow but live decode keeps them."""
+    max_parallel_pulls: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """Pull threads per decode worker: pulls from different prefills run in parallel."""
+    max_pulls_per_prefill: Annotated[int, msgspec.Meta(ge=1)] = 2
+    """Of those, at most this many pull from one prefill at a time (a dead one cannot take all)."""
     max_batch_entries: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BATCH_ENTRIES
     """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
     max_entry_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_MAX_ENTRY_BYTES
@@ -46,12 +54,16 @@ def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
                 msgspec.convert({key: extra[key]}, Settings)
             except msgspec.ValidationError as exc:
                 problems.append(str(exc))
+    settings = None if problems else msgspec.convert(extra, Settings)
+    if settings is not None and settings.lease_s > settings.hold_timeout_s:
+        problems.append(f"lease_s {settings.lease_s} exceeds hold_timeout_s {settings.hold_timeout_s}; "
+                        "the initial lease must cover one renewal")
     if problems:
         raise ValueError(
             f"invalid kv_connector_extra_config for MooncakeConnectorV2: {'; '.join(problems)} "
             f"(accepted keys: {', '.join(fields)})"
         )
-    return msgspec.convert(extra, Settings)
+    return settings
 
 
 def local_host() -> str:

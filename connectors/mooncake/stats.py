@@ -14,6 +14,17 @@ from connectors.metrics import CounterPromMetrics
 _FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed")
 _HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}
 
+# Where a pulled request's time to first token goes on the decode, phase by phase (seconds summed
+# over requests; each phase also counts its requests, so its mean is sum / count):
+PHASES = {
+    "admit": "arrival in the decode's scheduler -> its load scheduled",
+    "dispatch": "load scheduled -> a pull thread starts it",
+    "handshake": "fetching the prefill workers' metadata (0 once cached)",
+    "notify": "done-notice round trip while the request waits for it",
+    "report": "pull finished -> reported to vLLM by get_finished",
+    "resume": "scheduler saw the finished pull -> request scheduled to compute",
+}
+
 
 @dataclass
 class MooncakeV2Stats(KVConnectorStats):
@@ -42,6 +53,14 @@ class MooncakeV2Stats(KVConnectorStats):
     def reset(self) -> None:
         self.data = dict.fromkeys(_FIELDS, 0)
         self.data["seconds"] = 0.0
+        for phase in PHASES:
+            self.data[f"{phase}_s"] = 0.0
+            self.data[f"{phase}_n"] = 0
+
+    def record_phase(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.data[f"{phase}_s"] += max(0.0, seconds)
+            self.data[f"{phase}_n"] += 1
 
     def record_transfer(self, nbytes: int, seconds: float, entries: int) -> None:
         with self._lock:
@@ -68,7 +87,7 @@ class MooncakeV2Stats(KVConnectorStats):
         return snapshot
 
     def aggregate(self, other: KVConnectorStats) -> MooncakeV2Stats:
-        for key in _FIELDS:
+        for key in {*self.data, *other.data}:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         return self
 
@@ -83,10 +102,13 @@ class MooncakeV2Stats(KVConnectorStats):
             "refused_requests": self.data.get("refused", 0),
             "malformed_frames": self.data.get("malformed", 0),
             "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
+            "read_ms": round(1000 * seconds / self.data["transfers"], 2) if self.data["transfers"] else 0.0,
+            **{f"{phase}_ms": round(1000 * self.data[f"{phase}_s"] / self.data[f"{phase}_n"], 2)
+               for phase in PHASES if self.data.get(f"{phase}_n")},
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in _FIELDS)
+        return not any(self.data.get(key) for key in (*_FIELDS, *(f"{phase}_n" for phase in PHASES)))
 
 
 class MooncakeV2PromMetrics(CounterPromMetrics):
@@ -95,6 +117,10 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
         "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
         "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+        **{f"{phase}_s": (f"vllm:mooncake_v2_{phase}_seconds", f"Pulled requests' time in phase: {doc}.")
+           for phase, doc in PHASES.items()},
+        **{f"{phase}_n": (f"vllm:mooncake_v2_{phase}_requests", f"Requests timed in phase {phase}.")
+           for phase in PHASES},
         "refused": ("vllm:mooncake_v2_side_channel_refused",
                     "Side-channel requests refused: wrong token, no live hold, untrusted CURVE key."),
         "malformed": ("vllm:mooncake_v2_side_channel_malformed", "Undecodable side-channel frames (a request without its token included)."),

@@ -21,6 +21,8 @@ class LoadSpec:
     handle: PrefillHandle
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+    scheduled_at: float = 0.0
+    """time.time() when the scheduler scheduled the load (its workers run on the same host)."""
 
 
 @dataclass

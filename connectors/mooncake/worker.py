@@ -1,16 +1,17 @@
 """Worker side of MooncakeConnectorV2: publishes this worker's caches and pulls remote ones.
 
-Prefill workers answer metadata requests and done-notices on their handshake port and keep a
-finished request's blocks until every decode worker said done, or the hold timeout passes. Decode
-workers pull in a background thread (the engine keeps stepping), then notify the prefill; any
-failure becomes failed block ids so vLLM's kv_load_failure_policy decides (fail or recompute).
+Prefill workers answer metadata requests, done-notices and lease renewals on their handshake port
+and keep a finished request's blocks until every decode worker said done, or the lease lapses.
+Decode workers pull on a few background threads (the engine keeps stepping), report the request
+as soon as its read is known good, then notify the prefill; any failure becomes failed block ids
+so vLLM's kv_load_failure_policy decides (fail or recompute).
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -20,8 +21,9 @@ from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
 from connectors.mooncake.curve import load_curve
 from connectors.mooncake.holds import HoldTable
-from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, PrefillHandle, WorkerMeta
+from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, WorkerMeta
 from connectors.mooncake.puller import Puller
+from connectors.mooncake.pulls import PullPool
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 IDLE_POLL_S = 0.02
 
-HOLD_MARGIN_S = 1.0  # clock skew between nodes we tolerate when trusting remote_hold_expires_at
+LEASE_MARGIN_S = 0.5  # a read must end this long before the lease a prefill granted for it
 
 
 def model_key(vllm_config: VllmConfig) -> str:
@@ -65,12 +67,12 @@ def describe_layers(kv_caches: dict[str, torch.Tensor], owners: dict[str, int | 
     return layers, regions
 
 
-def _read_was_held(handle: PrefillHandle, held: bool | None, finished_at: float) -> bool:
-    """Whether the blocks read were still the request's: every prefill worker confirmed, or (some
-    did not answer) the read ended a safe margin before the prefill's hold could expire."""
-    if held is not None:
-        return held
-    return handle.remote_hold_expires_at is not None and finished_at < handle.remote_hold_expires_at - HOLD_MARGIN_S
+class _Pulled(NamedTuple):
+    ok: bool
+    finished: float
+    """perf_counter() when the pull ended."""
+    ready_at: float = 0.0
+    """monotonic() before which the request must not be reported (quarantine of a timed-out read)."""
 
 
 class MooncakeV2Worker:
@@ -92,16 +94,18 @@ class MooncakeV2Worker:
                                          max_batch_entries=settings.max_batch_entries,
                                          max_entry_bytes=settings.max_entry_bytes)
         self.stats = MooncakeV2Stats()
-        self.holds = HoldTable(settings.hold_timeout_s)
+        self.holds = HoldTable(settings.hold_timeout_s, settings.lease_s)
         self.curve = load_curve(settings.curve_secret_key_file, settings.curve_public_keys_dir)
         self._responder = PrefillResponder(self.holds)
         self._meta: WorkerMeta | None = None
         self._puller: Puller | None = None
-        # Unpinned: the pull thread (and the ZeroMQ I/O thread it starts) must not queue behind this
-        # rank's compute threads on one core.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-mooncake-pull",
-                                        initializer=unpin_current_thread)
-        self._pulls: dict[str, tuple[Future[bool], LoadSpec]] = {}
+        # Unpinned: the pull threads (and the ZeroMQ I/O thread they start) must not queue behind
+        # this rank's compute threads on one core.
+        self._pool = PullPool(settings.max_parallel_pulls, settings.max_pulls_per_prefill,
+                              initializer=unpin_current_thread)
+        self._notices = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpp-mooncake-notice",
+                                           initializer=unpin_current_thread)
+        self._pulls: dict[str, tuple[Future[_Pulled], LoadSpec]] = {}
         self._idle_step = False
         self._failed_blocks: set[int] = set()
         try:
@@ -154,46 +158,64 @@ class MooncakeV2Worker:
         self._idle_step = meta.idle
         for request_id, seconds in meta.holds.items():
             for _ in range(self.holds.hold(request_id, seconds, meta.tokens[request_id])):
-                self.stats.record_refusal("unauthorized")  # an early done-notice with a wrong token
+                self.stats.record_refusal("unauthorized")  # an early notice or renewal with a wrong token
         for spec in meta.loads:
-            future = self._pool.submit(self._pull, spec)
-            if spec.local_block_ids:
-                self._pulls[spec.request_id] = (future, spec)
+            if not spec.local_block_ids:  # nothing to read (aborted before scheduled): only free
+                self._notices.submit(self._notify, spec, False)
+                continue
+            prefill = (spec.handle.remote_engine_id, spec.handle.remote_host, spec.handle.remote_kv_port)
+            self._pulls[spec.request_id] = (self._pool.submit(prefill, self._pull, spec), spec)
 
-    def _pull(self, spec: LoadSpec) -> bool:
-        """Background thread: read one request's blocks, release them on the prefill, and keep the
-        result only if the prefill confirms it still held them (or the read ended well before the
-        hold could expire)."""
-        handle, ok, done = spec.handle, True, None
-        if spec.local_block_ids:
-            try:
-                done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
-            except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
-                ok = False
-                self._puller.forget(handle)
-                logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
-                             handle.remote_engine_id, exc)
-                if isinstance(exc, TransferError):
-                    # A timed-out read may still have pieces in flight into these blocks; keep them
-                    # out of vLLM's hands (the request stays waiting) until such pieces have landed,
-                    # so they cannot overwrite what a recompute writes there.
-                    time.sleep(self.settings.transfer_timeout_s)
-        finished_at = time.time()
-        held, errors = self._puller.notify(handle, ok)
-        for error in errors:
-            logger.warning("request %s: done-notice failed (%s); the prefill frees after its hold timeout",
-                           spec.request_id, error)
-        if ok and done is not None and not _read_was_held(handle, held, finished_at):
-            ok = False
-            logger.error("request %s: prefill %s may have freed the blocks before the pull finished "
-                         "(hold_timeout_s too short for this load?); discarding what was read",
-                         spec.request_id, handle.remote_engine_id)
-        if done is not None and ok:
-            nbytes, entries, seconds = done
-            self.stats.record_transfer(nbytes, seconds, entries)
-        elif spec.local_block_ids:
+    def _pull(self, spec: LoadSpec) -> _Pulled:
+        """Pull thread: read one request's blocks while renewing its lease, and keep the result only
+        if the lease covered the whole read (else only if the prefill confirms it still held them).
+        The done-notice that frees the blocks on the prefill goes out after the request is reported,
+        off its path to the first token."""
+        handle = spec.handle
+        self.stats.record_phase("dispatch", time.time() - spec.scheduled_at)
+        claim = None
+        try:
+            claim = self._puller.claim(handle)
+            done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
+            lease_end = self._puller.lease_end(claim)
+        except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
+            if claim is not None:
+                claim.close()
+            self._puller.forget(handle)
+            logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
+                         handle.remote_engine_id, exc)
             self.stats.record_failure()
-        return ok
+            self._notices.submit(self._notify, spec, False)
+            # A timed-out read may still have pieces in flight into these blocks; keep them out of
+            # vLLM's hands (the request stays waiting) until such pieces have landed, so they cannot
+            # overwrite what a recompute writes there. Only the report waits, no thread does.
+            quarantine = self.settings.transfer_timeout_s if isinstance(exc, TransferError) else 0.0
+            return _Pulled(False, time.perf_counter(), time.monotonic() + quarantine)
+        if lease_end is not None and time.monotonic() < lease_end - LEASE_MARGIN_S:
+            ok = True
+            self._notices.submit(self._notify, spec, True)
+        else:
+            # Renewal unanswered or the read outlived the lease: trust the read only if every
+            # prefill worker confirms it still held the blocks.
+            start = time.perf_counter()
+            ok = self._notify(spec, True) is True
+            self.stats.record_phase("notify", time.perf_counter() - start)
+            if not ok:
+                logger.error("request %s: prefill %s may have freed the blocks before the pull finished; "
+                             "discarding what was read", spec.request_id, handle.remote_engine_id)
+        if ok:
+            self.stats.record_transfer(done.nbytes, done.seconds, done.entries)
+            self.stats.record_phase("handshake", done.handshake_s)
+        else:
+            self.stats.record_failure()
+        return _Pulled(ok, time.perf_counter())
+
+    def _notify(self, spec: LoadSpec, ok: bool) -> bool | None:
+        held, errors = self._puller.notify(spec.handle, ok)
+        for error in errors:
+            logger.warning("request %s: done-notice failed (%s); the prefill frees when the lease lapses",
+                           spec.request_id, error)
+        return held
 
     # ---- per-step reporting ------------------------------------------------------------------
 
@@ -202,23 +224,33 @@ class MooncakeV2Worker:
             # An engine that only waits for transfers (decode: pulls; prefill: done-notices) steps
             # empty in a busy loop, which on a small host starves the transfer threads it waits
             # for. Block briefly on what it waits for instead; a step with tokens never waits.
-            if self._pulls:
-                wait([future for future, _ in self._pulls.values()], timeout=IDLE_POLL_S,
-                     return_when=FIRST_COMPLETED)
+            running = [future for future, _ in self._pulls.values() if not future.done()]
+            if running:
+                wait(running, timeout=IDLE_POLL_S, return_when=FIRST_COMPLETED)
+            elif self._pulls:
+                time.sleep(IDLE_POLL_S)  # only quarantined pulls left
             elif len(self.holds):
                 self.holds.wait_for_notice(IDLE_POLL_S)
-        released, expired = self.holds.pop_finished()
-        if expired:
-            logger.warning("no decode pulled %s within hold_timeout_s=%.1f; freeing their blocks",
-                           sorted(expired), self.settings.hold_timeout_s)
+        released, lapsed = self.holds.pop_finished()
+        if lapsed:
+            logger.warning("the leases of %s lapsed (no decode claimed them within hold_timeout_s=%.1f, or "
+                           "it stopped renewing for lease_s=%.1f); freeing their blocks", sorted(lapsed),
+                           self.settings.hold_timeout_s, self.settings.lease_s)
         recved = set()
+        now, now_mono = time.perf_counter(), time.monotonic()
         for request_id, (future, spec) in list(self._pulls.items()):
-            if future.done():
-                del self._pulls[request_id]
-                recved.add(request_id)
-                if not future.result():
-                    self._failed_blocks.update(spec.local_block_ids)
-        return released | expired, recved
+            if not future.done():
+                continue
+            pulled = future.result()
+            if pulled.ready_at > now_mono:
+                continue
+            del self._pulls[request_id]
+            recved.add(request_id)
+            if pulled.ok:
+                self.stats.record_phase("report", now - pulled.finished)
+            else:
+                self._failed_blocks.update(spec.local_block_ids)
+        return released | lapsed, recved
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -228,6 +260,7 @@ class MooncakeV2Worker:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+        self._notices.shutdown(wait=False, cancel_futures=True)
         self._server.close()
         self.transfer.close()
