@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from connectors.store.lookup import lookup_path
+from deploy.demo import engine_metrics, metric_total
 from deploy.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
     RenderedStack, cpu_spec
 from deploy.testbed import Testbed, unavailable_reason
@@ -42,9 +43,7 @@ def post(url: str, body: dict, timeout: float = 180) -> dict:
 
 
 def metric(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
+    return metric_total(engine_metrics(base_url), name)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
