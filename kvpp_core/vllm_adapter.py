@@ -7,6 +7,7 @@ is a thin wrapper that does nothing unless `enable_kvpp` is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import replace
@@ -20,6 +21,7 @@ from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.ownership import RankLayout, layer_index, rank_layout
+from kvpp_core.shm_broadcast import ShmGroup
 
 SUPPORTED_VLLM = ("0.32.0",)
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
@@ -174,6 +176,24 @@ def _bound_storage(worker, placement: Placement) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=worker.device).set_(base)
 
 
+@contextlib.contextmanager
+def _kv_backing_adopted_by(shm: ShmGroup | None):
+    """vLLM allocates the KV backing in `allocate_kv_cache` (torch.zeros); the shared-memory broadcast
+    needs it in a segment the peers map, so the views it returns move there before anything binds or
+    registers them. Nothing changes with the collective transport."""
+    if shm is None:
+        yield
+        return
+    from vllm.v1.worker import gpu_model_runner
+
+    allocate = gpu_model_runner.allocate_kv_cache
+    gpu_model_runner.allocate_kv_cache = lambda *args, **kwargs: shm.adopt(allocate(*args, **kwargs))
+    try:
+        yield
+    finally:
+        gpu_model_runner.allocate_kv_cache = allocate
+
+
 # --- patches ---------------------------------------------------------------------------------
 
 
@@ -209,19 +229,21 @@ def _patch_initialize_from_config(orig):
         layout = _rank_layout(self, layers, cfg)
         placement = place(layers, layout, kv_cache_config.num_blocks)
         group, ranks = _kvpp_group(self.vllm_config)
+        shm = ShmGroup.negotiate(layers, layout, placement, group, ranks, self.device)
         rt = runtime.KvppRuntime(
             runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in layers}), None
         )
         # Installed before allocation: connectors read the layout in register_kv_caches.
         runtime.install(rt)
-        orig(self, _kvpp_cache_config(kv_cache_config, placement))
+        with _kv_backing_adopted_by(shm):
+            orig(self, _kvpp_cache_config(kv_cache_config, placement))
         flat = _bound_storage(self, placement)
         regions = {}
         for cache in layers:
             if cache.layer_id is not None:
                 offset, nbytes = placement.region(cache.name)
                 regions.setdefault(cache.layer_id, []).append(flat[offset : offset + nbytes])
-        rt.broadcaster = LayerBroadcaster(
+        rt.broadcaster = shm.broadcaster(flat, _broadcast_timeout_s()) if shm else LayerBroadcaster(
             layout, regions, placement.num_blocks, group, ranks, _broadcast_timeout_s()
         )
         _logger().info(
