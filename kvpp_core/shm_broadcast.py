@@ -369,7 +369,7 @@ class ShmLayerBroadcaster(LayerBroadcaster):
                 if now - started > self._timeout_s:
                     raise self._peer_failure(layer_id, peer, f"no {what} within {self._timeout_s:g} s")
             time.sleep(nap)
-            nap = min(nap * 2 or 2e-5, 1e-3)
+            nap = min(nap * 2 or 1e-5, 2e-4)
 
     def _check_peer(self, layer_id: int, peer: int, what: str) -> None:
         if self._cancel.is_set():
