@@ -14,12 +14,16 @@ every figure is a ratio on / off from the same run:
 - decode step time at two context lengths and two batch sizes (colocated users);
 - the per-layer broadcast against memory-copy bandwidth (bench/broadcast_copy.py, no engine).
 
-    flock /tmp/kvpp-engine.lock .venv/bin/python bench/anchor_table.py --json [--png anchor.png]
+    .venv/bin/python bench/anchor_table.py --json [--png anchor_table.png]
+
+It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) itself, only while its engines run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -34,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 BLOCK = 16
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
+ENGINE_LOCK = "/tmp/kvpp-engine.lock"
 
 SPEC = {
     "source": "vllm-ascend KVPP user page, GLM-5.2 (78 layers + 1 MTP), Ascend TP8",
@@ -90,6 +95,21 @@ def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: 
         if line.startswith("ANCHOR_RESULT "):
             return json.loads(line.removeprefix("ANCHOR_RESULT "))
     raise SystemExit(f"engine (KVPP {'on' if kvpp else 'off'}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+
+
+@contextlib.contextmanager
+def _engine_lock():
+    """The machine-wide engine lock, held only while the engines run (not while the model is built or
+    the engine-free broadcast is measured); a no-op when a parent `flock` already holds it for us."""
+    held = any(os.readlink(f"/proc/self/fd/{fd}") == ENGINE_LOCK for fd in os.listdir("/proc/self/fd")
+               if os.path.islink(f"/proc/self/fd/{fd}"))
+    if held:
+        yield
+        return
+    with open(ENGINE_LOCK, "a") as fh:
+        print(f"[anchor] waiting for {ENGINE_LOCK} ...", file=sys.stderr, flush=True)
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def _median(run: dict, prefix: str) -> float:
@@ -222,8 +242,9 @@ def main() -> None:
         # The engines' KV rows: 512 latent + 64 rope, fp32.
         broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths), row_bytes=576 * 4)
         plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), a.kv_mib << 20, block_size=BLOCK)
-        off = _engine(model, False, workload, a, tmp)
-        on = _engine(model, True, workload, a, tmp)
+        with _engine_lock():
+            off = _engine(model, False, workload, a, tmp)
+            on = _engine(model, True, workload, a, tmp)
     shape = vars(SHAPES["deepseek-v2-lite"])
     result = table(off, on, plan, broadcast, a, dict(shape))
     chart(result, a.png)

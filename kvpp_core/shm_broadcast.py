@@ -85,15 +85,15 @@ def _process_gone(pid: int) -> bool:
 class _Segment:
     """One shared-memory file mapped into this process; the file is unlinked once every rank mapped it."""
 
-    def __init__(self, path: Path, nbytes: int, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+    def __init__(self, path: Path, nbytes: int | None = None) -> None:
+        """Create a segment of `nbytes`, or open a peer's (`nbytes` None) at the size it was created."""
+        fd = os.open(path, os.O_RDWR | (0 if nbytes is None else os.O_CREAT | os.O_EXCL), 0o600)
         try:
-            if create:
+            if nbytes is None:
+                nbytes = os.fstat(fd).st_size
+            else:
                 # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS in the middle of a step.
                 os.posix_fallocate(fd, 0, nbytes)
-            elif os.fstat(fd).st_size != nbytes:
-                raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
             self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -168,16 +168,12 @@ class ShmGroup:
         token = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
         dist.broadcast(token, src=group_ranks[0], group=group)
         stem = f"kvpp-{token.numpy().tobytes().hex()}"
-        ctl_bytes = 8 * (_HEADER + 2 * len(layout.target_layers))
-        sizes = [_placement_of(layers, layout, r, placement.num_blocks).total_bytes for r in range(size)]
-        if sizes[me] != placement.total_bytes:
-            raise RuntimeError(f"KVPP: rank {me} placement disagrees with itself ({sizes[me]} bytes)")
         ctl: list[_Segment | None] = [None] * size
         kv: list[_Segment | None] = [None] * size
         problem = None
         try:
-            ctl[me] = _Segment(SHM_DIR / f"{stem}-{me}.ctl", ctl_bytes, create=True)
-            kv[me] = _Segment(SHM_DIR / f"{stem}-{me}.kv", sizes[me], create=True)
+            ctl[me] = _Segment(SHM_DIR / f"{stem}-{me}.ctl", 8 * (_HEADER + 2 * len(layout.target_layers)))
+            kv[me] = _Segment(SHM_DIR / f"{stem}-{me}.kv", placement.total_bytes)
             own = ctl[me].flags()
             own[_TOKEN], own[_TOKEN + 1] = (int.from_bytes(token.numpy().tobytes()[i:i + 8], "little", signed=True)
                                             for i in (0, 8))
@@ -189,11 +185,16 @@ class ShmGroup:
             try:
                 for r in range(size):
                     if r != me:
-                        ctl[r] = _Segment(SHM_DIR / f"{stem}-{r}.ctl", ctl_bytes, create=False)
-                        kv[r] = _Segment(SHM_DIR / f"{stem}-{r}.kv", sizes[r], create=False)
+                        ctl[r] = _Segment(SHM_DIR / f"{stem}-{r}.ctl")
+                        kv[r] = _Segment(SHM_DIR / f"{stem}-{r}.kv")
                         theirs = ctl[r].flags()
                         if theirs[0] != _MAGIC or list(theirs[_TOKEN:_TOKEN + 2]) != list(own[_TOKEN:_TOKEN + 2]):
                             raise OSError(f"rank {r}'s control segment holds another group's token")
+                        peer = _placement_of(layers, layout, r, placement.num_blocks)
+                        persistent = max((sum(peer.region(n)) for n in peer.persistent), default=0)
+                        if len(kv[r].map) < persistent:
+                            raise OSError(f"rank {r}'s KV segment has {len(kv[r].map)} bytes, its persistent "
+                                          f"layers alone take {persistent}")
             except OSError as exc:
                 problem = f"rank {me} cannot map its peers' segments ({exc}): the ranks do not share a host"
         elif problem is None:
@@ -248,8 +249,8 @@ class ShmGroup:
 
 
 def _placement_of(layers: Sequence[CacheLayer], layout: RankLayout, rank: int, num_blocks: int) -> Placement:
-    """A peer's placement, from the single placement function; staging only adds room past its
-    persistent region, so our own slot count gives the peer's persistent offsets exactly."""
+    """A peer's placement, from the single placement function. Its staging slots (which our slot
+    count need not equal) come after its persistent region, so only persistent offsets are used."""
     peer = rank_layout(layout.target_layers, layout.group_size, rank, max(layout.staging_slots, 1))
     return place(layers, peer, num_blocks)
 
