@@ -125,8 +125,8 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
             (("off", off), ("on", on))}
     decode = {f"ctx{c}/batch{b}": on[f"{c}/{b}"]["step_seconds"] / off[f"{c}/{b}"]["step_seconds"]
               for c in (min(a.lengths), max(a.lengths)) for b in a.batches}
-    same = [k for k in off if k != "workers" and (off[k].get("token"), off[k].get("tokens")) != (on[k].get("token"),
-                                                                                              on[k].get("tokens"))]
+    answer = lambda r: (r.get("token"), r.get("tokens"))  # noqa: E731
+    mismatched = [k for k in off if k != "workers" and answer(off[k]) != answer(on[k])]
     longest = ttft[str(max(a.lengths))]["pooled_90"]
     return {
         "capacity_ratio": blocks["on"] / blocks["off"],
@@ -156,8 +156,8 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
                                     for c in (min(a.lengths), max(a.lengths)) for b in a.batches},
             "broadcast": broadcast, "on_worker_broadcast_stats": stats,
         },
-        "answers_match": not same,
-        "mismatched_phases": same,
+        "answers_match": not mismatched,
+        "mismatched_phases": mismatched,
         "targets": {"ttft_pooled_90_longest": {"target": TARGETS["ttft_pooled_90_longest"], "measured": longest,
                                                 "met": longest <= TARGETS["ttft_pooled_90_longest"]},
                     "multi_prefix_throughput": {"target": TARGETS["multi_prefix_throughput"],
