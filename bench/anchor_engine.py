@@ -5,6 +5,7 @@ requests in the same order:
   ["ttft", name, ids]                     one prompt, one token: seconds and pooled tokens
   ["decode", name, [ids...], max_tokens]  a batch decoding together: the median of its last steps
   ["waves", name, [[ids...], ...]]        waves of prompts, each waiting for the previous: seconds
+  ["pause", name, seconds]                let the pool's background saves land
 Separate process per configuration, since one process hosts one engine configuration.
 """
 
@@ -73,6 +74,8 @@ def main() -> None:
                 prompt_tokens += sum(len(ids) for ids in wave)
             results[name] = {"seconds": time.perf_counter() - started, "prompt_tokens": prompt_tokens,
                              "pooled_tokens": pooled}
+        elif kind == "pause":
+            time.sleep(phase[2])
         else:
             raise ValueError(f"unknown phase {phase[0]!r}")
     results["workers"] = llm.collective_rpc("kvpp_stats")

@@ -56,18 +56,17 @@ def _workload(vocab: int, a: argparse.Namespace) -> list:
     rng = random.Random(2026)
     draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
     phases: list = [["ttft", "warmup", draw(64)]]
-    full: dict[int, list[int]] = {}
     for rep in range(a.reps):
-        for length in a.lengths:
-            prefix = draw(int(0.9 * length) // BLOCK * BLOCK)  # fresh: nothing of it is in the pool yet
-            full[length] = prefix + draw(length - len(prefix))
-            phases.append(["ttft", f"{length}/pooled_0/{rep}", full[length]])  # computes and saves it
-            phases.append(["ttft", f"{length}/pooled_90/{rep}", prefix + draw(length - len(prefix))])
-    for ctx in (min(a.lengths), max(a.lengths)):
-        for batch in a.batches:  # copies of a pooled prompt: the context loads, then the batch decodes
-            phases.append(["decode", f"{ctx}/{batch}", [full[ctx]] * batch, a.decode_tokens])
-    prefixes = [draw(a.prefix_tokens) for _ in range(a.prefixes)]
-    waves = [[p + draw(a.suffix_tokens) for p in prefixes] for _ in range(a.waves)]
+        prefixes = {n: draw(int(0.9 * n) // BLOCK * BLOCK) for n in a.lengths}  # fresh: none of it pooled yet
+        full = {n: p + draw(n - len(p)) for n, p in prefixes.items()}
+        phases += [["ttft", f"{n}/pooled_0/{rep}", full[n]] for n in a.lengths]  # computes and saves them
+        phases.append(["pause", f"saves/{rep}", a.settle_s])  # the pool's saves run behind the engine
+        phases += [["ttft", f"{n}/pooled_90/{rep}", p + draw(n - len(p))] for n, p in prefixes.items()]
+        for ctx in (min(a.lengths), max(a.lengths)):
+            for batch in a.batches:  # copies of a pooled prompt: the context loads, then the batch decodes
+                phases.append(["decode", f"{ctx}/{batch}/{rep}", [full[ctx]] * batch, a.decode_tokens])
+    shared = [draw(a.prefix_tokens) for _ in range(a.prefixes)]
+    waves = [[p + draw(a.suffix_tokens) for p in shared] for _ in range(a.waves)]
     phases.append(["waves", "multi_prefix", waves])
     return phases
 
@@ -112,8 +111,9 @@ def _engine_lock():
         yield
 
 
-def _median(run: dict, prefix: str) -> float:
-    return statistics.median(v["seconds"] for k, v in run.items() if k.startswith(prefix + "/"))
+def _median(run: dict, prefix: str, field: str = "seconds") -> float:
+    """Median over the repetitions of one phase."""
+    return statistics.median(v[field] for k, v in run.items() if k.startswith(prefix + "/"))
 
 
 def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, shape: dict) -> dict:
@@ -123,8 +123,12 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
             for n in a.lengths}
     tput = {name: run["multi_prefix"]["prompt_tokens"] / run["multi_prefix"]["seconds"] for name, run in
             (("off", off), ("on", on))}
-    decode = {f"ctx{c}/batch{b}": on[f"{c}/{b}"]["step_seconds"] / off[f"{c}/{b}"]["step_seconds"]
-              for c in (min(a.lengths), max(a.lengths)) for b in a.batches}
+    contexts = (min(a.lengths), max(a.lengths))
+    step = {name: {f"ctx{c}/batch{b}": _median(run, f"{c}/{b}", "step_seconds") for c in contexts for b in a.batches}
+            for name, run in (("off", off), ("on", on))}
+    decode = {k: step["on"][k] / step["off"][k] for k in step["off"]}
+    pooled = {name: {str(n): min(v["pooled_tokens"] for k, v in run.items() if k.startswith(f"{n}/pooled_90/"))
+                     for n in a.lengths} for name, run in (("off", off), ("on", on))}
     answer = lambda r: (r.get("token"), r.get("tokens"))  # noqa: E731
     mismatched = [k for k in off if k != "workers" and answer(off[k]) != answer(on[k])]
     longest = ttft[str(max(a.lengths))]["pooled_90"]
@@ -139,7 +143,7 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
             "model": {"shape": "deepseek-v2-lite", "layers": a.layers, **shape, "dtype": "float32"},
             "tp": 2, "cores": os.cpu_count(), "block_size": BLOCK, "kv_budget_bytes": a.kv_mib << 20,
             "lengths": a.lengths, "pooled_fraction": 0.9, "reps": a.reps,
-            "decode": {"contexts": [min(a.lengths), max(a.lengths)], "batches": a.batches, "tokens": a.decode_tokens},
+            "decode": {"contexts": list(contexts), "batches": a.batches, "tokens": a.decode_tokens},
             "multi_prefix": {"prefixes": a.prefixes, "prefix_tokens": a.prefix_tokens,
                              "suffix_tokens": a.suffix_tokens, "waves": a.waves},
             "pool": "mooncake store, kv_both, load_async",
@@ -149,11 +153,13 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
             "blocks": blocks, "plan_blocks": {"off": plan.blocks_off, "on": plan.blocks_on},
             "ttft_seconds": {str(n): {p: {"off": _median(off, f"{n}/{p}"), "on": _median(on, f"{n}/{p}")}
                                       for p in ("pooled_0", "pooled_90")} for n in a.lengths},
-            "pooled_tokens_90": {str(n): on[f"{n}/pooled_90/0"]["pooled_tokens"] for n in a.lengths},
-            "multi_prefix_tokens_per_s": tput, "multi_prefix_pooled_tokens": on["multi_prefix"]["pooled_tokens"],
-            "decode_step_seconds": {f"ctx{c}/batch{b}": {"off": off[f"{c}/{b}"]["step_seconds"],
-                                                         "on": on[f"{c}/{b}"]["step_seconds"]}
-                                    for c in (min(a.lengths), max(a.lengths)) for b in a.batches},
+            "pooled_tokens_90_fewest": pooled,
+            "pooled_tokens_90_expected": {str(n): int(0.9 * n) // BLOCK * BLOCK for n in a.lengths},
+            "multi_prefix_tokens_per_s": tput,
+            "multi_prefix_pooled_tokens": {name: run["multi_prefix"]["pooled_tokens"] for name, run in
+                                           (("off", off), ("on", on))},
+            "multi_prefix_reused_tokens": (a.waves - 1) * a.prefixes * a.prefix_tokens,
+            "decode_step_seconds": {k: {"off": step["off"][k], "on": step["on"][k]} for k in decode},
             "broadcast": broadcast, "on_worker_broadcast_stats": stats,
         },
         "answers_match": not mismatched,
@@ -211,7 +217,8 @@ def main() -> None:
     ap.add_argument("--model", help="model dir (default: build deepseek-v2-lite-shaped, --layers)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048])
-    ap.add_argument("--reps", type=int, default=2, help="TTFT repetitions per length (fresh prompts each)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the TTFT and decode phases (fresh prompts)")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="pause before the pooled requests: saves land")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--decode-tokens", type=int, default=12)
     ap.add_argument("--prefixes", type=int, default=4)
