@@ -93,7 +93,7 @@ def _rank(rank: int, port: int, transport: str, args: dict, staging: int, result
     # the same copies one rank at a time (one layer has one receiver at TP=2, and layers go in order),
     # then all ranks at once (every core copying), then the compute alone.
     figures: dict[str, list[float]] = {"step": [], "wait": [], "copy_turns": [], "copy_together": [], "compute": []}
-    for i in range(args["steps"] + 2):  # two warm-up steps: page faults, gloo connections, the copy thread
+    for i in range(args["steps"] + 2):  # two warm-up steps: page faults, gloo connections
         waited = bc.stats.wait_seconds
         got = {"step": _timed(step)}
         got["wait"] = bc.stats.wait_seconds - waited
@@ -129,7 +129,7 @@ def _group_run(transport: str, args: dict, staging: int = 2) -> dict:
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, transport, args, staging, results)) for r in range(WORLD)]
     threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # the copy thread too: every thread's OpenMP team starts at this size
+    os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: no OpenMP team beyond it
     try:
         for p in procs:
             p.start()

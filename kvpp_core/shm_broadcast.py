@@ -27,10 +27,8 @@ import mmap
 import os
 import platform
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,8 +268,11 @@ class ShmBroadcastStats(BroadcastStats):
 class ShmLayerBroadcaster(LayerBroadcaster):
     """LayerBroadcaster's schedule (issue, prefetch into the other slot, wait) over shared memory.
 
-    A receiver's copies run on one background thread, in issue order, so a prefetched layer lands
-    while the current one computes. `stats.bytes` counts the bytes copied into this rank.
+    A receiver copies a layer when it is issued if its owner has already published it (so a
+    prefetched layer is in place before its turn), else when it is waited for. The copies run on
+    the forward's own thread: a helper thread would fight the Python-heavy eager forward for the
+    GIL, and each hand-over can cost milliseconds that the owner, waiting for the copy, pays too.
+    `stats.bytes` counts the bytes copied into this rank.
     """
 
     def __init__(self, layout: RankLayout, regions: Mapping[int, Sequence[torch.Tensor]],
@@ -283,24 +284,16 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         self._shm = shm
         self._timeout_s = timeout
         self._epoch = 0
-        self._cancel = threading.Event()
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvpp-shm-copy") if layout.foreign else None
 
     def begin_step(self, active: bool, block_ranges=None) -> None:
         super().begin_step(active, block_ranges)
         if self._active:
             self._epoch += 1
-            self._cancel.clear()
 
     def end_step(self) -> None:
         if self._active and len(self._delivered) < len(self.layout.target_layers):
             self._abandon()  # the forward failed here: peers waiting on this rank must not wait it out
         super().end_step()
-
-    def close(self) -> None:
-        self._cancel.set()
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
 
     # -- the two transport primitives LayerBroadcaster.before_layer schedules ---------------------
 
@@ -313,26 +306,25 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         if owner == self.layout.kvpp_rank:
             self._own_flags[2 * pos + _HEADER] = self._epoch  # ready: its history is in place
             self._pending[layer_id] = []
-            return
-        assert self._copier is not None
-        ranges = self._ranges
-        self._pending[layer_id] = [self._copier.submit(self._copy, layer_id, pos, owner, ranges, self._epoch)]
+        elif self._shm.flags[owner][2 * pos + _HEADER] >= self._epoch:
+            self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))
+            self._pending[layer_id] = []
+        else:
+            self._pending[layer_id] = [owner]  # copied when waited for
 
     def _wait(self, layer_id: int) -> None:
-        pending = self._pending.pop(layer_id)
+        due = self._pending.pop(layer_id)
         pos = self._position[layer_id]
         started = time.perf_counter()
         try:
-            if pending:
-                pending[0].result()
-            else:
-                peers = [r for r in range(self.layout.group_size) if r != self.layout.kvpp_rank]
+            if due:
+                self._guarded(layer_id, lambda: self._copy(layer_id, pos, due[0]))
+            elif self.layout.owner_of(layer_id) == self.layout.kvpp_rank:
                 read = 2 * pos + _HEADER + 1
-                for r in peers:
-                    self._await(layer_id, r, lambda f=self._shm.flags[r]: f[read] >= self._epoch, "copy")
-        except KvppBroadcastError:
-            self._abandon()
-            raise
+                for r in range(self.layout.group_size):
+                    if r != self.layout.kvpp_rank:
+                        self._guarded(layer_id, lambda r=r: self._await(
+                            layer_id, r, lambda f=self._shm.flags[r]: f[read] >= self._epoch, "copy"))
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
         self._delivered.add(layer_id)
@@ -344,16 +336,21 @@ class ShmLayerBroadcaster(LayerBroadcaster):
     def _own_flags(self) -> memoryview:
         return self._shm.flags[self.layout.kvpp_rank]
 
-    def _copy(self, layer_id: int, pos: int, owner: int, ranges: Sequence[range] | None, epoch: int) -> None:
+    def _guarded(self, layer_id: int, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except KvppBroadcastError:
+            self._abandon()
+            raise
+
+    def _copy(self, layer_id: int, pos: int, owner: int) -> None:
         ready = 2 * pos + _HEADER
-        self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[ready] >= epoch, "publish")
-        moved = 0
+        self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[ready] >= self._epoch, "publish")
         for dst, src in zip(self._blocks[layer_id], self._sources[layer_id]):
-            for r in [range(0, dst.shape[0])] if ranges is None else ranges:
+            for r in [range(0, dst.shape[0])] if self._ranges is None else self._ranges:
                 dst[r.start:r.stop].copy_(src[r.start:r.stop])
-                moved += (r.stop - r.start) * dst.shape[1]
-        self.stats.bytes += moved
-        self._own_flags[ready + 1] = epoch
+                self.stats.bytes += (r.stop - r.start) * dst.shape[1]
+        self._own_flags[ready + 1] = self._epoch
 
     def _await(self, layer_id: int, peer: int, done: Callable[[], bool], what: str) -> None:
         """Poll a peer's flag: yield the CPU first (the peer is usually a layer away at most), then
@@ -373,8 +370,6 @@ class ShmLayerBroadcaster(LayerBroadcaster):
             nap = min(nap * 2 or 1e-5, 2e-4)
 
     def _check_peer(self, layer_id: int, peer: int, what: str) -> None:
-        if self._cancel.is_set():
-            raise self._peer_failure(layer_id, peer, "the step was abandoned on this rank")
         if self._shm.flags[peer][_ABORTED] >= self._epoch:
             raise self._peer_failure(layer_id, peer, f"kvpp rank {peer} abandoned the step")
         pid = self._shm.pids[peer]
@@ -388,7 +383,6 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         )
 
     def _abandon(self) -> None:
-        """Tell the peers this epoch will not complete here, and stop this rank's queued copies."""
+        """Tell the peers this epoch will not complete here."""
         self._active = False
-        self._cancel.set()
         self._own_flags[_ABORTED] = self._epoch

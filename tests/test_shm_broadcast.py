@@ -98,7 +98,6 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
                 checked += 1
                 bound[lid][1, :8] = NEW_TOKEN  # the attention writes this step's tokens into block 1
             bc.end_step()
-        bc.close()
         results.put((rank, "ok", {"checked": checked, "stats": bc.stats.as_dict(), "leftovers": leftovers,
                                   "owned": list(layout.owned)}))
         dist.barrier()
