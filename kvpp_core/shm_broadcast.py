@@ -7,8 +7,9 @@ peers map, so a receiver copies the owner's persistent pages straight into its s
 rank that only its rank writes:
 
 - `ready[layer]`: the owner's epoch (broadcast step) whose history of that layer is in place. The owner
-  publishes it where a gloo owner would start sending (when the layer or its prefetch is reached), so
-  the receiver never reads before the owner's previous-step writes, loads and zeroing are done.
+  publishes it for all its layers when the step's first one is issued: the previous step's writes,
+  this step's loads and block zeroing all happen before the forward, and during the forward a
+  layer is written only by its own attention, after its broadcast. A receiver never reads earlier.
 - `read[layer]`: the receiver's epoch whose copy of that layer is complete. The owner waits for every
   receiver's flag before its layer writes the step's new tokens (a write-after-read hazard: the copy
   covers the partial last block those tokens land in), so it also never enters the next step while a
@@ -284,6 +285,8 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         self._shm = shm
         self._timeout_s = timeout
         self._epoch = 0
+        self._published = 0
+        self._ready_slots = [_HEADER + 2 * self._position[lid] for lid in layout.owned]
 
     def begin_step(self, active: bool, block_ranges=None) -> None:
         super().begin_step(active, block_ranges)
@@ -304,7 +307,10 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
         if owner == self.layout.kvpp_rank:
-            self._own_flags[2 * pos + _HEADER] = self._epoch  # ready: its history is in place
+            if self._published < self._epoch:  # every owned layer's history is in place: see the module doc
+                for slot in self._ready_slots:
+                    self._own_flags[slot] = self._epoch
+                self._published = self._epoch
             self._pending[layer_id] = []
         elif self._shm.flags[owner][2 * pos + _HEADER] >= self._epoch:
             self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))
