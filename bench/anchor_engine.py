@@ -43,7 +43,8 @@ def main() -> None:
     results = {}
     for i, phase in enumerate(phases):
         kind, name = phase[0], phase[1]
-        print(f"[anchor {'on' if args.kvpp else 'off'}] {i + 1}/{len(phases)} {kind} {name}", file=sys.stderr, flush=True)
+        label = "on" if args.kvpp else "off"
+        print(f"[anchor {label}] {i + 1}/{len(phases)} {kind} {name}", file=sys.stderr, flush=True)
         if kind == "ttft":
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
             started = time.perf_counter()

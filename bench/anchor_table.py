@@ -93,7 +93,8 @@ def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: 
     for line in proc.stdout.splitlines():
         if line.startswith("ANCHOR_RESULT "):
             return json.loads(line.removeprefix("ANCHOR_RESULT "))
-    raise SystemExit(f"engine (KVPP {'on' if kvpp else 'off'}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+    label = "on" if kvpp else "off"
+    raise SystemExit(f"engine (KVPP {label}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
 
 
 @contextlib.contextmanager

@@ -138,7 +138,8 @@ def _group_run(transport: str, args: dict, staging: int = 2) -> dict:
     out = dict(results.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    moved = args["layers"] * (WORLD - 1) * args["blocks"] * BLOCK_TOKENS * args["row_bytes"]  # each layer to each receiver
+    # Each layer reaches each receiver once.
+    moved = args["layers"] * (WORLD - 1) * args["blocks"] * BLOCK_TOKENS * args["row_bytes"]
     step = max(o["step"] for o in out.values())
     turns = sum(o["copy_turns"] for o in out.values())  # rank after rank
     together = max(o["copy_together"] for o in out.values())

@@ -171,37 +171,38 @@ class ShmGroup:
         kv: list[_Segment | None] = [None] * size
         problem = None
         try:
-            ctl[me] = _Segment(SHM_DIR / f"{stem}-{me}.ctl", 8 * (_HEADER + 2 * len(layout.target_layers)))
-            kv[me] = _Segment(SHM_DIR / f"{stem}-{me}.kv", placement.total_bytes)
-            own = ctl[me].flags()
-            own[_TOKEN], own[_TOKEN + 1] = (int.from_bytes(token.numpy().tobytes()[i:i + 8], "little", signed=True)
-                                            for i in (0, 8))
-            own[_PID], own[_PIDNS] = os.getpid(), _pid_namespace()
-            own[0] = _MAGIC  # last: a peer that sees the magic sees the rest
-        except OSError as exc:
-            problem = f"cannot create a segment in {SHM_DIR} ({exc}); enlarge it (docker run --shm-size)"
-        if _all_agree(problem is None, group) and problem is None:
             try:
-                for r in range(size):
-                    if r != me:
-                        ctl[r] = _Segment(SHM_DIR / f"{stem}-{r}.ctl")
-                        kv[r] = _Segment(SHM_DIR / f"{stem}-{r}.kv")
-                        theirs = ctl[r].flags()
-                        if theirs[0] != _MAGIC or list(theirs[_TOKEN:_TOKEN + 2]) != list(own[_TOKEN:_TOKEN + 2]):
-                            raise OSError(f"rank {r}'s control segment holds another group's token")
-                        peer = _placement_of(layers, layout, r, placement.num_blocks)
-                        persistent = max((sum(peer.region(n)) for n in peer.persistent), default=0)
-                        if len(kv[r].map) < persistent:
-                            raise OSError(f"rank {r}'s KV segment has {len(kv[r].map)} bytes, its persistent "
-                                          f"layers alone take {persistent}")
+                ctl[me] = _Segment(SHM_DIR / f"{stem}-{me}.ctl", 8 * (_HEADER + 2 * len(layout.target_layers)))
+                kv[me] = _Segment(SHM_DIR / f"{stem}-{me}.kv", placement.total_bytes)
+                own = ctl[me].flags()
+                own[_TOKEN], own[_TOKEN + 1] = (int.from_bytes(token.numpy().tobytes()[i:i + 8], "little", signed=True)
+                                                for i in (0, 8))
+                own[_PID], own[_PIDNS] = os.getpid(), _pid_namespace()
+                own[0] = _MAGIC  # last: a peer that sees the magic sees the rest
             except OSError as exc:
-                problem = f"rank {me} cannot map its peers' segments ({exc}): the ranks do not share a host"
-        elif problem is None:
-            problem = "another rank could not create its segment"
-        agreed = _all_agree(problem is None, group)  # every rank has mapped everything it will map
-        for seg in (ctl[me], kv[me]):
-            if seg is not None:
-                seg.path.unlink(missing_ok=True)  # mappings live on; nothing is left behind on a crash
+                problem = f"cannot create a segment in {SHM_DIR} ({exc}); enlarge it (docker run --shm-size)"
+            if _all_agree(problem is None, group) and problem is None:
+                try:
+                    for r in range(size):
+                        if r != me:
+                            ctl[r] = _Segment(SHM_DIR / f"{stem}-{r}.ctl")
+                            kv[r] = _Segment(SHM_DIR / f"{stem}-{r}.kv")
+                            theirs = ctl[r].flags()
+                            if theirs[0] != _MAGIC or list(theirs[_TOKEN:_TOKEN + 2]) != list(own[_TOKEN:_TOKEN + 2]):
+                                raise OSError(f"rank {r}'s control segment holds another group's token")
+                            peer = _placement_of(layers, layout, r, placement.num_blocks)
+                            persistent = max((sum(peer.region(n)) for n in peer.persistent), default=0)
+                            if len(kv[r].map) < persistent:
+                                raise OSError(f"rank {r}'s KV segment has {len(kv[r].map)} bytes, its persistent "
+                                              f"layers alone take {persistent}")
+                except OSError as exc:
+                    problem = f"rank {me} cannot map its peers' segments ({exc}): the ranks do not share a host"
+            elif problem is None:
+                problem = "another rank could not create its segment"
+            agreed = _all_agree(problem is None, group)  # every rank has mapped everything it will map
+        finally:
+            for suffix in ("ctl", "kv"):  # mappings live on; nothing is left behind, even on an error
+                (SHM_DIR / f"{stem}-{me}.{suffix}").unlink(missing_ok=True)
         dist.barrier(group=group)  # and every rank's names are gone once negotiate returns
         if not agreed:
             return None, problem or "another rank could not map the group's segments"
