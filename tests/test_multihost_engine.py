@@ -113,12 +113,21 @@ def test_hosts_listen_on_the_ports_kvpp_ports_predicted(stack):
 def test_answers_through_the_proxy_equal_the_decode_computing_them(stack, reference):
     decode = stack["stack"].url("decode")
     pulls = metric(decode, "vllm:mooncake_v2_pulls_total")
+    pulled = metric(decode, "vllm:mooncake_v2_pulled_bytes_total")
+    read_s = metric(decode, "vllm:mooncake_v2_transfer_seconds_total")
+    seconds = []
     for n, ref in reference.items():
         for _ in range(2):  # the proxy alternates the two prefill instances
+            started = time.monotonic()
             got = post(f"{stack['proxy']}/v1/completions", completion_body(stack, n))
+            seconds.append(time.monotonic() - started)
             assert same_answer(got, ref), f"{n}-token prompt through the proxy"
     assert metric(decode, "vllm:mooncake_v2_pulls_total") - pulls >= 2 * len(reference) - 1
     assert metric(decode, "vllm:mooncake_v2_failed_pulls_total") == 0
+    moved = metric(decode, "vllm:mooncake_v2_pulled_bytes_total") - pulled
+    took = metric(decode, "vllm:mooncake_v2_transfer_seconds_total") - read_s
+    print(f"multi-host: {len(seconds)} requests through the proxy, {min(seconds):.2f}-{max(seconds):.2f} s each; "
+          f"pulls across the bridge {moved / 1e6:.1f} MB in {took:.3f} s ({moved / max(took, 1e-9) / 1e6:.0f} MB/s)")
 
 
 def test_a_prefix_pooled_on_one_host_is_hit_on_another_after_the_first_restarts(stack):
