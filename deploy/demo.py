@@ -110,7 +110,11 @@ def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int
 
 def pd_configs(pool_extra: dict, producer_extra: dict | None = None,
                consumer_extra: dict | None = None) -> tuple[dict, dict]:
-    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port_range(3),
+    prefill_port = free_port_range(3)
+    decode_port = free_port_range(2)
+    while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
+        decode_port = free_port_range(2)
+    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": prefill_port,
                 "kv_connector_extra_config": producer_extra or {}}
     store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
     # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
@@ -122,7 +126,7 @@ def pd_configs(pool_extra: dict, producer_extra: dict | None = None,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"connectors": [mooncake, store]},
     }
-    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": free_port_range(2),
+    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": decode_port,
               "kv_load_failure_policy": "recompute", "kv_connector_extra_config": consumer_extra or {}}
     return prefill, decode
 

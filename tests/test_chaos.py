@@ -16,7 +16,7 @@ from deploy.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
 from deploy.processes import free_port, http_ok, port_open
 from deploy.proxy import PDProxy, Timeouts, start_proxy
-from tests.test_proxy import REQUEST, WORDS, Stub
+from tests.test_proxy import REQUEST, WORDS, Stub, _with
 
 
 def _rec(mode, outcome, status=200, start=1.0, path="pd"):
@@ -163,24 +163,12 @@ def test_clients_record_answers_wrong_answers_cancellations_errors_and_retry_a_r
 def test_cancel_probe_leaves_and_the_decode_sees_it(stream):
     p, d = Stub("p0"), Stub("d0", mode="endless_stream" if stream else "hang")
 
-    async def go():
-        await p.start()
-        await d.start()
-        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=30, decode_read=30))
-        runner = proxy.runner()
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            left = await cancel_probe(f"http://127.0.0.1:{port}", "tiny", "the cache", stream, lambda: bool(d.requests))
-            while not d.cancelled and time.monotonic() - left < 5:
-                await asyncio.sleep(0.05)
-            return left
-        finally:
-            await runner.cleanup()
-            await p.stop()
-            await d.stop()
+    async def go(session, url, proxy):
+        left = await cancel_probe(url, "tiny", "the cache", stream, lambda: bool(d.requests))
+        while not d.cancelled and time.monotonic() - left < 5:
+            await asyncio.sleep(0.05)
+        return left
 
-    left = asyncio.run(go())
+    left = asyncio.run(_with([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
     assert d.requests[0]["body"]["max_tokens"] == 600 and d.requests[0]["body"]["ignore_eos"] is True
     assert d.cancelled and d.cancelled[0] - left < 2
