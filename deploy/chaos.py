@@ -231,7 +231,7 @@ class Run:
         for f in self.faults:
             hit = [r for r in records if r.start <= f["end"] + SETTLE_S and r.end >= f["start"]]
             per_fault.append({"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
-                              **_tally(hit, f)})
+                              **_tally(hit, self.faults)})
         quiet = [r for r in records if not any(r.start <= f["end"] + SETTLE_S and r.end >= f["start"]
                                                 for f in self.faults)]
         proxy_paths = _proxy_paths(self.stack.proxy_url)
@@ -241,7 +241,7 @@ class Run:
                 problems.append(f"{row['fault']}: {row['wrong']} wrong answers")
             if row["errors_unexcused"]:
                 problems.append(f"{row['fault']}: {row['errors_unexcused']} client-visible errors")
-        baseline = _tally(quiet, None)
+        baseline = _tally(quiet, [])
         if baseline["wrong"] or baseline["errors"]:
             problems.append(f"without a fault: {baseline['wrong']} wrong, {baseline['errors']} errors")
         for p in self.probes:
@@ -268,14 +268,20 @@ class Run:
         }
 
 
-def _tally(records, fault: dict | None) -> dict:
+def _excused(record, fault: dict) -> bool:
+    """Errors allowed: a stream already relayed from an instance that died under it, and a request
+    inside the proxy when the proxy was killed. Judged against every fault the request lived through,
+    not only the window it is counted in (a request can span two)."""
+    if fault["kind"] != "kill" or not record.start <= fault["start"] <= record.end:
+        return False
+    if fault["target"] == "proxy":
+        return record.start < fault["start"]
+    return fault["target"] in ("prefill", "decode") and record.mode == "stream" and record.status == 200
+
+
+def _tally(records, faults: list[dict]) -> dict:
     errors = [r for r in records if r.outcome == "error"]
-    # Allowed: a stream already relayed from an instance that died, and requests inside the proxy
-    # when it was killed. Everything else must have been answered.
-    excused = [r for r in errors if fault is not None and (
-        (fault["kind"] == "kill" and fault["target"] in ("prefill", "decode") and r.mode == "stream"
-         and r.status == 200)
-        or (fault["target"] == "proxy" and fault["kind"] == "kill" and r.start < fault["start"]))]
+    excused = [r for r in errors if any(_excused(r, f) for f in faults)]
     return {"affected": len(records),
             "answered": sum(r.outcome == "answered" for r in records),
             "errors": len(errors), "errors_unexcused": len(errors) - len(excused),
