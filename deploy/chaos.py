@@ -27,10 +27,11 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy.chaos_load import Load, Prompt, cancel_probe, completion_body, prompt_texts, reference_prompts
+from deploy.chaos_load import Load, Prompt, cancel_probe, reference_prompts
 from deploy.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
 from deploy.demo import LAYERS, engine_metrics, metric_total
 from deploy.processes import ProcessError
+from deploy.proxy import PATHS
 from deploy.tiny_model import build_tiny_model, sample_prompt
 
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32: one layer's page of the tiny model
@@ -298,7 +299,7 @@ def _proxy_paths(url: str) -> dict:
     except OSError as exc:
         return {"unreachable": str(exc)}
     return {p: int(metric_total(text, f'kvpp_proxy_requests_total{{path="{p}"}}'))
-            for p in ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected")}
+            for p in PATHS}
 
 
 # ---- the command ---------------------------------------------------------------------------------
