@@ -246,10 +246,10 @@ def run_demo_hosts(workdir: Path) -> dict:
     with Testbed(list(HOSTS)) as bed:
         _progress("2/4 hosts " + ", ".join(f"{h.name}={h.address}" for h in bed.hosts.values())
                   + f" on bridge {bed.bridge}; rendering the deployment")
-        stack = RenderedStack(bed, cpu_spec(bed, model, kv_cache_bytes=KV_BYTES), workdir)
-        errors = [str(f) for f in stack.findings if f.severity == "error"]
-        if errors:
-            raise DemoError("kvpp check refused the demo spec: " + "; ".join(errors))
+        try:
+            stack = RenderedStack(bed, cpu_spec(bed, model, kv_cache_bytes=KV_BYTES), workdir)
+        except ValueError as exc:
+            raise DemoError(f"kvpp render refused the demo spec: {exc}") from None
         _progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
         stack.start_all(progress=_progress)
         # Reference: the decode engine computing each prompt itself; its KV budget is the prefills', without
