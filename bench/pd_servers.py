@@ -21,9 +21,9 @@ def kv_config(role: str, kv_port: int, policy: str = "fail", **extra) -> str:
 
 def pd_server(name: str, model: str, log_dir: Path, tp: int, cores: list[int], role: str, kv_port: int,
               policy: str = "fail", extra_args: tuple[str, ...] = (), server: dict | None = None,
-              **extra) -> VllmServer:
+              env: dict[str, str] | None = None, **extra) -> VllmServer:
     """A VllmServer running the connector, with stats on so its counters reach /metrics; `server`
     holds further VllmServer options (KV budget, max model length)."""
     return VllmServer(name, model, free_port(), Path(log_dir) / f"{name}.log", tp=tp, cores=cores,
-                      env={"MC_LOG_LEVEL": "ERROR"}, log_stats=True, **(server or {}),
+                      env={"MC_LOG_LEVEL": "ERROR", **(env or {})}, log_stats=True, **(server or {}),
                       extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])

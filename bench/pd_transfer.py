@@ -16,8 +16,11 @@ driven by hand, as the proxy does) next to the decode computing the same prompts
 transfer time, the target (local + raw + 30 ms, at concurrency 1) and the decode's per-phase means
 from its /metrics. Then vLLM's serving benchmark (vllm.benchmarks.serve, random dataset, 256-token
 prompts, 4 concurrent clients) through `kvpp proxy` and against the decode server alone (colocated).
+--readers runs the engine part once per shared-memory reader mode of vLLM on CPU: `spin` (vLLM's
+own, `KVPP_SHM_READERS_SPIN=1`) and `poll` (the connectors' default there), for before/after in one run.
 
     .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine] [--lengths 256,1024,4096]
+        [--readers spin,poll]
 """
 
 from __future__ import annotations
@@ -247,31 +250,31 @@ def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len
     return {key: round(data[key], 2) if isinstance(data.get(key), float) else data.get(key) for key in keys}
 
 
-def engine(lengths: list[int], repeat: int, serve_prompts: int) -> dict:
+def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int, float], readers: str) -> dict:
     from bench.pd_servers import pd_server
     from deploy.processes import ManagedProcess, free_port_range, start_servers
     from deploy.proxy import start_proxy
     from deploy.tiny_model import build_tiny_model, sample_prompt
 
-    # Raw transfer time of each length's bytes, between two processes, before any engine competes.
-    raw_s = {tokens: min(transport(tokens, repeat)[k]["seconds"] for k in ("raw_per_layer", "raw_chunked",
-                                                                            "raw_per_page"))
-             for tokens in lengths}
+    from kvpp_core.vllm_adapter import SPINNING_READERS_ENV
+
+    env = {SPINNING_READERS_ENV: "1" if readers == "spin" else "0"}
     tmp = Path(tempfile.mkdtemp(prefix="kvpp-pd-bench-"))
     model = str(build_tiny_model(tmp / "tiny16", layers=LAYERS))
     server = {"kv_cache_bytes": 1 << 30, "max_model_len": max(lengths) + 64}
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                            extra_args=["--additional-config", json.dumps({"enable_kvpp": True})], server=server)
+                            extra_args=["--additional-config", json.dumps({"enable_kvpp": True})], server=server,
+                            env=env)
         decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
-                           server=server)
+                           server=server, env=env)
         start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
         _ttft(decode.url, model, sample_prompt(64, seed=99))  # warm both paths
         _pd_legs(prefill.url, decode.url, model, sample_prompt(64, seed=98))
-        out: dict = {"raw_transfer_s": {str(k): round(v, 5) for k, v in raw_s.items()}, "ttft": []}
+        out: dict = {"readers": readers, "ttft": []}
         for concurrency in (1, 4):
             out["ttft"] += ttft_table(prefill.url, decode.url, model, lengths, repeat, concurrency, raw_s)
         if serve_prompts:
@@ -296,10 +299,20 @@ def main() -> int:
     ap.add_argument("--lengths", default="256,1024,4096", help="prompt lengths (tokens) of the engine part")
     ap.add_argument("--serve-prompts", type=int, default=32,
                     help="requests of vLLM's serving benchmark per endpoint (0: skip it)")
+    ap.add_argument("--readers", default="poll", help="comma-separated vLLM shm reader modes of the engine part: "
+                    "spin (vLLM's) and/or poll (the connectors' default on CPU)")
     args = ap.parse_args()
+    readers = args.readers.split(",")
+    if not set(readers) <= {"spin", "poll"}:
+        ap.error(f"--readers takes spin and/or poll, not {args.readers!r}")
     out = {"transport": transport(args.tokens, args.repeat)}
     if args.engine:
-        out["engine"] = engine([int(x) for x in args.lengths.split(",")], args.repeat, args.serve_prompts)
+        lengths = [int(x) for x in args.lengths.split(",")]
+        # Raw transfer time of each length's bytes, between two processes, before any engine competes.
+        raw_s = {tokens: min(transport(tokens, args.repeat)[k]["seconds"]
+                             for k in ("raw_per_layer", "raw_chunked", "raw_per_page")) for tokens in lengths}
+        out["raw_transfer_s"] = {str(k): round(v, 5) for k, v in raw_s.items()}
+        out["engine"] = [engine(lengths, args.repeat, args.serve_prompts, raw_s, mode) for mode in readers]
     print(json.dumps(out, indent=2))
     return 0
 

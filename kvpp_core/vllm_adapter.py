@@ -2,7 +2,8 @@
 
 The patches are written against one vLLM release and refuse any other: a silent mismatch in
 how vLLM allocates or binds KV caches would turn into wrong tokens, not an error. Each patch
-is a thin wrapper that does nothing unless `enable_kvpp` is set.
+is a thin wrapper that does nothing unless `enable_kvpp` is set, except the shared-memory reader
+wait (`quiet_shm_readers`), which only the connectors switch on, and only on CPU.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,8 +33,12 @@ WHOLE_CACHE_ENV = "KVPP_BROADCAST_WHOLE_CACHE"
 """Set to 1 to broadcast every allocated block, not only the batch's history (the anchor's behaviour;
 for comparison in bench/broadcast.py)."""
 DEFAULT_BROADCAST_TIMEOUT_S = 120.0
+SPINNING_READERS_ENV = "KVPP_SHM_READERS_SPIN"
+"""Set to 1 to keep vLLM's spinning shared-memory readers on CPU (for before/after in bench/pd_transfer.py)."""
+READER_POLL_MS = 1
 
 _installed = False
+_readers_poll = False
 
 
 def _logger():
@@ -412,6 +418,44 @@ def kvpp_stats(worker) -> dict:
     return report
 
 
+def quiet_shm_readers() -> None:
+    """Make this process's shared-memory queue readers sleep on their notify socket, on CPU hosts.
+
+    vLLM's readers (`SpinCondition`) spin on `sched_yield` for 1 s after every message. An engine
+    that steps every few ms while it waits for a KV transfer or a pool load thus keeps all its
+    processes spinning, and on a host whose cores the engine fills, the transfer threads starve:
+    a 256-token pull took ~270 ms instead of 15 on this 2-core machine. Readers then wait on the
+    queue's notify socket in `READER_POLL_MS` slices instead: a notify wakes them at once, and a lost
+    notify (the writer's PUB socket drops beyond one queued message) costs at most one slice.
+    The connectors call this in every process they run in; GPU hosts keep vLLM's spin.
+    """
+    global _readers_poll
+    if _readers_poll or _vllm_version() not in SUPPORTED_VLLM or os.environ.get(SPINNING_READERS_ENV) == "1":
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _readers_poll = True
+        _logger().info("KVPP: vLLM %s shared-memory readers wait on their notify socket in %d ms slices "
+                       "instead of spinning for 1 s (CPU host; %s=1 keeps the spin)",
+                       _vllm_version(), READER_POLL_MS, SPINNING_READERS_ENV)
+
+
+def _polling_reader_wait(orig):
+    @functools.wraps(orig)
+    def wait(self, timeout_ms: int | None = None) -> None:
+        if not _readers_poll or time.monotonic() > self.last_read + self.busy_loop_s:
+            return orig(self, timeout_ms)  # idle readers already sleep on the socket
+        import zmq
+
+        events = dict(self.poller.poll(timeout=READER_POLL_MS if timeout_ms is None
+                                       else min(timeout_ms, READER_POLL_MS)))
+        if self.local_notify_socket in events:
+            self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)  # CONFLATE: at most one queued
+
+    return wait
+
+
 def _wrap(cls, name: str, make) -> None:
     if name in vars(cls):
         setattr(cls, name, make(vars(cls)[name]))
@@ -437,12 +481,14 @@ def install() -> None:
     _wrap(EngineArgs, "create_engine_config", _validated)
     if _vllm_version() not in SUPPORTED_VLLM:
         return  # inert on an unknown vLLM; validate() refuses enable_kvpp there with the reason
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.models.deepseek_v2 import Indexer
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
     Worker.kvpp_stats = kvpp_stats
+    _wrap(SpinCondition, "wait", _polling_reader_wait)
     for worker_cls in (Worker, CPUWorker):
         _wrap(worker_cls, "determine_available_memory", _patch_determine_available_memory)
         _wrap(worker_cls, "initialize_from_config", _patch_initialize_from_config)

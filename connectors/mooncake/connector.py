@@ -20,6 +20,7 @@ from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
 from connectors.mooncake.step_meta import MooncakeV2Metadata
 from kvpp_core.validation import validate_vllm_config
+from kvpp_core.vllm_adapter import quiet_shm_readers
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,7 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         validate_vllm_config(vllm_config)  # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...)
+        quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
                 "MooncakeConnectorV2 supports models with one KV cache group (MLA/SFA non-hybrid); "

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kvpp_core.validation import validate_vllm_config
+from kvpp_core.vllm_adapter import quiet_shm_readers
 
 from connectors.store.config import parse_store_config
 from connectors.store.metadata import StoreMetadata
@@ -29,6 +30,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         validate_vllm_config(vllm_config)  # every problem of the launch at once, this connector's settings included
+        quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
         cfg = parse_store_config(transfer.kv_connector_extra_config)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
