@@ -9,8 +9,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import msgspec
+
 from kvpp_core.config import ENABLE_KEY
 from kvpp_core.validation import MOONCAKE, MULTI, STORE
+
+from connectors.store.config import MooncakeSettings
 
 from deploy.spec import Instance, Spec, compact_json
 
@@ -160,11 +164,11 @@ def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "v
 
 
 def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
-    """The Mooncake store client config file shared by every pooled node; `master` overrides where
-    engines find mooncake_master (in Kubernetes: the pool's Service)."""
-    base = {"master_server_address": master or spec.pool.address, "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp"}
-    return {**base, **spec.pool.settings}
+    """The Mooncake store client config file shared by every pooled node (pool.settings win);
+    `master` overrides where engines find mooncake_master (in Kubernetes: the pool's Service)."""
+    base = MooncakeSettings(master_server_address=master or spec.pool.address, metadata_server="P2PHANDSHAKE",
+                            protocol="tcp")
+    return msgspec.structs.replace(base, **spec.pool.mooncake.explicit()).explicit()
 
 
 def memcache_local_config(spec: Spec) -> str:

@@ -23,6 +23,8 @@ import msgspec
 
 from kvpp_core.files import read_small_file
 
+from connectors.store.config import MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
+
 from deploy import cli_args
 from deploy.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
                               port_open, stop_recorded)
@@ -55,6 +57,11 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
+
+    @property
+    def store_config(self) -> StoreConfig:
+        """The connector settings this pool printed, as the connector reads them."""
+        return parse_store_config(self.kv_connector_extra_config)
 
 
 def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:
@@ -125,7 +132,7 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
     extra = {
         "backend": "mooncake",
         "lookup_rpc_port": free_port(),
-        "mooncake": {"master_server_address": address, "protocol": "tcp", "local_hostname": LOOPBACK},
+        "mooncake": MooncakeSettings(master_server_address=address, protocol="tcp", local_hostname=LOOPBACK).explicit(),
     }
     return PoolInfo("mooncake", extra, _identities(procs), boot_id(), str(state_dir), [str(p.log_path) for p in procs])
 
@@ -154,17 +161,17 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
     except BaseException:
         proc.stop()
         raise
-    settings = {"meta_service_url": f"tcp://{LOOPBACK}:{meta}", "config_store_url": f"tcp://{LOOPBACK}:{store}",
-                "protocol": "host_tcp", "dram_size": dram_size}
+    settings = MemcacheSettings(meta_service_url=f"tcp://{LOOPBACK}:{meta}", config_store_url=f"tcp://{LOOPBACK}:{store}",
+                                protocol="host_tcp", dram_size=dram_size)
     conf = state_dir / "mmc-local.conf"
     conf.write_text(
-        f"ock.mmc.meta_service_url = {settings['meta_service_url']}\n"
-        f"ock.mmc.local_service.config_store_url = {settings['config_store_url']}\n"
-        f"ock.mmc.local_service.protocol = {settings['protocol']}\n"
+        f"ock.mmc.meta_service_url = {settings.meta_service_url}\n"
+        f"ock.mmc.local_service.config_store_url = {settings.config_store_url}\n"
+        f"ock.mmc.local_service.protocol = {settings.protocol}\n"
         f"ock.mmc.local_service.dram.size = {dram_size}\n"
         "ock.mmc.log_level = error\n"
     )
-    extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
+    extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings.explicit()}
     return PoolInfo("memcache", extra, _identities([proc]), boot_id(), str(state_dir), [str(proc.log_path)],
                     str(conf))
 

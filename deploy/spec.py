@@ -22,7 +22,10 @@ from typing import Any
 
 import yaml
 
+from kvpp_core.config import parse_struct
 from kvpp_core.files import read_small_file
+
+from connectors.store.config import MooncakeSettings
 
 from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem, shown
 
@@ -217,6 +220,9 @@ class Pool:
     """Memory the pool's segment holder contributes (mooncake), e.g. 64GB."""
     extra_config: dict[str, Any]
     settings: dict[str, Any]
+    """memcache: mmc config keys (`local_service.protocol: host_tcp`); mooncake: read into `mooncake`."""
+    mooncake: MooncakeSettings | None = None
+    """The Mooncake store client settings of the rendered mooncake.json (pool.settings, typed)."""
 
     @property
     def host(self) -> str:
@@ -453,13 +459,18 @@ def _managed_hint(flag: str) -> str:
 def parse_spec(data: Any, source: str = "spec") -> Spec:
     """Validate and fill defaults; raises SpecError with every problem."""
     problems = schema_problems(data)
+    mooncake = None
+    if not problems and (data.get("pool") or {}).get("backend") == "mooncake":
+        parsed = parse_struct(data["pool"].get("settings"), MooncakeSettings, "pool.settings")
+        problems += [f"{option}: {message}" for option, message in parsed.problems]
+        mooncake = parsed.value
     if problems:
         raise SpecError(source, problems)
     data = copy.deepcopy(data)
     model = data["model"]
     pool = None
     if data.get("pool"):
-        pool = Pool(**{**POOL_DEFAULTS, **data["pool"]})
+        pool = Pool(**{**POOL_DEFAULTS, **data["pool"]}, mooncake=mooncake)
     instances = {}
     for role in ("prefill", "decode"):
         items = []

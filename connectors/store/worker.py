@@ -118,9 +118,7 @@ class StoreWorker:
         # Without KVPP the group's one copy is written by TP rank 0; every rank loads it.
         self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank == 0)
 
-        self._backend = open_backend(self._cfg.backend, self._cfg.backend_settings,
-                                     call_timeout_s=self._cfg.backend_timeout_s,
-                                     device_memory=first.device.type != "cpu")
+        self._backend = open_backend(self._cfg, device_memory=first.device.type != "cpu")
         for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
             self._backend.register(ptr, size)
         self._io = ShardIO(self._backend, self._shard, self._pages) if self._shard else None
