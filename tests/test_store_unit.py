@@ -213,7 +213,7 @@ def test_saves_are_keyed_when_a_multiconnector_skips_the_lookup():
 
 
 def test_a_consumer_saves_only_with_write_back():
-    from connectors.store.scheduler import role_actions
+    from connectors.store.config import role_actions
 
     cfg = parse_store_config(BASE)
     assert role_actions("kv_consumer", cfg) == (True, False)

@@ -136,6 +136,13 @@ _HINTS = {
 }
 
 
+def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
+    """(loads, saves) for a kv_role; a consumer saves only with consumer_is_to_put."""
+    loads = kv_role in ("kv_both", "kv_consumer")
+    saves = kv_role in ("kv_both", "kv_producer") or (kv_role == "kv_consumer" and cfg.consumer_is_to_put)
+    return loads, saves
+
+
 def read_store_config(extra: Mapping[str, Any] | None) -> Parsed[StoreConfig]:
     """The struct and every problem of `extra`, including settings this connector does not implement."""
     parsed = parse_struct(extra, StoreConfig, PREFIX, _HINTS)

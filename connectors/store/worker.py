@@ -25,11 +25,10 @@ from kvpp_core.ownership import layer_index
 from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
-from connectors.store.config import StoreConfig
+from connectors.store.config import StoreConfig, role_actions
 from connectors.store.keys import CacheLayout
 from connectors.store.lookup import LookupChannel, LookupServer
 from connectors.store.metadata import BlockJob, StoreMetadata
-from connectors.store.scheduler import role_actions
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
 from connectors.store.transfer import BlockPages, SaveResult, ShardIO
