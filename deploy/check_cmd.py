@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
+from kvpp_core.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.ports import PortLayout, overlaps
 from kvpp_core.topology import Topology
@@ -56,6 +57,7 @@ def check_spec(spec: Spec) -> list[Finding]:
     findings += _wiring_findings(spec)
     findings += _host_findings(spec)
     findings += _pool_layout_findings(spec, model)
+    findings += _family_findings(spec)
     return findings
 
 
@@ -129,10 +131,11 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
 
 
 def _host_findings(spec: Spec) -> list[Finding]:
-    """Ports that collide between instances sharing a host (every node of an instance reserves them)."""
+    """Ports that collide between instances sharing a host (every node of an instance reserves them;
+    one host written two ways, `fd00:0::1` and `fd00::1`, is one host)."""
     by_host: dict[str, list[Instance]] = defaultdict(list)
     for inst in spec.instances:
-        for host in dict.fromkeys(inst.hosts):
+        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
             by_host[host].append(inst)
     out = []
     for host, insts in by_host.items():
@@ -294,6 +297,28 @@ def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str |
         elif i + 1 < len(args):
             value = args[i + 1]
     return value
+
+
+def _family_findings(spec: Spec) -> list[Finding]:
+    """The IP literals among the hosts that exchange Mooncake traffic (P/D transfers, the Mooncake
+    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (kvpp_core.hosts.MOONCAKE_IPV6)."""
+    members = [(i.where, "hosts", h) for i in spec.instances
+               if spec.disaggregated or (i.uses_pool and _mooncake_pool(spec)) for h in i.hosts]
+    if _mooncake_pool(spec):
+        members.append(("pool", "pool.address", spec.pool.host))
+    literals = [(where, option, host, v) for where, option, host in members if (v := ip_version(host))]
+    if not literals:
+        return []
+    first = literals[0]
+    return [_error(where, option, (
+        f"{host} is IPv{version} but {first[2]} ({first[0]}) is IPv{first[3]}: Mooncake runs in one family per "
+        f"deployment ({MOONCAKE_IPV6}=1 for IPv6, in which mode it cannot reach IPv4 peers); give every host of the "
+        f"P/D instances and the Mooncake pool an IPv{first[3]} address (or a name resolving to one)"))
+        for where, option, host, version in dict.fromkeys(literals) if version != first[3]]
+
+
+def _mooncake_pool(spec: Spec) -> bool:
+    return spec.pool is not None and spec.pool.backend == "mooncake"
 
 
 def run_check(path: str) -> tuple[list[Finding], int]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from kvpp_core.files import read_small_file
+from kvpp_core.hosts import join_host_port, mooncake_family
 
 from connectors.store.config import MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 
@@ -246,6 +247,7 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     env = {**os.environ, **QUIET_ENV}
+    mooncake_family(host, env)  # the master, the holder and the engines all speak the host's family
     with tempfile.TemporaryDirectory(prefix="kvpp-pool-") as tmp:
         ready = Path(tmp) / "holder.ready"
         procs = [subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)]
@@ -253,11 +255,12 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
             deadline = time.monotonic() + ready_timeout
             while not port_open(host, port):
                 if stop or procs[0].poll() is not None or time.monotonic() > deadline:
-                    print(f"kvpp pool serve: mooncake_master did not listen on {host}:{port}", file=sys.stderr)
+                    print(f"kvpp pool serve: mooncake_master did not listen on {join_host_port(host, port)}",
+                          file=sys.stderr)
                     return 1
                 time.sleep(0.1)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", f"{host}:{port}",
+                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", join_host_port(host, port),
                  "--segment-bytes", str(segment_bytes), "--ready-file", str(ready), "--host", host],
                 env=env, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent))
             while not ready.exists():
@@ -265,7 +268,7 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
                     print("kvpp pool serve: the segment holder did not join the pool", file=sys.stderr)
                     return 1
                 time.sleep(0.1)
-            print(f"kvpp pool serve: mooncake pool on {host}:{port}, {segment_bytes} bytes held "
+            print(f"kvpp pool serve: mooncake pool on {join_host_port(host, port)}, {segment_bytes} bytes held "
                   f"(master pid {procs[0].pid}, holder pid {procs[1].pid})", flush=True)
             while not stop:
                 dead = [p for p in procs if p.poll() is not None]

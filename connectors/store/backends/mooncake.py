@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvpp_core.config import parse_struct
+from kvpp_core.hosts import mooncake_family
 
 from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
 from connectors.store.config import MooncakeSettings
@@ -73,6 +74,11 @@ class MooncakeBackend(BoundedClient):
     name = "mooncake"
 
     def __init__(self, settings: MooncakeSettings, *, call_timeout_s: float) -> None:
+        cfg = resolve_settings(settings)
+        try:  # before the client library loads: it reads the family once
+            mooncake_family(cfg.local_hostname, os.environ)
+        except ValueError as exc:
+            raise BackendError(f"{exc} (kv_connector_extra_config.mooncake.local_hostname)") from None
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
@@ -80,7 +86,6 @@ class MooncakeBackend(BoundedClient):
                 "backend 'mooncake' needs the Mooncake store client: pip install "
                 "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine"
             ) from exc
-        cfg = resolve_settings(settings)
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
                                cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices, cfg.master_server_address)
