@@ -519,5 +519,7 @@ def _run(args: argparse.Namespace) -> int:
     timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval)
     proxy = PDProxy(prefill, decode, timeouts, Limits(max_body_bytes=args.max_body_bytes))
     logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", args.host, args.port), prefill, decode)
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
+    hosts = [args.host, "0.0.0.0"] if args.host == "::" else args.host
+    web.run_app(proxy.app(), host=hosts, port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0

@@ -57,8 +57,9 @@ def canonical_host(host: str) -> str:
 
 
 def wildcard(hosts: list[str] | tuple[str, ...]) -> str:
-    """The listen address that serves `hosts`: `::` (IPv6 and, on Linux, IPv4 too) when one of them
-    is an IPv6 literal, else `0.0.0.0`."""
+    """The listen address that serves `hosts`: `::` when one of them is an IPv6 literal, else
+    `0.0.0.0`. vLLM binds `::` as one dual-stack socket (IPv4 too, unless the host sets
+    net.ipv6.bindv6only); `kvpp proxy` adds `0.0.0.0` to it itself."""
     return "::" if any(is_ipv6(h) for h in hosts) else "0.0.0.0"
 
 

@@ -313,3 +313,13 @@ def test_key_differences_follow_the_shard_split():
     assert key_differences(layout(True, 8), layout(False, 8)) == ["kvpp"]
     assert key_differences(layout(False, 8), layout(False, 8, ((0, 4), (4, 8)))) == ["stages"]
     assert key_differences(layout(False, 8), layout(False, 8, block_size=64, model="n")) == ["model", "block_size"]
+
+
+def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):
+    pool = {**POOL, "extra_config": {"load_async": True, "mooncake": {"master_server_adress": "h9:50051",
+                                                                       "local_buffer_size": "16MB"}}}
+    errors, _, code = _check(tmp_path, _spec([_prefill()], pool=pool))
+    assert code == 1
+    assert sorted(e.split(": ")[2] for e in errors) == ["kv_connector_extra_config.mooncake.local_buffer_size",
+                                                        "kv_connector_extra_config.mooncake.master_server_adress"]
+    assert any("did you mean master_server_address?" in e for e in errors)
