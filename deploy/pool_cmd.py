@@ -162,8 +162,8 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
     except BaseException:
         proc.stop()
         raise
-    settings = MemcacheSettings(meta_service_url=f"tcp://{LOOPBACK}:{meta}", config_store_url=f"tcp://{LOOPBACK}:{store}",
-                                protocol="host_tcp", dram_size=dram_size)
+    settings = MemcacheSettings(meta_service_url=f"tcp://{LOOPBACK}:{meta}",
+                                config_store_url=f"tcp://{LOOPBACK}:{store}", protocol="host_tcp", dram_size=dram_size)
     conf = state_dir / "mmc-local.conf"
     conf.write_text(
         f"ock.mmc.meta_service_url = {settings.meta_service_url}\n"

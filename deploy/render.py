@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from kvpp_core.hosts import host_url
+from kvpp_core.hosts import host_url, wildcard
 
 from deploy import cli_args, launch
 from deploy.check_cmd import check_spec
@@ -53,7 +53,8 @@ def _config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
         return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec, master), indent=2,
                                                    sort_keys=True) + "\n"}
     return {launch.MEMCACHE_CONFIG: launch.memcache_local_config(spec),
-            launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec, "0.0.0.0" if bind_any else None)}
+            launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec,
+                                                                     wildcard([spec.pool.host]) if bind_any else None)}
 
 
 # ---- shell --------------------------------------------------------------------------------------
@@ -100,7 +101,8 @@ def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
         argv, env = launch.pool_command(spec)
         files["pool.sh"] = _script(f"{spec.pool.backend} pool service on {spec.pool.host}", env, argv)
     if spec.disaggregated:
-        urls = {role: [host_url("http", i.hosts[0], i.port) for i in getattr(spec, role)] for role in ("prefill", "decode")}
+        urls = {role: [host_url("http", i.hosts[0], i.port) for i in getattr(spec, role)]
+                for role in ("prefill", "decode")}
         files["proxy.sh"] = _script(f"P/D proxy on {launch.proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
     files.update(_config_files(spec))
     return files

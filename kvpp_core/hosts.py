@@ -76,6 +76,6 @@ def mooncake_family(host: str, environ: dict[str, str]) -> None:
     if is_ipv6(host):
         environ.setdefault(MOONCAKE_IPV6, "1")
     elif environ.get(MOONCAKE_IPV6, "0") not in ("", "0") and ip_version(host) == 4:
-        raise ValueError(f"{MOONCAKE_IPV6}={environ[MOONCAKE_IPV6]} puts Mooncake in IPv6 mode, where it cannot reach "
-                         f"IPv4 peers, but this process's address is {host}; unset {MOONCAKE_IPV6} or give it (VLLM_HOST_IP) "
-                         "an IPv6 address")
+        raise ValueError(f"{MOONCAKE_IPV6}={environ[MOONCAKE_IPV6]} puts Mooncake in IPv6 mode, where it cannot "
+                         f"reach IPv4 peers, but this process's address is {host}; unset {MOONCAKE_IPV6} or give it "
+                         "(VLLM_HOST_IP) an IPv6 address")

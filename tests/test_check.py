@@ -254,7 +254,8 @@ def _example(**prefill_b):
 @pytest.mark.parametrize("change, shown, fix", [
     ({"enable_kvpp": False}, "kvpp (prefill-b: False, prefill-a: True)", "set the same enable_kvpp on every instance"),
     ({"tp": 4}, "group_size (prefill-b: 4, prefill-a: 8)", "use the same tp (and pcp) on every KVPP instance"),
-    ({"memory": {"block_size": 64}}, "block_size (prefill-b: 64, prefill-a: None)", "set the same memory.block_size on every instance"),
+    ({"memory": {"block_size": 64}}, "block_size (prefill-b: 64, prefill-a: None)",
+     "set the same memory.block_size on every instance"),
     ({"extra_args": ["--kv-cache-dtype", "fp8"]}, "kv_dtype (prefill-b: 'fp8', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
     ({"extra_args": ["--dtype=float16"]}, "kv_dtype (prefill-b: 'float16', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
     ({"pp": 2, "tp": 8}, "PP stages (prefill-b: 39+39, prefill-a: 78)", "use the same pp, pp_layers"),

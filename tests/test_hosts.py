@@ -114,6 +114,8 @@ def test_memcache_urls_bracket_the_pool_host():
     files = render(parse_spec(_spec("memcache")), "shell")
     assert "ock.mmc.meta_service_url = tcp://[fd00::9]:50051\n" in files["mmc-local.conf"]
     assert "ock.mmc.meta_service_url = tcp://[fd00::9]:50051\n" in files["mmc-meta.conf"]
+    configmap = next(yaml.safe_load_all(render(parse_spec(_spec("memcache", decode_host="n")), "k8s")["pool.yaml"]))
+    assert "ock.mmc.meta_service_url = tcp://[::]:50051\n" in configmap["data"]["mmc-meta.conf"]  # the pod's addresses
 
 
 def test_kubernetes_names_nodes_not_addresses():
