@@ -48,7 +48,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
     state = Path(tempfile.mkdtemp(prefix="kvpp-bench-pool-"))
     pool = pool_up("mooncake", state, segment)
     try:
-        backend = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=60)
+        backend = open_backend(pool.store_config, call_timeout_s=60)
         for t in src + dst:
             backend.register(t.data_ptr(), t.numel() * t.element_size())
         raw = backend.raw()

@@ -13,10 +13,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
+from kvpp_core.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.ports import PortLayout, overlaps
 from kvpp_core.topology import Topology
-from kvpp_core.validation import MOONCAKE, KvppSetup, Problem, validate
+from kvpp_core.validation import MOONCAKE, MULTI, STORE, KvppSetup, Problem, validate
+
+from connectors.store.config import StoreConfig, read_store_config, role_actions
+from connectors.store.layouts import KeyLayout, key_differences
+from connectors.store.shards import StageLayers
 
 from deploy import cli_args, launch
 from deploy.spec import Instance, Spec, SpecError, load_spec
@@ -51,6 +56,8 @@ def check_spec(spec: Spec) -> list[Finding]:
         findings += _instance_findings(spec, inst, model)
     findings += _wiring_findings(spec)
     findings += _host_findings(spec)
+    findings += _pool_layout_findings(spec, model)
+    findings += _family_findings(spec)
     return findings
 
 
@@ -69,11 +76,15 @@ def _model(spec: Spec, findings: list[Finding]) -> ModelSpec | None:
     return model
 
 
+def _topology(inst: Instance) -> Topology:
+    return Topology(tp=inst.tp, pp=inst.pp, pp_layers=inst.pp_layers, pcp=inst.pcp, dcp=inst.dcp, dp=inst.dp,
+                    runner=inst.runner)
+
+
 def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> list[Finding]:
     where, out = inst.where, []
     try:
-        topo = Topology(tp=inst.tp, pp=inst.pp, pp_layers=inst.pp_layers, pcp=inst.pcp, dcp=inst.dcp, dp=inst.dp,
-                        runner=inst.runner)
+        topo = _topology(inst)
     except ValueError as exc:
         return [_error(where, "pp_layers" if "split" in str(exc) else "parallel sizes", str(exc))]
     if model is not None:
@@ -120,10 +131,11 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
 
 
 def _host_findings(spec: Spec) -> list[Finding]:
-    """Ports that collide between instances sharing a host (every node of an instance reserves them)."""
+    """Ports that collide between instances sharing a host (every node of an instance reserves them;
+    one host written two ways, `fd00:0::1` and `fd00::1`, is one host)."""
     by_host: dict[str, list[Instance]] = defaultdict(list)
     for inst in spec.instances:
-        for host in dict.fromkeys(inst.hosts):
+        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
             by_host[host].append(inst)
     out = []
     for host, insts in by_host.items():
@@ -166,6 +178,147 @@ def _single_port_clashes(spec: Spec, host: str, insts: list[Instance], layouts) 
                 out.append(_error(owner, "port", f"HTTP port {port} on host {host} falls inside {where}'s "
                                   f"handshake range {layout.ports.start}-{layout.last_port}; move one of them"))
     return out
+
+
+_LAYOUT_FIX = {
+    "model": "start every instance with the same model.path",
+    "kv_dtype": "give every instance the same --dtype/--kv-cache-dtype",
+    "block_size": "set the same memory.block_size on every instance",
+    "kvpp": "set the same enable_kvpp on every instance",
+    "group_size": "use the same tp (and pcp) on every KVPP instance",
+    "stages": "use the same pp, pp_layers and speculative (MTP) setting on every instance",
+}
+
+
+@dataclass(frozen=True)
+class _PoolMember:
+    inst: Instance
+    pool: str
+    layout: KeyLayout
+    loads: bool
+    saves: bool
+
+
+def _pool_layout_findings(spec: Spec, model: ModelSpec | None) -> list[Finding]:
+    """Instances on one pool whose pool keys never meet (connectors.store.layouts): they share its
+    memory but no prefix (a warning, against the pool's first instance). An instance that only reads
+    the pool while every writer keys blocks differently can never hit (an error)."""
+    members = [m for inst in spec.instances if (m := _pool_member(spec, inst, model)) is not None]
+    out = []
+    for pool in dict.fromkeys(m.pool for m in members):
+        group = [m for m in members if m.pool == pool]
+        writers = [m for m in group if m.saves]
+        for m in group:
+            if m.loads and not m.saves and writers and all(key_differences(m.layout, w.layout) for w in writers):
+                shown, fixes = _differences(m, writers[0])
+                out.append(_error(m.inst.where, "pool", (
+                    f"reads pool {pool} but every instance writing it keys blocks differently (vs "
+                    f"{writers[0].inst.where}: {shown}), so it can never hit; {fixes}, or give it a pool of its own")))
+            elif m is not group[0] and key_differences(m.layout, group[0].layout):
+                shown, fixes = _differences(m, group[0])
+                out.append(_warning(m.inst.where, "pool", (
+                    f"shares pool {pool} with {group[0].inst.where} but their pool keys differ in {shown}: pooled "
+                    "objects are keyed per layout and owner shard, so neither reuses the other's prefixes (they "
+                    f"only split its memory); {fixes}, or give them separate pools")))
+    return out
+
+
+def _differences(a: _PoolMember, b: _PoolMember) -> tuple[str, str]:
+    """The differing key fields of two members, shown, and their fixes."""
+    fields = key_differences(a.layout, b.layout)
+    shown = ", ".join(f"PP stages ({a.inst.name}: {_stages(a.layout)}, {b.inst.name}: {_stages(b.layout)})"
+                      if f == "stages" else
+                      f"{f} ({a.inst.name}: {getattr(a.layout, f)!r}, {b.inst.name}: {getattr(b.layout, f)!r})"
+                      for f in fields)
+    return shown, "; ".join(_LAYOUT_FIX[f] for f in fields)
+
+
+def _stages(layout: KeyLayout) -> str:
+    """Layers per stage, e.g. `39+40+mtp1`."""
+    return "+".join(f"{len(s.target_layers)}" + (f"+mtp{s.mtp_caches}" if s.mtp_caches else "") for s in layout.stages)
+
+
+def _pool_member(spec: Spec, inst: Instance, model: ModelSpec | None) -> _PoolMember | None:
+    """The instance's pool, key layout and role; None without a pool or when a setting it needs is
+    broken (the instance's own findings report that)."""
+    store = _store_connector(launch.kv_transfer_config(spec, inst) or {})
+    if model is None or spec.pool is None or store is None:
+        return None
+    cfg = read_store_config(store.get("kv_connector_extra_config")).value
+    try:
+        topo = _topology(inst)
+        ranges = topo.stage_layers(model.num_layers)
+    except ValueError:
+        return None
+    if cfg is None:
+        return None
+    mtp = model.mtp_layers if _flag(inst.extra_args, "--speculative-config") is not None else 0
+    stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
+    kv_dtype = _flag(inst.extra_args, "--kv-cache-dtype", "auto")
+    block_size = inst.memory.get("block_size") or _flag(inst.extra_args, "--block-size")
+    layout = KeyLayout(model=spec.model_path,
+                       kv_dtype=kv_dtype if kv_dtype != "auto" else _flag(inst.extra_args, "--dtype", "auto"),
+                       block_size=int(block_size) if str(block_size).isdigit() else None, kvpp=inst.enable_kvpp,
+                       group_size=topo.group_size, stages=stages)
+    loads, saves = role_actions(store.get("kv_role"), cfg)
+    return _PoolMember(inst, _pool_address(spec, cfg), layout, loads, saves)
+
+
+def _store_connector(kv_cfg: dict) -> dict | None:
+    """The pool connector's config in an instance's kv_transfer_config (alone, or a MultiConnector
+    child, whose kv_role defaults to the parent's)."""
+    if kv_cfg.get("kv_connector") == STORE:
+        return kv_cfg
+    if kv_cfg.get("kv_connector") == MULTI:
+        children = (kv_cfg.get("kv_connector_extra_config") or {}).get("connectors")
+        for child in children if isinstance(children, list) else []:
+            if isinstance(child, dict) and child.get("kv_connector") == STORE:
+                return {"kv_role": kv_cfg.get("kv_role"), **child}
+    return None
+
+
+def _pool_address(spec: Spec, cfg: StoreConfig) -> str:
+    """Where the instance's pool client connects: its own settings, else the rendered config file's."""
+    if cfg.backend == "mooncake":
+        rendered = spec.pool.mooncake.master_server_address if spec.pool.mooncake else None
+        return cfg.backend_settings.master_server_address or rendered or spec.pool.address
+    return cfg.backend_settings.meta_service_url or str(spec.pool.settings.get("meta_service_url") or spec.pool.address)
+
+
+def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str | None:
+    """The value of `flag` in extra_args (`--flag v` or `--flag=v`, `_` or `-`; the last one wins, as in vLLM)."""
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def _family_findings(spec: Spec) -> list[Finding]:
+    """The IP literals among the hosts that exchange Mooncake traffic (P/D transfers, the Mooncake
+    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (kvpp_core.hosts.MOONCAKE_IPV6)."""
+    members = [(i.where, "hosts", h) for i in spec.instances
+               if spec.disaggregated or (i.uses_pool and _mooncake_pool(spec)) for h in i.hosts]
+    if _mooncake_pool(spec):
+        members.append(("pool", "pool.address", spec.pool.host))
+    literals = [(where, option, host, v) for where, option, host in members if (v := ip_version(host))]
+    if not literals:
+        return []
+    first = literals[0]
+    return [_error(where, option, (
+        f"{host} is IPv{version} but {first[2]} ({first[0]}) is IPv{first[3]}: Mooncake runs in one family per "
+        f"deployment ({MOONCAKE_IPV6}=1 for IPv6, in which mode it cannot reach IPv4 peers); give every host of the "
+        f"P/D instances and the Mooncake pool an IPv{first[3]} address (or a name resolving to one)"))
+        for where, option, host, version in dict.fromkeys(literals) if version != first[3]]
+
+
+def _mooncake_pool(spec: Spec) -> bool:
+    return spec.pool is not None and spec.pool.backend == "mooncake"
 
 
 def run_check(path: str) -> tuple[list[Finding], int]:

@@ -9,8 +9,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import msgspec
+
 from kvpp_core.config import ENABLE_KEY
+from kvpp_core.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
 from kvpp_core.validation import MOONCAKE, MULTI, STORE
+
+from connectors.store.config import MooncakeSettings
 
 from deploy.spec import Instance, Spec, compact_json
 
@@ -99,6 +104,9 @@ def environment(spec: Spec, inst: Instance) -> dict[str, str]:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if inst.pp_layers is not None:
         env["VLLM_PP_LAYER_PARTITION"] = ",".join(map(str, inst.pp_layers))
+    mooncake = spec.disaggregated or (inst.uses_pool and spec.pool is not None and spec.pool.backend == "mooncake")
+    if mooncake and any(is_ipv6(h) for h in inst.hosts):  # read once, when the Mooncake library loads
+        env[MOONCAKE_IPV6] = "1"
     if inst.uses_pool and spec.pool is not None:
         # Prefix-cache block hashes must agree across nodes for pool keys to match.
         env["PYTHONHASHSEED"] = "0"
@@ -111,7 +119,7 @@ def environment(spec: Spec, inst: Instance) -> dict[str, str]:
 
 def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
     """`vllm serve` argv (after `vllm serve`) for one node of the instance."""
-    args = [spec.model_path, "--host", "0.0.0.0", "--port", str(inst.port)]
+    args = [spec.model_path, "--host", wildcard(inst.hosts), "--port", str(inst.port)]
     if spec.served_name:
         args += ["--served-model-name", spec.served_name]
     args += ["--tensor-parallel-size", str(inst.tp)]
@@ -160,11 +168,11 @@ def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "v
 
 
 def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
-    """The Mooncake store client config file shared by every pooled node; `master` overrides where
-    engines find mooncake_master (in Kubernetes: the pool's Service)."""
-    base = {"master_server_address": master or spec.pool.address, "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp"}
-    return {**base, **spec.pool.settings}
+    """The Mooncake store client config file shared by every pooled node (pool.settings win);
+    `master` overrides where engines find mooncake_master (in Kubernetes: the pool's Service)."""
+    base = MooncakeSettings(master_server_address=master or spec.pool.address, metadata_server="P2PHANDSHAKE",
+                            protocol="tcp")
+    return msgspec.structs.replace(base, **spec.pool.mooncake.explicit()).explicit()
 
 
 def memcache_local_config(spec: Spec) -> str:
@@ -176,7 +184,7 @@ def memcache_local_config(spec: Spec) -> str:
 def memcache_meta_config(spec: Spec, bind_host: str | None = None) -> str:
     """mmc-meta.conf for the MetaService; `bind_host` overrides the host it listens on."""
     keys = ("meta_service_url", "meta_service.config_store_url", "meta_service.metrics_url", "log_level")
-    settings = {"meta_service_url": f"tcp://{bind_host or spec.pool.host}:{spec.pool.port}", **spec.pool.settings}
+    settings = {"meta_service_url": host_url("tcp", bind_host or spec.pool.host, spec.pool.port), **spec.pool.settings}
     store = settings.get("local_service.config_store_url")
     if store:
         settings.setdefault("meta_service.config_store_url", store)
@@ -203,7 +211,12 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
     return ["python3", "-c", code], {"MMC_META_CONFIG_PATH": ConfigFile(MEMCACHE_META_CONFIG)}
 
 
+def proxy_host(spec: Spec) -> str:
+    """The host the P/D proxy runs on: proxy.host, else the first prefill's."""
+    return spec.proxy_host or spec.prefill[0].hosts[0]
+
+
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
     """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
     return ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
-            "--host", "0.0.0.0", "--port", str(spec.proxy_port)]
+            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy_port)]

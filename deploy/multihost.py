@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from kvpp_core.hosts import host_url, join_host_port
+
 from deploy.processes import ProcessError, http_ok
 from deploy.render import render, write_files
 from deploy.spec import parse_spec
@@ -58,7 +60,7 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
         "decode": [_instance("decode", bed.address("decode"), 1, kv_cache_bytes, kv_transfer_config={
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"transfer_timeout_s": TRANSFER_TIMEOUT_S}})],
-        "pool": {"backend": "mooncake", "address": f"{bed.address('pool')}:{POOL_PORT}",
+        "pool": {"backend": "mooncake", "address": join_host_port(bed.address("pool"), POOL_PORT),
                  "lookup_rpc_port": LOOKUP_PORT["prefill"], "segment_size": "512MB",
                  "extra_config": {"load_async": True, "backend_timeout_ms": 5000}},
         "proxy": {"host": bed.address("proxy"), "port": PROXY_PORT},
@@ -99,7 +101,7 @@ class RenderedStack:
 
     def url(self, host: str) -> str:
         port = PROXY_PORT if host == "proxy" else HTTP_PORT[host]
-        return f"http://{self.bed.address(host)}:{port}"
+        return host_url("http", self.bed.address(host), port)
 
     def wait_ready(self, hosts: list[str], timeout: float = 600.0, progress=None) -> None:
         """Wait for each host's service; a script that exits fails at once with its log tail."""

@@ -22,6 +22,9 @@ from pathlib import Path
 import msgspec
 
 from kvpp_core.files import read_small_file
+from kvpp_core.hosts import join_host_port, mooncake_family
+
+from connectors.store.config import MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 
 from deploy import cli_args
 from deploy.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
@@ -55,6 +58,11 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
+
+    @property
+    def store_config(self) -> StoreConfig:
+        """The connector settings this pool printed, as the connector reads them."""
+        return parse_store_config(self.kv_connector_extra_config)
 
 
 def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:
@@ -125,7 +133,7 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
     extra = {
         "backend": "mooncake",
         "lookup_rpc_port": free_port(),
-        "mooncake": {"master_server_address": address, "protocol": "tcp", "local_hostname": LOOPBACK},
+        "mooncake": MooncakeSettings(master_server_address=address, protocol="tcp", local_hostname=LOOPBACK).explicit(),
     }
     return PoolInfo("mooncake", extra, _identities(procs), boot_id(), str(state_dir), [str(p.log_path) for p in procs])
 
@@ -154,17 +162,17 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
     except BaseException:
         proc.stop()
         raise
-    settings = {"meta_service_url": f"tcp://{LOOPBACK}:{meta}", "config_store_url": f"tcp://{LOOPBACK}:{store}",
-                "protocol": "host_tcp", "dram_size": dram_size}
+    settings = MemcacheSettings(meta_service_url=f"tcp://{LOOPBACK}:{meta}",
+                                config_store_url=f"tcp://{LOOPBACK}:{store}", protocol="host_tcp", dram_size=dram_size)
     conf = state_dir / "mmc-local.conf"
     conf.write_text(
-        f"ock.mmc.meta_service_url = {settings['meta_service_url']}\n"
-        f"ock.mmc.local_service.config_store_url = {settings['config_store_url']}\n"
-        f"ock.mmc.local_service.protocol = {settings['protocol']}\n"
+        f"ock.mmc.meta_service_url = {settings.meta_service_url}\n"
+        f"ock.mmc.local_service.config_store_url = {settings.config_store_url}\n"
+        f"ock.mmc.local_service.protocol = {settings.protocol}\n"
         f"ock.mmc.local_service.dram.size = {dram_size}\n"
         "ock.mmc.log_level = error\n"
     )
-    extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings}
+    extra = {"backend": "memcache", "lookup_rpc_port": free_port(), "memcache": settings.explicit()}
     return PoolInfo("memcache", extra, _identities([proc]), boot_id(), str(state_dir), [str(proc.log_path)],
                     str(conf))
 
@@ -239,6 +247,7 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     env = {**os.environ, **QUIET_ENV}
+    mooncake_family(host, env)  # the master, the holder and the engines all speak the host's family
     with tempfile.TemporaryDirectory(prefix="kvpp-pool-") as tmp:
         ready = Path(tmp) / "holder.ready"
         procs = [subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)]
@@ -246,11 +255,12 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
             deadline = time.monotonic() + ready_timeout
             while not port_open(host, port):
                 if stop or procs[0].poll() is not None or time.monotonic() > deadline:
-                    print(f"kvpp pool serve: mooncake_master did not listen on {host}:{port}", file=sys.stderr)
+                    print(f"kvpp pool serve: mooncake_master did not listen on {join_host_port(host, port)}",
+                          file=sys.stderr)
                     return 1
                 time.sleep(0.1)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", f"{host}:{port}",
+                [sys.executable, "-m", "deploy.pool_cmd", "hold", "--master", join_host_port(host, port),
                  "--segment-bytes", str(segment_bytes), "--ready-file", str(ready), "--host", host],
                 env=env, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent))
             while not ready.exists():
@@ -258,7 +268,7 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
                     print("kvpp pool serve: the segment holder did not join the pool", file=sys.stderr)
                     return 1
                 time.sleep(0.1)
-            print(f"kvpp pool serve: mooncake pool on {host}:{port}, {segment_bytes} bytes held "
+            print(f"kvpp pool serve: mooncake pool on {join_host_port(host, port)}, {segment_bytes} bytes held "
                   f"(master pid {procs[0].pid}, holder pid {procs[1].pid})", flush=True)
             while not stop:
                 dead = [p for p in procs if p.poll() is not None]

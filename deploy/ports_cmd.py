@@ -11,6 +11,7 @@ import argparse
 import json
 from collections import defaultdict
 
+from kvpp_core.hosts import canonical_host
 from kvpp_core.ports import PortLayout, overlaps
 
 from deploy import cli_args
@@ -75,7 +76,7 @@ def _spec_hosts(path: str) -> dict[str, list[tuple[str, PortLayout]]]:
         if inst.kv_port is None:
             continue
         layout = PortLayout(inst.kv_port, tp=inst.tp, pp=inst.pp, pcp=inst.pcp, dp=inst.dp)
-        for host in dict.fromkeys(inst.hosts):
+        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
             hosts[host].append((inst.where, layout))
     return hosts
 

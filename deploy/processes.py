@@ -22,6 +22,8 @@ from typing import Annotated
 
 import msgspec
 
+from kvpp_core.hosts import host_url, is_ipv6
+
 LOOPBACK = "127.0.0.1"
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
 PROGRESS_AFTER_S = 5.0
@@ -159,9 +161,14 @@ def _group_members(pgid: int) -> list[int]:
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free on `host` a moment ago (chosen by the OS)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with _socket(host) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _socket(host: str) -> socket.socket:
+    """A TCP socket of the host's address family (IPv6 literals need AF_INET6)."""
+    return socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM)
 
 
 def free_port_range(n: int, host: str = LOOPBACK) -> int:
@@ -173,7 +180,7 @@ def free_port_range(n: int, host: str = LOOPBACK) -> int:
         socks = []
         try:
             for port in range(base, base + n):
-                sock = socket.socket()
+                sock = _socket(host)
                 socks.append(sock)
                 sock.bind((host, port))
             return base
@@ -384,7 +391,7 @@ class VllmServer(ManagedProcess):
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return host_url("http", self.host, self.port)
 
     def wait_ready(self, timeout: float = 300.0) -> VllmServer:
         self.wait_http(f"{self.url}/health", timeout)

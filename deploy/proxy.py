@@ -29,6 +29,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from kvpp_core.hosts import host_url
+
 from deploy import cli_args
 from deploy.processes import LOOPBACK, ManagedProcess, free_port
 
@@ -516,6 +518,8 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvpp-proxy %(levelname)s %(message)s")
     timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval)
     proxy = PDProxy(prefill, decode, timeouts, Limits(max_body_bytes=args.max_body_bytes))
-    logger.info("P/D proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, prefill, decode)
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", args.host, args.port), prefill, decode)
+    # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
+    hosts = [args.host, "0.0.0.0"] if args.host == "::" else args.host
+    web.run_app(proxy.app(), host=hosts, port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0

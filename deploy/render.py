@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from kvpp_core.hosts import host_url, wildcard
+
 from deploy import cli_args, launch
 from deploy.check_cmd import check_spec
 from deploy.spec import Instance, Spec, load_spec
@@ -51,11 +53,8 @@ def _config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
         return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec, master), indent=2,
                                                    sort_keys=True) + "\n"}
     return {launch.MEMCACHE_CONFIG: launch.memcache_local_config(spec),
-            launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec, "0.0.0.0" if bind_any else None)}
-
-
-def _proxy_host(spec: Spec) -> str:
-    return spec.proxy_host or spec.prefill[0].hosts[0]
+            launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec,
+                                                                     wildcard([spec.pool.host]) if bind_any else None)}
 
 
 # ---- shell --------------------------------------------------------------------------------------
@@ -102,8 +101,9 @@ def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
         argv, env = launch.pool_command(spec)
         files["pool.sh"] = _script(f"{spec.pool.backend} pool service on {spec.pool.host}", env, argv)
     if spec.disaggregated:
-        urls = {role: [f"http://{i.hosts[0]}:{i.port}" for i in getattr(spec, role)] for role in ("prefill", "decode")}
-        files["proxy.sh"] = _script(f"P/D proxy on {_proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
+        urls = {role: [host_url("http", i.hosts[0], i.port) for i in getattr(spec, role)]
+                for role in ("prefill", "decode")}
+        files["proxy.sh"] = _script(f"P/D proxy on {launch.proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
     files.update(_config_files(spec))
     return files
 
@@ -237,9 +237,9 @@ def _instance_objects(spec: Spec, inst: Instance) -> list[dict[str, Any]]:
 def render_k8s(spec: Spec) -> dict[str, str]:
     files: dict[str, str] = {}
     k8s = spec.kubernetes
-    bad = [f"{i.where}: host {i.hosts[0]!r} is not a Kubernetes label value (at most 63 characters; it is the "
-           "node's kubernetes.io/hostname)" for i in spec.instances
-           if len(i.hosts) == 1 and not _LABEL_VALUE.fullmatch(i.hosts[0])]
+    bad = [f"{i.where}: host {i.hosts[0]!r} is not a Kubernetes label value (at most 63 characters, no ':'; it is "
+           "the node's kubernetes.io/hostname, so an IPv6 address cannot be one: give the node's name)"
+           for i in spec.instances if len(i.hosts) == 1 and not _LABEL_VALUE.fullmatch(i.hosts[0])]
     if bad:
         raise ValueError("\n".join(bad))
     if spec.pool is not None:

@@ -22,7 +22,11 @@ from typing import Any
 
 import yaml
 
+from kvpp_core.config import parse_struct
 from kvpp_core.files import read_small_file
+from kvpp_core.hosts import split_host_port
+
+from connectors.store.config import MooncakeSettings
 
 from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem, shown
 
@@ -217,14 +221,18 @@ class Pool:
     """Memory the pool's segment holder contributes (mooncake), e.g. 64GB."""
     extra_config: dict[str, Any]
     settings: dict[str, Any]
+    """memcache: mmc config keys (`local_service.protocol: host_tcp`); mooncake: read into `mooncake`."""
+    mooncake: MooncakeSettings | None = None
+    """The Mooncake store client settings of the rendered mooncake.json (pool.settings, typed)."""
 
     @property
     def host(self) -> str:
-        return self.address.rsplit(":", 1)[0]
+        """The bare host (an IPv6 literal without its brackets)."""
+        return split_host_port(self.address)[0]
 
     @property
     def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
+        return split_host_port(self.address)[1]
 
 
 @dataclass(frozen=True)
@@ -374,8 +382,11 @@ def _text_problems(data: dict) -> list[str]:
 
 
 def _spec_host_problem(value: str) -> str | None:
-    if ":" in value:  # rendered into URLs and host:port addresses unbracketed
-        return f"{shown(value)}: IPv6 literals are not supported in specs; use a host name or an IPv4 address"
+    if "%" in value:  # rendered into URLs, where vLLM, Mooncake and memcache would have to decode %25
+        return (f"{shown(value)}: a scoped IPv6 address (%zone) names an interface of one host, which peers on "
+                "other hosts cannot use; give a global or unique-local address (e.g. fd00::11)")
+    if value.startswith("["):
+        return f"{shown(value)}: write a host without brackets (kvpp render adds them where a port follows)"
     return host_problem(value)
 
 
@@ -394,9 +405,10 @@ def _label_problem(value: str) -> str | None:
 
 
 def _address_problem(value: str) -> str | None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 1 <= int(port[:6] or 0) <= 65535:
-        return f"{shown(value)} must be host:port with a port from 1 to 65535"
+    try:
+        host, _ = split_host_port(value)
+    except ValueError as exc:
+        return f"{shown(value)} {exc} (e.g. 10.0.0.9:50051 or [fd00::9]:50051)"
     problem = _spec_host_problem(host)
     return f"host {problem}" if problem else None
 
@@ -453,13 +465,18 @@ def _managed_hint(flag: str) -> str:
 def parse_spec(data: Any, source: str = "spec") -> Spec:
     """Validate and fill defaults; raises SpecError with every problem."""
     problems = schema_problems(data)
+    mooncake = None
+    if not problems and (data.get("pool") or {}).get("backend") == "mooncake":
+        parsed = parse_struct(data["pool"].get("settings"), MooncakeSettings, "pool.settings")
+        problems += [f"{option}: {message}" for option, message in parsed.problems]
+        mooncake = parsed.value
     if problems:
         raise SpecError(source, problems)
     data = copy.deepcopy(data)
     model = data["model"]
     pool = None
     if data.get("pool"):
-        pool = Pool(**{**POOL_DEFAULTS, **data["pool"]})
+        pool = Pool(**{**POOL_DEFAULTS, **data["pool"]}, mooncake=mooncake)
     instances = {}
     for role in ("prefill", "decode"):
         items = []

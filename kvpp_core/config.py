@@ -53,8 +53,10 @@ class Parsed(Generic[S]):
 def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
                  hints: Mapping[str, str] | None = None) -> Parsed[S]:
     """Read user settings into the msgspec struct `cls`: unknown keys are refused with the closest valid
-    one and the full list, flags go through `parse_bool`, every other field through msgspec's own
-    typed conversion (constraints included); `hints[key]` is appended to that key's problem."""
+    one and the full list, flags go through `parse_bool`, a field typed as a struct (a settings group
+    such as the pool's `mooncake: {...}`) by this same reading under `<where>.<field>`, every other
+    field through msgspec's own typed conversion (constraints included); `hints[key]` is appended to
+    that key's problem (`hints["group.key"]` for a key of a group)."""
     raw, hints = dict(raw or {}), hints or {}
     info = msgspec.inspect.type_info(cls)
     types = typing.get_type_hints(cls, include_extras=True)
@@ -72,6 +74,14 @@ def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
                 out.problems.append((option, f"is required{hint}"))
             continue
         value = raw[f.name]
+        nested = _nested_struct(f.type)
+        if nested is not None and isinstance(value, Mapping):  # a settings group: read it the same way
+            inner = parse_struct(value, nested, option, {k[len(f.name) + 1:]: v for k, v in hints.items()
+                                                         if k.startswith(f"{f.name}.")})
+            out.problems += inner.problems
+            if inner.value is not None:
+                out.given[f.name] = inner.value
+            continue
         if isinstance(f.type, msgspec.inspect.BoolType):
             parsed = parse_bool(value)
             if parsed is None:
@@ -91,6 +101,14 @@ def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
     if not out.problems:
         out.value = cls(**out.given)
     return out
+
+
+def _nested_struct(t: msgspec.inspect.Type) -> type[msgspec.Struct] | None:
+    """The struct type of a field typed `SomeStruct` or `SomeStruct | None`, else None."""
+    for member in t.types if isinstance(t, msgspec.inspect.UnionType) else (t,):
+        if isinstance(member, msgspec.inspect.StructType):
+            return member.cls
+    return None
 
 
 def _parse_enable(value: Any) -> bool:

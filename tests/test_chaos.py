@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
+from connectors.store.config import parse_store_config
 from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
 from deploy.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
@@ -101,7 +102,7 @@ def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_pat
 
     stack = Stack(members=adopt_pool(tmp_path / "pool"))
     master, holder = stack.members["pool_master"], stack.members["pool_holder"]
-    address = master.pool_extra["mooncake"]["master_server_address"]
+    address = parse_store_config(master.pool_extra).mooncake.master_server_address
     try:
         pids = (master.pid, holder.pid)
         inject(master, "kill", 0.2, stack)

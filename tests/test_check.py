@@ -238,3 +238,89 @@ def test_sizes_past_the_ceilings_are_refused_in_one_short_line_each():
     assert any(p.startswith("prefill[0].tp: 8.0 is not of type 'integer'") for p in problems)
     assert any(p.startswith("decode[0].hosts[0]: 'hhhh") for p in problems)
     assert all(len(p) < 400 for p in problems)
+
+
+# ---- instances sharing one pool must key blocks alike (connectors.store.layouts) --------------------
+def _pooled(name, host, **kw):
+    return _prefill(name=name, hosts=[host], lookup_rpc_port=5601, **kw)
+
+
+def _example(**prefill_b):
+    spec = yaml.safe_load((ROOT / "deploy" / "examples" / "pd-multi-host-pool.yaml").read_text())
+    spec["prefill"][1].update(prefill_b)
+    return spec
+
+
+@pytest.mark.parametrize("change, shown, fix", [
+    ({"enable_kvpp": False}, "kvpp (prefill-b: False, prefill-a: True)", "set the same enable_kvpp on every instance"),
+    ({"tp": 4}, "group_size (prefill-b: 4, prefill-a: 8)", "use the same tp (and pcp) on every KVPP instance"),
+    ({"memory": {"block_size": 64}}, "block_size (prefill-b: 64, prefill-a: None)",
+     "set the same memory.block_size on every instance"),
+    ({"extra_args": ["--kv-cache-dtype", "fp8"]}, "kv_dtype (prefill-b: 'fp8', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
+    ({"extra_args": ["--dtype=float16"]}, "kv_dtype (prefill-b: 'float16', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
+    ({"pp": 2, "tp": 8}, "PP stages (prefill-b: 39+39, prefill-a: 78)", "use the same pp, pp_layers"),
+])
+def test_instances_sharing_a_pool_with_different_key_layouts_are_named(tmp_path, change, shown, fix):
+    # The shipped example: two KVPP TP8 prefills on one Mooncake master; change the second one.
+    errors, warnings, code = _check(tmp_path, _example(**change))
+    assert code == 0, errors
+    layout = [w for w in warnings if ": pool: " in w]
+    assert len(layout) == 1, warnings
+    assert layout[0].startswith("warning: prefill[1] (prefill-b): pool: shares pool 198.51.100.30:50051 with "
+                                f"prefill[0] (prefill-a) but their pool keys differ in {shown}: pooled objects")
+    assert fix in layout[0] and layout[0].endswith("or give them separate pools")
+
+
+def test_layouts_that_key_alike_are_not_flagged(tmp_path):
+    # Without KVPP an MLA block is one object per stage whatever the TP: TP8 and TP4 share prefixes.
+    spec = _spec([_pooled("a", "h1", enable_kvpp=False), _pooled("b", "h2", enable_kvpp=False, tp=4)], pool=POOL)
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+    # An explicit PP split equal to vLLM's own is the same split.
+    spec = _spec([_pooled("a", "h1", pp=2, tp=4), _pooled("b", "h2", pp=2, tp=4, pp_layers=[39, 39])], pool=POOL)
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+
+
+def test_separate_pools_are_not_compared(tmp_path):
+    other = {"kv_transfer_config": {"kv_connector_extra_config": {"mooncake": {"master_server_address": "[fd00::9]:50051"}}}}
+    spec = _spec([_pooled("a", "h1"), _pooled("b", "h2", enable_kvpp=False, **other)], pool=POOL)
+    errors, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w], errors
+
+
+def test_a_reader_no_writer_keys_alike_for_can_never_hit(tmp_path):
+    reader = {"enable_kvpp": False, "kv_transfer_config": {"kv_role": "kv_consumer"}}
+    spec = _spec([_pooled("w", "h1", kv_transfer_config={"kv_role": "kv_producer"}), _pooled("r", "h2", **reader)],
+                 pool=POOL)
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("error: prefill[1] (r): pool: reads pool h9:50051 but every instance writing it keys "
+                                "blocks differently (vs prefill[0] (w): kvpp (r: False, w: True)), so it can never hit; "
+                                "set the same enable_kvpp on every instance")
+
+
+def test_key_differences_follow_the_shard_split():
+    from connectors.store.layouts import KeyLayout, key_differences
+    from connectors.store.shards import StageLayers
+
+    def layout(kvpp, group, stages=((0, 8),), **kw):
+        return KeyLayout(**{"model": "m", "kv_dtype": "auto", "block_size": 128, **kw}, kvpp=kvpp, group_size=group,
+                         stages=tuple(StageLayers(i, tuple(range(*r))) for i, r in enumerate(stages)))
+
+    assert key_differences(layout(False, 8), layout(False, 4)) == []
+    assert key_differences(layout(True, 1), layout(False, 8)) == []  # KVPP over one rank owns every layer
+    assert key_differences(layout(True, 8), layout(True, 4)) == ["group_size"]
+    assert key_differences(layout(True, 8), layout(False, 8)) == ["kvpp"]
+    assert key_differences(layout(False, 8), layout(False, 8, ((0, 4), (4, 8)))) == ["stages"]
+    assert key_differences(layout(False, 8), layout(False, 8, block_size=64, model="n")) == ["model", "block_size"]
+
+
+def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):
+    pool = {**POOL, "extra_config": {"load_async": True, "mooncake": {"master_server_adress": "h9:50051",
+                                                                       "local_buffer_size": "16MB"}}}
+    errors, _, code = _check(tmp_path, _spec([_prefill()], pool=pool))
+    assert code == 1
+    assert sorted(e.split(": ")[2] for e in errors) == ["kv_connector_extra_config.mooncake.local_buffer_size",
+                                                        "kv_connector_extra_config.mooncake.master_server_adress"]
+    assert any("did you mean master_server_address?" in e for e in errors)

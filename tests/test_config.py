@@ -100,3 +100,31 @@ def test_struct_reports_every_problem_with_its_option():
     bad_choice = parse_struct({"mode": "turbo", "port": "80"}, _struct(), "x")
     assert bad_choice.problems == [("x.mode", "must be one of fast, safe, got 'turbo'"),
                                    ("x.port", "Expected `int`, got `str` ('80')")]
+
+
+def test_struct_groups_are_read_the_same_way_under_their_own_path():
+    from typing import Annotated
+
+    import msgspec
+
+    from kvpp_core.config import parse_struct
+
+    class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+        size: Annotated[int, msgspec.Meta(ge=0)] | None = None
+        on: bool = False
+
+    class Outer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+        name: str
+        group: Group | None = None
+
+    good = parse_struct({"name": "x", "group": {"size": 3, "on": "TRUE"}}, Outer, "w")
+    assert good.value == Outer(name="x", group=Group(size=3, on=True)) and not good.problems
+    bad = parse_struct({"name": 1, "group": {"sise": 3, "size": -1, "on": "yes"}}, Outer, "w",
+                       {"group.size": "a count of things"})
+    assert bad.value is None
+    problems = dict(bad.problems)
+    assert list(problems) == ["w.name", "w.group.sise", "w.group.size", "w.group.on"]  # every one at once
+    assert problems["w.group.sise"].startswith("unknown option; did you mean size?")
+    assert problems["w.group.size"].endswith("; a count of things")
+    assert "must be true or false" in problems["w.group.on"]
+    assert "Expected `object | null`" in dict(parse_struct({"name": "x", "group": 5}, Outer, "w").problems)["w.group"]

@@ -293,3 +293,23 @@ def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_si
     _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)
     assert entries == 3  # one copy per layer, not one per page
     assert torch.equal(kv[:, local], pages(3, 16, 9)[:, remote]) and not kv[:, :4].any()
+
+
+def test_a_raw_transfer_between_ipv6_engines(tmp_path):
+    """Two transfer engines on ::1 (separate processes, no MC_USE_IPV6 exported): MooncakeTransfer puts
+    Mooncake in IPv6 mode for its IPv6 host and publishes a bracketed session that the reader dials."""
+    script = REPO / "tests" / "scripts" / "te_host.py"
+    env = {k: v for k, v in os.environ.items() if k != "MC_USE_IPV6"}
+    env.update(PYTHONPATH=str(REPO), MC_LOG_LEVEL="ERROR")
+    server = subprocess.Popen([sys.executable, str(script), "serve", "::1", "4", "7"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        served = json.loads(server.stdout.readline())
+        assert served["session"].startswith("[::1]:"), served
+        out = subprocess.run([sys.executable, str(script), "read", "::1", served["session"], str(served["addr"]),
+                              str(served["nbytes"]), "7"], env=env, capture_output=True, text=True, timeout=60)
+        result = json.loads(out.stdout.splitlines()[-1])
+        assert result["ok"] and result["intact"], result
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)

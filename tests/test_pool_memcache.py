@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from connectors.store.backends import BackendError, Status, open_backend
+from connectors.store.config import StoreConfigError, parse_store_config
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
 from deploy.pool_cmd import MetaServiceBusy, pool_down, pool_up
@@ -44,12 +45,21 @@ def pool(tmp_path):
     pool_down(state)
 
 
+def _extra(pool, **more):
+    memcache = {**pool.kv_connector_extra_config["memcache"], "client_timeout_seconds": 2, "log_level": "error", **more}
+    return {**pool.kv_connector_extra_config, "memcache": memcache}
+
+
 def _settings(pool, **more):
-    return {**pool.kv_connector_extra_config["memcache"], "client_timeout_seconds": 2, "log_level": "error", **more}
+    return parse_store_config(_extra(pool, **more))
+
+
+def _memcache(**settings):
+    return parse_store_config({"backend": "memcache", "lookup_rpc_port": 1, "memcache": settings})
 
 
 def test_lookups_through_a_metadata_only_client(pool):
-    backend = open_backend("memcache", _settings(pool, metadata_only=True), call_timeout_s=BOUND_S)
+    backend = open_backend(_settings(pool, metadata_only=True), call_timeout_s=BOUND_S)
     try:
         layout = CacheLayout("itest-model", "float32", 16, 36864)
         shards = shard_keys(layout, all_shards([StageLayers(0, tuple(range(4)))], 2, kvpp=True, replicated=True))
@@ -66,7 +76,9 @@ def test_lookups_through_a_metadata_only_client(pool):
 _FROM_FILE = """
 import json, sys
 from connectors.store.backends import open_backend
-b = open_backend("memcache", {"metadata_only": True}, call_timeout_s=4)
+from connectors.store.config import parse_store_config
+b = open_backend(parse_store_config({"backend": "memcache", "lookup_rpc_port": 1, "memcache": {"metadata_only": True}}),
+                 call_timeout_s=4)
 print("RESULT " + json.dumps([s.name for s in b.exists(["kvpp/x/pp0/o0/" + "0" * 64])]))
 b.close()
 """
@@ -84,16 +96,18 @@ def test_client_configured_from_mmc_local_config_path(pool):
 def test_missing_configuration_names_the_fix(monkeypatch):
     monkeypatch.delenv("MMC_LOCAL_CONFIG_PATH", raising=False)
     with pytest.raises(BackendError, match="MMC_LOCAL_CONFIG_PATH"):
-        open_backend("memcache", {"metadata_only": True}, call_timeout_s=BOUND_S)
-    with pytest.raises(BackendError, match="unknown kv_connector_extra_config.memcache option"):
-        open_backend("memcache", {"meta_service": "tcp://x"}, call_timeout_s=BOUND_S)
+        open_backend(_memcache(metadata_only=True), call_timeout_s=BOUND_S)
+    with pytest.raises(StoreConfigError, match="kv_connector_extra_config.memcache.meta_service: unknown option; "
+                                               "did you mean meta_service_url?"):
+        _memcache(meta_service="tcp://x")
 
 
 _DATA_PATH = """
 import json, sys
 from connectors.store.backends import BackendError, open_backend
+from connectors.store.config import parse_store_config
 try:
-    open_backend("memcache", json.loads(sys.argv[1]), call_timeout_s=4).close()
+    open_backend(parse_store_config(json.loads(sys.argv[1])), call_timeout_s=4).close()
     print("RESULT ok")
 except BackendError as exc:
     print("RESULT " + str(exc))
@@ -102,7 +116,7 @@ except BackendError as exc:
 
 def test_data_path_needs_an_ascend_driver(pool):
     # In a child process: a failed data-path init leaves memcache's process-wide client unusable.
-    out = subprocess.run([sys.executable, "-c", _DATA_PATH, json.dumps(_settings(pool))], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", _DATA_PATH, json.dumps(_extra(pool))], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     result = next(ln.removeprefix("RESULT ") for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     if result != "ok":
@@ -111,7 +125,7 @@ def test_data_path_needs_an_ascend_driver(pool):
 
 
 def test_dead_meta_service_is_a_bounded_failure(pool):
-    backend = open_backend("memcache", _settings(pool, metadata_only=True), call_timeout_s=BOUND_S)
+    backend = open_backend(_settings(pool, metadata_only=True), call_timeout_s=BOUND_S)
     os.kill(pool.pids[0], signal.SIGKILL)
     time.sleep(0.5)
     start = time.monotonic()

@@ -45,7 +45,7 @@ def pool(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(pool):
-    b = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+    b = open_backend(pool.store_config, call_timeout_s=BOUND_S)
     yield b
     b.close()
 
@@ -107,7 +107,9 @@ def test_missing_and_wrong_size_objects_are_refused(backend):
 _WRITER = """
 import sys, torch
 from connectors.store.backends import open_backend
-b = open_backend("mooncake", {"master_server_address": sys.argv[1]}, call_timeout_s=4)
+from connectors.store.config import parse_store_config
+b = open_backend(parse_store_config({"backend": "mooncake", "lookup_rpc_port": 1,
+                                     "mooncake": {"master_server_address": sys.argv[1]}}), call_timeout_s=4)
 t = torch.arange(4096, dtype=torch.float32)
 b.register(t.data_ptr(), t.numel() * 4)
 print(b.put(["test/survivor"], [[t.data_ptr()]], [[t.numel() * 4]]))
@@ -116,7 +118,7 @@ b.close()
 
 
 def test_pooled_objects_outlive_the_process_that_wrote_them(pool, backend):
-    address = pool.kv_connector_extra_config["mooncake"]["master_server_address"]
+    address = pool.store_config.mooncake.master_server_address
     out = subprocess.run([sys.executable, "-c", _WRITER, address], cwd=ROOT, env={**os.environ, **FAST_TIMERS},
                          capture_output=True, text=True, timeout=60)
     assert "[<Status.OK: 0>]" in out.stdout, out.stderr[-2000:]
@@ -145,7 +147,7 @@ def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
 def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
     info = pool_up("mooncake", tmp_path / "doomed", 16 << 20, lease_ttl_ms=500, client_ttl_s=2)
     try:
-        b = open_backend("mooncake", info.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+        b = open_backend(info.store_config, call_timeout_s=BOUND_S)
         caches = _caches(4)
         pages = _register(b, caches)
         assert b.put(["test/doomed"], *_objects(pages, [0])) == [Status.OK]
@@ -281,7 +283,7 @@ def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(p
             c.copy_(o)
         if stats.get("save_failures") != BIG_BLOCKS or stats.get("saved_blocks"):
             continue  # the existence check itself ran late: nothing was put
-        reader = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=BOUND_S)
+        reader = open_backend(pool.store_config, call_timeout_s=BOUND_S)
         if reader.exists(keys) != [Status.OK] * BIG_BLOCKS:
             reader.close()
             continue
@@ -304,7 +306,7 @@ def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
     extra = out["kv_connector_extra_config"]
     assert extra["backend"] == "mooncake" and extra["mooncake"]["master_server_address"].startswith("127.0.0.1:")
     assert isinstance(extra["lookup_rpc_port"], int) and len(out["pids"]) == 2
-    b = open_backend("mooncake", extra["mooncake"], call_timeout_s=BOUND_S)
+    b = open_backend(parse_store_config(extra), call_timeout_s=BOUND_S)
     assert b.exists(["anything"]) == [Status.MISSING]
     b.close()
     again = subprocess.run([*kvpp, "up", "--backend", "mooncake", "--state-dir", str(tmp_path)], cwd=ROOT, env=env,

@@ -110,3 +110,42 @@ def test_killing_the_supervisor_alone_takes_its_processes_with_it(pool):
     while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in kids), "master or holder outlived a SIGKILLed pool"
+
+
+# The pool connector's own backend (typed settings, Mooncake put in IPv6 mode for its IPv6 host).
+BACKEND_CLIENT = """
+import sys, torch
+from connectors.store.backends import Status, open_backend
+from connectors.store.config import parse_store_config
+cfg = parse_store_config({"backend": "mooncake", "lookup_rpc_port": 1,
+                          "mooncake": {"master_server_address": sys.argv[1], "local_hostname": "::1"}})
+b = open_backend(cfg, call_timeout_s=10)
+t = torch.arange(4096, dtype=torch.float32) if sys.argv[2] == "put" else torch.zeros(4096)
+b.register(t.data_ptr(), t.numel() * 4)
+op = b.put if sys.argv[2] == "put" else b.get
+print(op(["ipv6-block"], [[t.data_ptr()]], [[t.numel() * 4]]) == [Status.OK], float(t.sum()))
+b.close()
+"""
+
+
+def test_an_ipv6_pool_serves_engines_on_bracketed_addresses():
+    """`kvpp pool serve --host ::1` (as a spec with an IPv6 pool address renders it): master, holder and
+    the pool connector's backend in other processes meet at [::1]:port, Mooncake in IPv6 mode."""
+    port = free_port("::1")
+    env = {k: v for k, v in ENV.items() if k != "MC_USE_IPV6"}
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "pool", "serve", "--host", "::1", "--port", str(port),
+                             "--segment-size", "64MB"], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"mooncake pool on [::1]:{port}" in line, line
+        results = []
+        for op in ("put", "get"):  # two processes: the reader finds what the writer pooled in the holder
+            out = subprocess.run([sys.executable, "-c", BACKEND_CLIENT, f"[::1]:{port}", op], env=env,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            results.append(out.stdout.split())
+        assert results == [["True", str(float(sum(range(4096))))]] * 2
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from deploy.processes import ManagedProcess, free_port
-from deploy.proxy import Limits, PDProxy, Timeouts, decode_body, plain_body, prefill_body
+from deploy.proxy import Limits, PDProxy, Timeouts, decode_body, plain_body, prefill_body, start_proxy
 
 LOOP = "127.0.0.1"
 WORDS = ["alpha", "beta", "gamma"]
@@ -533,3 +533,23 @@ def test_a_write_to_a_departed_client_is_not_blamed_on_the_decode():
     assert d.cancelled and d.cancelled[0] - left < 2
     assert proxy.outcomes["cancelled"] == 1 and proxy.outcomes["failed"] == 0
     assert proxy.decode.backends[0].up and proxy.decode.backends[0].failures == 0
+
+
+def test_a_proxy_on_the_ipv6_wildcard_serves_both_families(tmp_path):
+    """`--host ::` (what kvpp render gives a proxy on an IPv6 host): asyncio alone would listen on IPv6
+    only; IPv6 backends are dialled at their bracketed URLs."""
+    import urllib.error
+    import urllib.request
+
+    proc, url = start_proxy(["http://[::1]:1"], ["http://[::1]:2"], tmp_path / "proxy.log",
+                            extra_args=["--host", "::"])  # start_proxy waits for it on 127.0.0.1
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://[::1]:{port}/health", timeout=10) as resp:
+            assert json.loads(resp.read())["prefill"] == ["http://[::1]:1"]
+        with pytest.raises(urllib.error.HTTPError) as err:  # 503: no backend listens there
+            urllib.request.urlopen(f"http://[::1]:{port}/health?backends=1", timeout=10)
+        backends = json.loads(err.value.read())["backends"]
+        assert backends["http://[::1]:2"].startswith("unreachable (Cannot connect to host ::1:2"), backends
+    finally:
+        proc.stop()

@@ -12,6 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvpp_core.hosts import host_url, join_host_port
+
 from deploy.cli import main
 from deploy.render import MARKER, render
 from deploy.spec import load_spec
@@ -153,31 +155,33 @@ def test_render_refuses_a_spec_with_errors(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def _pool_spec(tmp_path, backend, port, extra_ports):
-    settings = ({"meta_service.config_store_url": f"tcp://127.0.0.1:{extra_ports[0]}",
-                 "meta_service.metrics_url": f"http://127.0.0.1:{extra_ports[1]}", "log_level": "error"}
+def _pool_spec(tmp_path, backend, port, extra_ports, host="127.0.0.1"):
+    settings = ({"meta_service.config_store_url": host_url("tcp", host, extra_ports[0]),
+                 "meta_service.metrics_url": host_url("http", host, extra_ports[1]), "log_level": "error"}
                 if backend == "memcache" else {})
-    pool = {"backend": backend, "address": f"127.0.0.1:{port}", "lookup_rpc_port": 5600, "kv_role": "kv_both",
+    pool = {"backend": backend, "address": join_host_port(host, port), "lookup_rpc_port": 5600, "kv_role": "kv_both",
             "extra_config": {"load_async": True}, "settings": settings}
     if backend == "mooncake":
         pool["metrics_port"] = extra_ports[1]
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text(yaml.safe_dump({"model": {"path": "/m", "preset": "deepseek-v3"}, "pool": pool,
-                                         "prefill": [{"name": "p", "hosts": ["127.0.0.1"], "tp": 1}]}))
+                                         "prefill": [{"name": "p", "hosts": [host], "tp": 1}]}))
     return spec_file
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 @pytest.mark.parametrize("backend", ["mooncake", "memcache"])
-def test_rendered_pool_script_starts_the_real_service(backend, tmp_path):
-    """The pool command we render is not just well-formed: it starts mooncake_master / the MetaService."""
+def test_rendered_pool_script_starts_the_real_service(backend, host, tmp_path):
+    """The pool command we render is not just well-formed: it starts mooncake_master / the MetaService,
+    on an IPv4 or an IPv6 address."""
     import time
 
     from deploy.processes import ManagedProcess, ProcessError, free_port
 
-    port, extra = free_port(), (free_port(), free_port())
+    port, extra = free_port(host), (free_port(host), free_port(host))
     out = tmp_path / "out"
-    assert main(["render", str(_pool_spec(tmp_path, backend, port, extra)), "--out", str(out)]) == 0
+    assert main(["render", str(_pool_spec(tmp_path, backend, port, extra, host)), "--out", str(out)]) == 0
     venv_bin = str(Path(sys.executable).parent)
     deadline = time.monotonic() + 120
     for attempt in itertools.count():
@@ -185,7 +189,7 @@ def test_rendered_pool_script_starts_the_real_service(backend, tmp_path):
                               env={"PATH": f"{venv_bin}:{os.environ['PATH']}", "MC_LOG_LEVEL": "ERROR"})
         try:
             with proc:
-                proc.wait_port("127.0.0.1", port, timeout=60)
+                proc.wait_port(host, port, timeout=60)
             break
         except ProcessError as exc:
             # One memcache MetaService per host: another test run's (short-lived) one may hold it.

@@ -66,6 +66,12 @@ FIELDS = {
 }
 
 
+SETTINGS = {"mooncake": {"protocol": "tcp"}, "memcache": {"log_level": "error"}}
+"""Valid pool.settings: a Mooncake client setting (mooncake.json), an mmc config key (mmc-local.conf)."""
+TEXT_SETTING = {"mooncake": "rdma_devices", "memcache": "log_level"}
+"""A free-text setting of each backend's typed settings group."""
+
+
 def base_spec(backend: str) -> dict:
     """P/D with a two-node prefill (LeaderWorkerSet in k8s) and a pool of `backend`."""
     return {
@@ -74,7 +80,7 @@ def base_spec(backend: str) -> dict:
                      "enable_kvpp": True, "enforce_eager": True, "env": {"A": "1"}, "extra_args": ["--seed", "0"]}],
         "decode": [{"name": "d", "hosts": ["10.0.0.3"], "tp": 4, "port": 8001, "kv_port": 37010}],
         "pool": {"backend": backend, "address": "10.0.0.9:50051", "lookup_rpc_port": 5600,
-                 "extra_config": {"load_async": True}, "settings": {"log_level": "error"}},
+                 "extra_config": {"load_async": True}, "settings": SETTINGS[backend]},
         "proxy": {"host": "10.0.0.1", "port": 8000},
     }
 
@@ -99,8 +105,11 @@ def put(spec: dict, field: str, value: str) -> None:
     elif last in ("additional_config", "kv_transfer_config"):
         target[last] = {**target.get(last, {}), "hostile": value, value: [value]}
     elif last == "extra_config":  # the pool's keys are typed (unknown ones are refused): text goes where text is
-        target[last] = {**target.get(last, {}), "stats_file": value, "mooncake": {"hostile": value, value: [value]}}
-    elif last == "settings":
+        backend = spec["pool"]["backend"]
+        target[last] = {**target.get(last, {}), "stats_file": value, backend: {TEXT_SETTING[backend]: value}}
+    elif last == "settings" and spec["pool"]["backend"] == "mooncake":  # typed as well
+        target[last] = {**target.get(last, {}), TEXT_SETTING["mooncake"]: value}
+    elif last == "settings":  # mmc config keys: any key that fits the file's syntax
         target[last] = {**target.get(last, {}), "hostile": value}
     else:
         target[last] = value
@@ -163,7 +172,10 @@ def expected_commands(spec, out: Path) -> dict[str, tuple[list[str], dict[str, s
                                                       {"VLLM_HOST_IP": host, **env})
     argv, env = launch.pool_command(spec)
     expected["pool.sh"] = (argv, resolved(env))
-    urls = {role: [f"http://{i.hosts[0]}:{i.port}" for i in getattr(spec, role)] for role in ("prefill", "decode")}
+    def url(host, port):  # an IPv6 literal is bracketed before its port
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    urls = {role: [url(i.hosts[0], i.port) for i in getattr(spec, role)] for role in ("prefill", "decode")}
     expected["proxy.sh"] = (launch.proxy_args(spec, urls), {})
     return expected
 
@@ -301,7 +313,10 @@ def test_zz_property_test_tried_enough():
     ("prefill[0].env.KEY", "X; touch /tmp/p #", "prefill[0].env: key 'X; touch /tmp/p #'"),
     ("proxy.host", "10.0.0.1\ntouch /tmp/p", "proxy.host: "),
     ("prefill[0].hosts[0]", "h $(id)", "prefill[0].hosts[0]: "),
-    ("decode[0].hosts[0]", "::1", "decode[0].hosts[0]: '::1': IPv6 literals are not supported"),
+    ("decode[0].hosts[0]", "fe80::1%eth0", "decode[0].hosts[0]: 'fe80::1%eth0': a scoped IPv6 address"),
+    ("decode[0].hosts[0]", "[fd00::1]", "decode[0].hosts[0]: '[fd00::1]': write a host without brackets"),
+    ("pool.address", "fd00::9:50051", "pool.address: 'fd00::9:50051' an IPv6 address takes brackets before the "
+     "port: [fd00::9]:50051"),
     ("prefill[0].name", "p\n", "prefill[0].name: "),
     ("pool.address", "10.0.0.9:50051\n", "pool.address: "),
     ("pool.address", "h:99999", "pool.address: "),

@@ -75,7 +75,7 @@ def pooled(tiny_model, tmp_path_factory):
 
     try:
         saved = engine("save")
-        backend = open_backend("mooncake", pool.kv_connector_extra_config["mooncake"], call_timeout_s=4)
+        backend = open_backend(pool.store_config, call_timeout_s=4)
         stages = _stage_keys(tiny_model)
         hashes = {name: block_hashes(ids, BLOCK) for name, ids in prompts.items()}
         present = {name: backend.exists([k.key(h) for shards in stages for k in shards for h in hs])

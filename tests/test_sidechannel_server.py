@@ -335,3 +335,23 @@ def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
     held, errors = puller.notify(h, ok=False)
     assert held is None and len(errors) == 1 and "31 more workers not notified" in errors[0]
     assert time.monotonic() - start < 1.5  # not 32 x 0.5 s
+
+
+def test_the_side_channel_over_ipv6():
+    """A prefill on an IPv6 host binds tcp://[::1]:port and a decode dials it from the bare host a
+    handle carries (remote_host "::1")."""
+    from deploy.processes import free_port
+
+    port = free_port("::1")
+    seen = []
+
+    def handler(message):
+        seen.append(message)
+        return m.Ack(version=V, ok=True)
+
+    server = SideChannelServer("::1", port, handler, what="ipv6 prefill")
+    try:
+        reply = call("::1", port, m.MetaRequest(version=V, request_id="r1", token=TOKEN), 5.0, m.Ack)
+    finally:
+        server.close()
+    assert reply.ok and [s.request_id for s in seen] == ["r1"]

@@ -109,7 +109,7 @@ class Scenario:
         return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp, replicated=True))
 
     def backend(self):
-        return open_backend("mooncake", self.pool.kv_connector_extra_config["mooncake"], call_timeout_s=4)
+        return open_backend(self.pool.store_config, call_timeout_s=4)
 
     def close(self):
         pool_down(self.tmp / "pool")

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from connectors.store.backends.base import BoundedCalls, Status
-from connectors.store.config import StoreConfigError, parse_store_config
+from connectors.store.config import MooncakeSettings, StoreConfigError, parse_store_config
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.lookup import InvalidMessage, LookupReply, LookupRequest, validate_reply, validate_request
 from connectors.store.shards import StageLayers, all_shards, count_pooled, hit_blocks, shard_keys, stage_shards
@@ -25,7 +25,8 @@ BASE = {"backend": "mooncake", "lookup_rpc_port": 6000, "mooncake": {"master_ser
 def test_defaults_and_backend_settings():
     cfg = parse_store_config(BASE)
     assert (cfg.load_async, cfg.use_layerwise, cfg.discard_partial_chunks, cfg.consumer_is_to_put) == (False, False, True, False)
-    assert cfg.backend_settings == {"master_server_address": "127.0.0.1:1"}
+    assert cfg.backend_settings == MooncakeSettings(master_server_address="127.0.0.1:1")
+    assert parse_store_config({**BASE, "mooncake": None}).backend_settings == MooncakeSettings()
     assert parse_store_config({**BASE, "load_async": "True"}).load_async is True
 
 
@@ -212,7 +213,7 @@ def test_saves_are_keyed_when_a_multiconnector_skips_the_lookup():
 
 
 def test_a_consumer_saves_only_with_write_back():
-    from connectors.store.scheduler import role_actions
+    from connectors.store.config import role_actions
 
     cfg = parse_store_config(BASE)
     assert role_actions("kv_consumer", cfg) == (True, False)
@@ -369,3 +370,103 @@ def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, 
         "error: prefill[0] (p): kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async? "
         "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async, "
         "discard_partial_chunks, consumer_is_to_put, lookup_timeout_ms, backend_timeout_ms, stats_file"]
+
+
+# ---- typed backend settings: one reading, every problem at once ---------------------------------------
+def _problems(extra):
+    from connectors.store.config import read_store_config
+
+    return read_store_config(extra).problems
+
+
+def test_backend_settings_refusals_name_the_nested_option_and_come_all_at_once():
+    problems = dict(_problems({**BASE, "load_async": "yes", "mooncake": {
+        "master_server_adress": "127.0.0.1:1", "global_segment_size": "1GB", "protocol": 5}}))
+    assert set(problems) == {"kv_connector_extra_config.load_async",
+                             "kv_connector_extra_config.mooncake.master_server_adress",
+                             "kv_connector_extra_config.mooncake.global_segment_size",
+                             "kv_connector_extra_config.mooncake.protocol"}
+    assert problems["kv_connector_extra_config.mooncake.master_server_adress"].startswith(
+        "unknown option; did you mean master_server_address? valid options: master_server_address, config_path")
+    assert "Expected `int | null`, got `str` ('1GB')" in problems["kv_connector_extra_config.mooncake.global_segment_size"]
+    assert "bytes this client contributes" in problems["kv_connector_extra_config.mooncake.global_segment_size"]
+    assert "Expected `str | null`, got `int`" in problems["kv_connector_extra_config.mooncake.protocol"]
+
+
+@pytest.mark.parametrize("address", ["::1:50051", "fd00::9", "10.0.0.9", "h 1:5", "[::1]"])
+def test_master_address_must_be_host_port_with_ipv6_in_brackets(address):
+    problems = dict(_problems({**BASE, "mooncake": {"master_server_address": address}}))
+    message = problems["kv_connector_extra_config.mooncake.master_server_address"]
+    assert repr(address) in message and '"[fd00::9]:50051"' in message
+
+
+@pytest.mark.parametrize("address", ["10.0.0.9:50051", "[fd00::9]:50051", "[::1]:1", "pool-0.kvpp.svc:50051"])
+def test_master_address_accepts_names_ipv4_and_bracketed_ipv6(address):
+    assert parse_store_config({**BASE, "mooncake": {"master_server_address": address}}).mooncake.master_server_address \
+        == address
+
+
+def test_memcache_settings_are_typed_and_a_stray_group_is_refused():
+    from connectors.store.config import MemcacheSettings
+
+    extra = {"backend": "memcache", "lookup_rpc_port": 1, "memcache": {
+        "meta_service_url": "tcp://[fd00::9]:5000", "world_size": 4, "metadata_only": "true"}}
+    cfg = parse_store_config(extra)
+    assert cfg.backend_settings == MemcacheSettings(meta_service_url="tcp://[fd00::9]:5000", world_size=4,
+                                                    metadata_only=True)
+    assert cfg.memcache.local_config() == {"meta_service_url": "tcp://[fd00::9]:5000", "world_size": 4}
+    problems = dict(_problems({**extra, "memcache": {"world_size": 0, "meta_service": "x"}, "mooncake": {}}))
+    assert problems["kv_connector_extra_config.memcache.meta_service"].startswith(
+        "unknown option; did you mean meta_service_url?")
+    assert "Expected `int` >= 1" in problems["kv_connector_extra_config.memcache.world_size"]
+    assert problems["kv_connector_extra_config.mooncake"].startswith("is set but backend is memcache")
+
+
+def test_backend_settings_round_trip():
+    extra = {**BASE, "load_async": True, "mooncake": {
+        "master_server_address": "[fd00::9]:50051", "protocol": "rdma", "rdma_devices": "mlx5_0",
+        "global_segment_size": 0, "local_buffer_size": 1 << 24}}
+    cfg = parse_store_config(extra)
+    assert cfg.mooncake.explicit() == extra["mooncake"]  # unset fields stay unset, set ones keep their values
+    assert parse_store_config(msgspec.to_builtins(cfg)) == cfg
+
+
+def test_the_mooncake_config_file_is_read_as_the_same_struct(tmp_path, monkeypatch):
+    import json
+
+    from connectors.store.backends import BackendError
+    from connectors.store.backends.mooncake import resolve_settings
+    from connectors.store.config import MooncakeSettings
+
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    good = tmp_path / "mooncake.json"
+    good.write_text(json.dumps({"master_server_address": "10.0.0.9:50051", "protocol": "rdma"}))
+    resolved = resolve_settings(MooncakeSettings(config_path=str(good), protocol="tcp"))
+    # explicit settings win over the file, which wins over the defaults
+    assert (resolved.master_server_address, resolved.protocol, resolved.local_buffer_size) == \
+        ("10.0.0.9:50051", "tcp", 16 << 20)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"master_server_address": "10.0.0.9:50051", "protcol": "tcp", "local_buffer_size": -1}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(bad))
+    with pytest.raises(BackendError) as err:
+        resolve_settings(MooncakeSettings())
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{bad} (MOONCAKE_CONFIG_PATH") for line in lines)
+    assert "kv_connector_extra_config.mooncake.protcol: unknown option; did you mean protocol?" in lines[0]
+    assert "kv_connector_extra_config.mooncake.local_buffer_size: Expected `int` >= 0" in lines[1]
+
+
+def test_kvpp_check_reads_the_spec_pool_settings_as_the_same_struct():
+    from deploy.spec import SpecError, parse_spec
+
+    spec = {"model": {"path": "/m"}, "prefill": [{"name": "p", "hosts": ["h1"], "tp": 1}],
+            "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
+                     "settings": {"protocol": "rdma", "rdma_device": "mlx5_0"}}}
+    with pytest.raises(SpecError, match="pool.settings.rdma_device: unknown option; did you mean rdma_devices?"):
+        parse_spec(spec)
+    spec["pool"]["settings"] = {"protocol": "rdma", "rdma_devices": "mlx5_0"}
+    from deploy.launch import mooncake_store_config
+
+    assert mooncake_store_config(parse_spec(spec)) == {"master_server_address": "h9:50051", "metadata_server":
+                                                       "P2PHANDSHAKE", "protocol": "rdma", "rdma_devices": "mlx5_0"}

@@ -9,13 +9,14 @@ With CURVE keys the channel is encrypted and a client without a trusted key gets
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
+
+from kvpp_core.hosts import host_url
 
 from connectors.mooncake.affinity import run_unpinned, unpin_current_thread
 from connectors.mooncake.curve import CurveKeys
@@ -65,12 +66,7 @@ class Refused(Exception):
 
 def endpoint(host: str, port: int) -> str:
     """tcp endpoint of a host name or IP literal (IPv6 in brackets)."""
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"tcp://[{host}]:{port}"
-    except ValueError:
-        pass
-    return f"tcp://{host}:{port}"
+    return host_url("tcp", host, port)
 
 
 class _LogLimiter:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvpp_core.hosts import join_host_port
 from kvpp_core.ports import PortLayout
 
 PROTOCOL_VERSION = 2
@@ -60,11 +61,14 @@ def is_ident(value: str) -> bool:
 
 
 def check_host(host: str, what: str) -> None:
-    """An IP literal or a DNS name; anything else (whitespace, control characters, URLs) is refused."""
+    """An IP literal (IPv6 bare, as VLLM_HOST_IP holds it) or a DNS name; anything else (whitespace,
+    control characters, URLs, brackets) is refused."""
+    if "%" in host:  # a zone may hold any character, and means nothing on another host
+        raise ValueError(f"{what} {host!r} is a scoped IPv6 address (%zone), which names an interface of its "
+                         "own host; peers need a global or unique-local address")
     try:
-        if "%" not in host:  # a scoped IPv6 address's zone may hold any character
-            ipaddress.ip_address(host)
-            return
+        ipaddress.ip_address(host)
+        return
     except ValueError:
         pass
     name = host[:-1] if host.endswith(".") else host
@@ -144,7 +148,7 @@ class WorkerMeta(_Versioned, tag="meta"):
 
     @property
     def te_session(self) -> str:
-        return f"{self.te_host}:{self.te_rpc_port}"
+        return join_host_port(self.te_host, self.te_rpc_port)
 
 
 class MetaRequest(_Versioned, tag="get_meta"):

@@ -28,6 +28,7 @@ from connectors.mooncake.messages import (
 )
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
 from connectors.mooncake.transfer import MooncakeTransfer
+from kvpp_core.hosts import join_host_port
 from kvpp_core.ports import PortLayout
 
 
@@ -86,7 +87,8 @@ class Puller:
                 raise meta
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
                 raise ChannelError(
-                    f"{handle.remote_host}:{port} is engine {meta.engine_id} pp{meta.pp_rank}/tp{meta.tp_rank}, "
+                    f"{join_host_port(handle.remote_host, port)} is engine {meta.engine_id} "
+                    f"pp{meta.pp_rank}/tp{meta.tp_rank}, "
                     f"expected {handle.remote_engine_id} pp{pp_rank}/tp{tp_rank} (prefill restarted, or "
                     "another instance's kv_port range overlaps)"
                 )
@@ -99,7 +101,8 @@ class Puller:
     def _check_sizes(handle: PrefillHandle, meta: WorkerMeta) -> None:
         if (meta.tp_size, meta.pp_size) != (handle.remote_tp_size, handle.remote_pp_size):
             raise ChannelError(
-                f"{handle.remote_host}:{handle.remote_kv_port} runs tp_size {meta.tp_size} x pp_size {meta.pp_size}, "
+                f"{join_host_port(handle.remote_host, handle.remote_kv_port)} runs tp_size {meta.tp_size} x "
+                f"pp_size {meta.pp_size}, "
                 f"but kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
             )
 

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from kvpp_core.hosts import join_host_port, mooncake_family
+
 from connectors.mooncake.affinity import run_unpinned
 
 DEFAULT_MAX_BATCH_ENTRIES = 1024
@@ -98,6 +100,10 @@ class MooncakeTransfer:
                 )
             # Read by the engine at init; an explicit user setting wins.
             os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(int(timeout_s)))
+        try:
+            mooncake_family(host, os.environ)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from None
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.host = host
         self.protocol = protocol
@@ -120,7 +126,7 @@ class MooncakeTransfer:
 
     @property
     def session(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
+        return join_host_port(self.host, self.rpc_port)
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         """Register (address, length) regions so peers may read them."""

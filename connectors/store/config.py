@@ -24,16 +24,79 @@ class StoreConfigError(ValueError):
 
 
 Millis = Annotated[float, msgspec.Meta(gt=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+HostPort = Annotated[str, msgspec.Meta(pattern=r"\A(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):[0-9]{1,5}\Z")]
+"""`host:port`, an IPv6 literal in brackets (`[fd00::1]:50051`)."""
+
+
+class _Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A backend's settings group; unset (None) fields are left to the backend's config file or defaults."""
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields set here (None means unset), as plain values."""
+        return msgspec.to_builtins(self)
+
+
+class MooncakeSettings(_Settings):
+    """`kv_connector_extra_config.mooncake`, and the JSON file it (or $MOONCAKE_CONFIG_PATH) names."""
+
+    master_server_address: HostPort | None = None
+    """Where mooncake_master listens, e.g. "10.0.0.9:50051" or "[fd00::9]:50051"."""
+    config_path: Text | None = None
+    """A JSON file of these same settings; the ones given here win over it."""
+    local_hostname: Text | None = None
+    """Where peers reach this client's buffers (default: $VLLM_HOST_IP, else loopback)."""
+    metadata_server: Text | None = None
+    protocol: Text | None = None
+    """Mooncake transport: "tcp" runs anywhere, "rdma" needs rdma_devices."""
+    rdma_devices: str | None = None
+    global_segment_size: NonNeg | None = None
+    """Bytes this client contributes to the pool (engines: 0, the pool's holder owns the memory)."""
+    local_buffer_size: NonNeg | None = None
+
+
+class MemcacheSettings(_Settings):
+    """`kv_connector_extra_config.memcache`: memcache LocalConfig attributes, or a config file via
+    config_path / $MMC_LOCAL_CONFIG_PATH."""
+
+    meta_service_url: Text | None = None
+    """e.g. "tcp://10.0.0.9:5000" or "tcp://[fd00::9]:5000"."""
+    config_store_url: Text | None = None
+    protocol: Text | None = None
+    dram_size: Text | None = None
+    """e.g. "1GB"."""
+    hbm_size: Text | None = None
+    max_dram_size: Text | None = None
+    max_hbm_size: Text | None = None
+    world_size: Positive | None = None
+    log_level: Text | None = None
+    client_timeout_seconds: NonNeg | None = None
+    client_retry_milliseconds: NonNeg | None = None
+    read_thread_pool_size: Positive | None = None
+    write_thread_pool_size: Positive | None = None
+    hcom_url: Text | None = None
+    config_path: Text | None = None
+    """An mmc-local.conf, used when no LocalConfig attribute is given here."""
+    device_id: NonNeg = 0
+    metadata_only: bool = False
+    """True without an Ascend driver: lookups run, data calls report FAILED."""
+
+    def local_config(self) -> dict[str, Any]:
+        """The LocalConfig attributes set here (empty: the config file is used)."""
+        return {k: v for k, v in self.explicit().items() if k not in _MEMCACHE_CLIENT_FIELDS}
+
+
+_MEMCACHE_CLIENT_FIELDS = ("config_path", "device_id", "metadata_only")
 
 
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     backend: BackendName
     lookup_rpc_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """Names the scheduler -> worker lookup socket (one per DP rank on a host); not a TCP port."""
-    mooncake: dict[str, Any] | None = None
-    """Mooncake store client settings (master_server_address, protocol, ...)."""
-    memcache: dict[str, Any] | None = None
-    """memcache client settings (or config_path to an mmc-local.conf)."""
+    mooncake: MooncakeSettings | None = None
+    memcache: MemcacheSettings | None = None
     use_layerwise: bool = False
     load_async: bool = False
     discard_partial_chunks: bool = True
@@ -46,8 +109,9 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """If set, each worker keeps its cumulative counters in `<stats_file>.pp<P>.tp<T>.json`."""
 
     @property
-    def backend_settings(self) -> dict[str, Any]:
-        return dict(getattr(self, self.backend) or {})
+    def backend_settings(self) -> MooncakeSettings | MemcacheSettings:
+        """The chosen backend's settings group (all unset when not given)."""
+        return getattr(self, self.backend) or _SETTINGS[self.backend]()
 
     @property
     def lookup_timeout_s(self) -> float:
@@ -58,10 +122,25 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return self.backend_timeout_ms / 1000
 
 
+_SETTINGS: dict[str, type[_Settings]] = {"mooncake": MooncakeSettings, "memcache": MemcacheSettings}
+
 _HINTS = {
     "backend": 'e.g. {"backend": "mooncake", "mooncake": {"master_server_address": "127.0.0.1:50051"}}',
     "lookup_rpc_port": "an integer 1-65535 naming the scheduler->worker lookup channel, one per engine on a host",
+    "mooncake": 'an object of Mooncake store client settings, e.g. {"master_server_address": "127.0.0.1:50051"}',
+    "memcache": 'an object of memcache client settings, e.g. {"meta_service_url": "tcp://127.0.0.1:5000"}',
+    "mooncake.master_server_address": 'mooncake_master\'s host:port, e.g. "10.0.0.9:50051" (an IPv6 address in '
+                                      'brackets: "[fd00::9]:50051")',
+    "mooncake.global_segment_size": "bytes this client contributes to the pool; 0 (the default) for engines",
+    "mooncake.local_buffer_size": "bytes of the client's transfer buffer, e.g. 16777216",
 }
+
+
+def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
+    """(loads, saves) for a kv_role; a consumer saves only with consumer_is_to_put."""
+    loads = kv_role in ("kv_both", "kv_consumer")
+    saves = kv_role in ("kv_both", "kv_producer") or (kv_role == "kv_consumer" and cfg.consumer_is_to_put)
+    return loads, saves
 
 
 def read_store_config(extra: Mapping[str, Any] | None) -> Parsed[StoreConfig]:
@@ -74,6 +153,10 @@ def read_store_config(extra: Mapping[str, Any] | None) -> Parsed[StoreConfig]:
     if parsed.given.get("discard_partial_chunks") is False:
         parsed.problems.append((f"{PREFIX}.discard_partial_chunks", "false is not implemented: only whole blocks "
                                 "are pooled (their keys are content hashes of full blocks); set it to true"))
+    for other in _SETTINGS:
+        if other != parsed.given.get("backend", other) and parsed.given.get(other) is not None:
+            parsed.problems.append((f"{PREFIX}.{other}", f"is set but backend is {parsed.given['backend']}, so "
+                                    f"it would be ignored; remove it or set \"backend\": \"{other}\""))
     if parsed.problems:
         parsed.value = None
     return parsed

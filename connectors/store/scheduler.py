@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from connectors.store.config import StoreConfig
+from connectors.store.config import StoreConfig, role_actions
 from connectors.store.keys import UnhashableExtraKeys
 from connectors.store.lookup import LookupChannel, LookupClient
 from connectors.store.metadata import BlockJob, StoreMetadata
@@ -32,13 +32,6 @@ class _SaveTracker:
     """One per whole prompt block."""
     block_ids: list[int]
     saved_blocks: int = 0
-
-
-def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
-    """(loads, saves) for a kv_role; a consumer saves only with consumer_is_to_put."""
-    loads = kv_role in ("kv_both", "kv_consumer")
-    saves = kv_role in ("kv_both", "kv_producer") or (kv_role == "kv_consumer" and cfg.consumer_is_to_put)
-    return loads, saves
 
 
 class StoreScheduler:

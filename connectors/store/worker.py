@@ -25,11 +25,10 @@ from kvpp_core.ownership import layer_index
 from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
-from connectors.store.config import StoreConfig
+from connectors.store.config import StoreConfig, role_actions
 from connectors.store.keys import CacheLayout
 from connectors.store.lookup import LookupChannel, LookupServer
 from connectors.store.metadata import BlockJob, StoreMetadata
-from connectors.store.scheduler import role_actions
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
 from connectors.store.transfer import BlockPages, SaveResult, ShardIO
@@ -118,9 +117,7 @@ class StoreWorker:
         # Without KVPP the group's one copy is written by TP rank 0; every rank loads it.
         self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank == 0)
 
-        self._backend = open_backend(self._cfg.backend, self._cfg.backend_settings,
-                                     call_timeout_s=self._cfg.backend_timeout_s,
-                                     device_memory=first.device.type != "cpu")
+        self._backend = open_backend(self._cfg, device_memory=first.device.type != "cpu")
         for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
             self._backend.register(ptr, size)
         self._io = ShardIO(self._backend, self._shard, self._pages) if self._shard else None

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from connectors.store.backends.base import Backend, BackendError, Status
 
 __all__ = ["Backend", "BackendError", "Status", "open_backend", "BackendName", "BACKENDS"]
 
+if TYPE_CHECKING:
+    from connectors.store.config import StoreConfig
+
 BackendName = Literal["mooncake", "memcache"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 
-def open_backend(
-    name: str, settings: Mapping[str, Any], *, call_timeout_s: float, device_memory: bool = False
-) -> Backend:
-    """Connect to the named backend; imports its client library only when chosen."""
-    if name == "mooncake":
+def open_backend(cfg: StoreConfig, *, call_timeout_s: float | None = None, device_memory: bool = False) -> Backend:
+    """Connect to the configured backend with its typed settings (each call bounded by call_timeout_s,
+    default the config's backend_timeout_ms); imports its client library only when chosen."""
+    timeout = cfg.backend_timeout_s if call_timeout_s is None else call_timeout_s
+    if cfg.backend == "mooncake":
         from connectors.store.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend(settings, call_timeout_s=call_timeout_s)
-    if name == "memcache":
-        from connectors.store.backends.memcache import MemcacheBackend
+        return MooncakeBackend(cfg.backend_settings, call_timeout_s=timeout)
+    from connectors.store.backends.memcache import MemcacheBackend
 
-        return MemcacheBackend(settings, call_timeout_s=call_timeout_s, device_memory=device_memory)
-    raise BackendError(
-        f"kv_connector_extra_config.backend must be one of {', '.join(BACKENDS)}, got {name!r}"
-    )
+    return MemcacheBackend(cfg.backend_settings, call_timeout_s=timeout, device_memory=device_memory)

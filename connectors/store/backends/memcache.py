@@ -8,28 +8,22 @@ works (`metadata_only: true`): lookups run, data calls report FAILED.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from connectors.store.backends.base import (BackendError, BoundedCalls, BoundedClient, Status, all_status,
                                            exist_statuses)
+from connectors.store.config import MemcacheSettings
 
 CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 # memfabric copy directions (memfabric_hybrid.bm.BmCopyType): host DRAM or device HBM <-> pool.
 _H2G, _G2H, _L2G, _G2L = 3, 2, 0, 1
-# LocalConfig attributes settable from kv_connector_extra_config.memcache.
-_LOCAL_FIELDS = (
-    "meta_service_url", "config_store_url", "protocol", "dram_size", "hbm_size", "max_dram_size",
-    "max_hbm_size", "world_size", "log_level", "client_timeout_seconds", "client_retry_milliseconds",
-    "read_thread_pool_size", "write_thread_pool_size", "hcom_url",
-)
 
 
-def local_config(settings: Mapping[str, Any]):
-    """A LocalConfig from explicit settings (None when only the config file is used)."""
+def local_config(settings: MemcacheSettings):
+    """A LocalConfig from the explicit settings (None when only the config file is used)."""
     import memcache_hybrid
 
-    explicit = {k: v for k, v in settings.items() if k in _LOCAL_FIELDS}
+    explicit = settings.local_config()
     if not explicit:
         return None
     cfg = memcache_hybrid.LocalConfig()
@@ -41,20 +35,14 @@ def local_config(settings: Mapping[str, Any]):
 class MemcacheBackend(BoundedClient):
     name = "memcache"
 
-    def __init__(self, settings: Mapping[str, Any], *, call_timeout_s: float, device_memory: bool = False) -> None:
-        unknown = sorted(set(settings) - set(_LOCAL_FIELDS) - {"config_path", "device_id", "metadata_only"})
-        if unknown:
-            raise BackendError(
-                f"unknown kv_connector_extra_config.memcache option(s) {', '.join(unknown)}; known: "
-                f"{', '.join(_LOCAL_FIELDS)}, config_path, device_id, metadata_only"
-            )
+    def __init__(self, settings: MemcacheSettings, *, call_timeout_s: float, device_memory: bool = False) -> None:
         try:
             import memcache_hybrid
         except ImportError as exc:
             raise BackendError("backend 'memcache' needs memcache-hybrid and memfabric-hybrid "
                                "(pip install memcache-hybrid memfabric-hybrid)") from exc
-        if settings.get("config_path"):
-            os.environ[CONFIG_ENV] = str(settings["config_path"])
+        if settings.config_path:
+            os.environ[CONFIG_ENV] = settings.config_path
         cfg = local_config(settings)
         if cfg is None and not os.environ.get(CONFIG_ENV):
             raise BackendError(
@@ -67,8 +55,8 @@ class MemcacheBackend(BoundedClient):
             rc = self._store.setup(cfg)
             if rc != 0:
                 raise BackendError(f"memcache LocalConfig setup failed with {rc}; check kv_connector_extra_config.memcache")
-        self.metadata_only = bool(settings.get("metadata_only", False))
-        rc = self._store.init(int(settings.get("device_id", 0)), not self.metadata_only)
+        self.metadata_only = settings.metadata_only
+        rc = self._store.init(settings.device_id, not self.metadata_only)
         if rc != 0:
             raise BackendError(
                 f"memcache client init failed with {rc}: is the MetaService running at the configured "

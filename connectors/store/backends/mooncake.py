@@ -8,46 +8,56 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+import msgspec
+
+from kvpp_core.config import parse_struct
+from kvpp_core.hosts import mooncake_family
 
 from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
+from connectors.store.config import MooncakeSettings
 
 # Mooncake store error codes (mooncake-store/include/types.h) the pool reacts to.
 _OBJECT_NOT_FOUND = -704
 _BUFFER_OVERFLOW = -600
 
 CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
-DEFAULTS: dict[str, Any] = {
-    "local_hostname": "127.0.0.1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-    "rdma_devices": "",
-    "global_segment_size": 0,
-    "local_buffer_size": 16 << 20,
-}
+DEFAULTS = MooncakeSettings(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
+                            rdma_devices="", global_segment_size=0, local_buffer_size=16 << 20)
 
 
-def resolve_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Explicit settings win over the JSON file named by `config_path` or $MOONCAKE_CONFIG_PATH."""
+def resolve_settings(settings: MooncakeSettings) -> MooncakeSettings:
+    """Every field set: explicit settings win over the JSON file named by `config_path` or
+    $MOONCAKE_CONFIG_PATH (read as the same struct), which wins over the defaults."""
     # Peers reach this client's buffers at local_hostname: on a multi-host deployment that is the
     # node's address (VLLM_HOST_IP, as the P/D connector publishes), never loopback.
-    merged = {**DEFAULTS, "local_hostname": os.environ.get("VLLM_HOST_IP") or DEFAULTS["local_hostname"]}
-    path = settings.get("config_path") or os.environ.get(CONFIG_ENV)
+    merged = msgspec.structs.replace(DEFAULTS, local_hostname=os.environ.get("VLLM_HOST_IP") or DEFAULTS.local_hostname)
+    path = settings.config_path or os.environ.get(CONFIG_ENV)
     if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                merged.update(json.load(fh))
-        except (OSError, ValueError) as exc:
-            raise BackendError(f"cannot read the Mooncake store config {path!r} ({CONFIG_ENV} or "
-                               f"kv_connector_extra_config.mooncake.config_path): {exc}") from exc
-    merged.update({k: v for k, v in settings.items() if k != "config_path"})
-    if not merged.get("master_server_address"):
+        merged = msgspec.structs.replace(merged, **_read_file(path).explicit())
+    merged = msgspec.structs.replace(merged, **{**settings.explicit(), "config_path": None})
+    if merged.master_server_address is None:
         raise BackendError(
             "the mooncake backend needs kv_connector_extra_config.mooncake.master_server_address "
             '(e.g. "127.0.0.1:50051"; `kvpp pool up --backend mooncake --json` prints a ready config)'
         )
     return merged
+
+
+def _read_file(path: str) -> MooncakeSettings:
+    where = f"{CONFIG_ENV} or kv_connector_extra_config.mooncake.config_path"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"cannot read the Mooncake store config {path!r} ({where}): {exc}") from exc
+    if not isinstance(data, dict):
+        raise BackendError(f"the Mooncake store config {path!r} ({where}) must hold a JSON object")
+    parsed = parse_struct(data, MooncakeSettings, "kv_connector_extra_config.mooncake")  # the same settings
+    if parsed.value is None:
+        raise BackendError("\n".join(f"{path} ({where}): {option}: {message}" for option, message in parsed.problems))
+    return parsed.value
 
 
 def _get_status(code: int, expected: int) -> Status:
@@ -63,7 +73,12 @@ def _get_status(code: int, expected: int) -> Status:
 class MooncakeBackend(BoundedClient):
     name = "mooncake"
 
-    def __init__(self, settings: Mapping[str, Any], *, call_timeout_s: float) -> None:
+    def __init__(self, settings: MooncakeSettings, *, call_timeout_s: float) -> None:
+        cfg = resolve_settings(settings)
+        try:  # before the client library loads: it reads the family once
+            mooncake_family(cfg.local_hostname, os.environ)
+        except ValueError as exc:
+            raise BackendError(f"{exc} (kv_connector_extra_config.mooncake.local_hostname)") from None
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
@@ -71,20 +86,12 @@ class MooncakeBackend(BoundedClient):
                 "backend 'mooncake' needs the Mooncake store client: pip install "
                 "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine"
             ) from exc
-        cfg = resolve_settings(settings)
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(
-            cfg["local_hostname"],
-            cfg["metadata_server"],
-            int(cfg["global_segment_size"]),
-            int(cfg["local_buffer_size"]),
-            cfg["protocol"],
-            cfg["rdma_devices"],
-            cfg["master_server_address"],
-        )
+        rc = self._store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
+                               cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices, cfg.master_server_address)
         if rc != 0:
             raise BackendError(
-                f"cannot connect to mooncake_master at {cfg['master_server_address']} (setup returned "
+                f"cannot connect to mooncake_master at {cfg.master_server_address} (setup returned "
                 f"{rc}); start the pool (`kvpp pool up --backend mooncake`) or fix "
                 "kv_connector_extra_config.mooncake.master_server_address"
             )
