@@ -30,7 +30,7 @@ from pathlib import Path
 from deploy.chaos_load import Load, Prompt, cancel_probe, reference_prompts
 from deploy.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
 from deploy.demo import LAYERS, engine_metrics, metric_total
-from deploy.processes import ProcessError
+from deploy.processes import ProcessError, http_ok
 from deploy.proxy import PATHS
 from deploy.tiny_model import build_tiny_model, sample_prompt
 
@@ -175,8 +175,9 @@ class Run:
         else:
             await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
             end = time.monotonic()
-        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end,
-                            "recovered_s": round(time.monotonic() - start, 2)})
+        back = time.monotonic()
+        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end, "back": back,
+                            "recovered_s": round(back - start, 2)})
 
     async def _cancel_probe(self, fault: Fault) -> None:
         """Quiesce the load, then have a client abandon a 600-token generation and time how long the
@@ -265,24 +266,38 @@ class Run:
             "ok": not problems,
             "problems": problems,
             "requests": [r.asdict() | {"start": round(r.start - self.t0, 3), "end": round(r.end - self.t0, 3)}
+                         | ({"excused": _excused(r, self.faults)} if r.outcome == "error" else {})
                          for r in records],
         }
 
 
-def _excused(record, fault: dict) -> bool:
-    """Errors allowed: a stream already relayed from an instance that died under it, and a request
-    inside the proxy when the proxy was killed. Judged against every fault the request lived through,
-    not only the window it is counted in (a request can span two)."""
-    if fault["kind"] != "kill" or not record.start <= fault["start"] <= record.end:
-        return False
-    if fault["target"] == "proxy":
-        return record.start < fault["start"]
-    return fault["target"] in ("prefill", "decode") and record.mode == "stream" and record.status == 200
+SERVED_BY = {"pd": "decode", "decode_only": "decode", "prefill_only": "prefill"}
+"""The role whose instance streams the answer, by the path the proxy took."""
+ENGINE_ROLES = frozenset(SERVED_BY.values())
+
+
+def _excused(record, faults: list[dict]) -> bool:
+    """The only errors the issue allows: a stream already relayed (its headers reached the client)
+    from an instance that a kill took down under it; a request inside the proxy when the proxy was
+    killed, cut off with its connection (never an HTTP error the proxy chose to send); and any
+    request that ended while no instance of either role was alive. Judged against every fault,
+    not only the window the request is counted in (a request can span two)."""
+    for f in faults:
+        if f["kind"] != "kill" or not record.start <= f["start"] <= record.end:
+            continue
+        if f["target"] == "proxy" and record.status in (None, 200):
+            return True
+        relayed = record.status == 200 and record.first_byte is not None \
+            and record.start + record.first_byte <= f["start"]
+        if f["target"] == SERVED_BY.get(record.path) and record.mode == "stream" and relayed:
+            return True
+    dead = {f["target"] for f in faults if f["kind"] == "kill" and f["start"] <= record.end <= f["back"]}
+    return ENGINE_ROLES <= dead
 
 
 def _tally(records, faults: list[dict]) -> dict:
     errors = [r for r in records if r.outcome == "error"]
-    excused = [r for r in errors if any(_excused(r, f) for f in faults)]
+    excused = [r for r in errors if _excused(r, faults)]
     return {"affected": len(records),
             "answered": sum(r.outcome == "answered" for r in records),
             "errors": len(errors), "errors_unexcused": len(errors) - len(excused),
@@ -326,12 +341,49 @@ def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, mo
                  seed: int, seconds: float, settings: StackSettings) -> dict:
     """Load, cancel probes and the after-run checks against running instances; no process faults (the
     harness does not own those processes)."""
-    prompts = asyncio.run(reference_prompts(reference_url, model))
+    check_attached(proxy_url, engines, reference_url)
+    try:
+        prompts = asyncio.run(reference_prompts(reference_url, model))
+    except RuntimeError as exc:
+        raise ValueError(f"--reference {reference_url} with --model {model}: {exc}") from None
     stack = Stack(engines=engines, proxy_url=proxy_url)
     schedule = (Fault("cancel", "stream"), Fault("cancel", "plain"))
     report = asyncio.run(Run(stack, model, prompts, clients, seed, settings).run(schedule, seconds / 3))
     report["schedule"] = [f.label for f in schedule]
     return report
+
+
+def check_attached(proxy_url: str, engines: dict[str, str], reference_url: str) -> None:
+    """Refuse to start the load while any instance is unreachable or is not what its option says;
+    every problem is named by its option, one per line."""
+    problems = []
+    if "decode" not in engines:
+        problems.append(f"--engines names {', '.join(sorted(engines)) or 'no engine'}; name the P/D decode `decode` "
+                        "(its pulls are checked against the proxy's P/D requests), e.g. "
+                        "prefill=http://P:8100,decode=http://D:8200")
+    for name, url in engines.items():
+        try:
+            text = engine_metrics(url)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--engines {name}={url}: {url}/metrics unreachable ({exc})")
+            continue
+        if "vllm:num_requests_running" not in text:
+            problems.append(f"--engines {name}={url}: its /metrics is not a vLLM engine's (no vllm:num_requests_running)")
+    for flag, url in (("--proxy", proxy_url), ("--reference", reference_url)):
+        if not http_ok(f"{url}/health"):
+            problems.append(f"{flag} {url}: {url}/health does not answer 200")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _engine_urls(value: str) -> dict[str, str]:
+    engines = {}
+    for item in filter(None, (i.strip() for i in value.split(","))):
+        name, eq, url = item.partition("=")
+        if not (eq and name and url):
+            raise ValueError(f"--engines: {item!r} is not NAME=URL; write e.g. prefill=http://P:8100,decode=http://D:8200")
+        engines[name] = url.rstrip("/")
+    return engines
 
 
 def print_summary(report: dict) -> None:
@@ -395,9 +447,8 @@ def _run(args: argparse.Namespace) -> int:
     if any(attach):
         if not all(attach):
             raise ValueError("pointing at running instances needs --proxy, --engines, --reference and --model")
-        engines = dict(item.split("=", 1) for item in args.engines.split(",") if "=" in item)
-        report = run_attached(args.proxy, engines, args.reference, args.model, args.clients, args.seed,
-                              args.seconds, StackSettings())
+        report = run_attached(args.proxy.rstrip("/"), _engine_urls(args.engines), args.reference.rstrip("/"),
+                              args.model, args.clients, args.seed, args.seconds, StackSettings())
         return _output(args, report)
     schedule = SHORT_SCHEDULE if args.schedule == "short" else soak_schedule(args.soak_seconds, args.seed)
     settings = StackSettings()

@@ -19,28 +19,48 @@ from deploy.proxy import PDProxy, Timeouts, start_proxy
 from tests.test_proxy import REQUEST, WORDS, Stub, _with
 
 
-def _rec(mode, outcome, status=200, start=4.5, path="pd"):
-    return Record(0, 0, mode, start, start + 1, outcome, status, path=path)
+def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, seconds=1.0):
+    return Record(0, 0, mode, start, start + seconds, outcome, status, first_byte=first_byte, path=path)
+
+
+def _kill(target, start=5.0, back=15.0, kind="kill"):
+    return {"kind": kind, "target": target, "start": start, "back": back}
 
 
 @pytest.mark.unit
-def test_only_streams_of_a_dead_instance_and_requests_inside_a_killed_proxy_are_excused():
-    kill_decode = {"kind": "kill", "target": "decode", "start": 5.0}
-    stall_decode = {**kill_decode, "kind": "stop"}
-    records = [_rec("stream", "error"), _rec("plain", "error", 502), _rec("stream", "error", 502),
+def test_only_streams_relayed_from_the_killed_instance_and_requests_cut_by_a_proxy_kill_are_excused():
+    relayed = _rec("stream", "error")  # headers at 4.7, the decode killed at 5.0
+    records = [relayed, _rec("plain", "error", 502), _rec("stream", "error", 502),
                _rec("plain", "answered", path="prefill_only"), _rec("stream", "wrong")]
-    row = _tally(records, [kill_decode])
+    row = _tally(records, [_kill("decode")])
     assert (row["errors"], row["errors_unexcused"], row["wrong"], row["answered"]) == (3, 2, 1, 1)
     assert row["paths"] == {"pd": 4, "prefill_only": 1}
-    assert _tally(records, [stall_decode])["errors_unexcused"] == 3  # a stall is not a death
-    assert _tally([_rec("stream", "error", start=6.0)], [kill_decode])["errors_unexcused"] == 1  # born after
-    kill_proxy = {"kind": "kill", "target": "proxy", "start": 5.0}
+    assert _tally([relayed], [_kill("decode", kind="stop")])["errors_unexcused"] == 1  # a stall is not a death
+    # The killed instance must be the one streaming: a decode's stream outlives a prefill's death,
+    # and a prefill serving alone is not hurt by the decode's.
+    assert _tally([relayed], [_kill("prefill")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("prefill")])["errors_unexcused"] == 0
+    # Not yet relayed when the kill came: the proxy could still have moved it (headers at 5.3).
+    assert _tally([_rec("stream", "error", first_byte=0.8)], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", start=6.0)], [_kill("decode")])["errors_unexcused"] == 1  # born after
+
     inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
-    assert _tally([inside, after], [kill_proxy])["errors_unexcused"] == 1
+    assert _tally([inside, after], [_kill("proxy")])["errors_unexcused"] == 1
+    assert _tally([_rec("plain", "error", 502, start=4.0)], [_kill("proxy")])["errors_unexcused"] == 1  # its own 502
     assert _tally([inside], [])["errors_unexcused"] == 1
     # A request counted in a stall's window that the next fault, a proxy kill, ended is excused there too.
-    stall_pool = {"kind": "stop", "target": "pool_holder", "start": 3.0}
-    assert _tally([inside], [stall_pool, kill_proxy])["errors_unexcused"] == 0
+    assert _tally([inside], [_kill("pool_holder", 3.0, kind="stop"), _kill("proxy")])["errors_unexcused"] == 0
+
+
+@pytest.mark.unit
+def test_any_error_is_excused_only_while_no_engine_of_either_role_is_alive():
+    failed = _rec("plain", "error", 502, start=8.0)  # ends at 9.0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0)])["errors_unexcused"] == 1  # the decode was alive
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0)])["errors_unexcused"] == 0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 8.5)])["errors_unexcused"] == 1
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0, kind="stop")]) \
+        ["errors_unexcused"] == 1
 
 
 @pytest.mark.unit
