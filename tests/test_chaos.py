@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
+from deploy.chaos import SHORT_SCHEDULE, _engine_urls, _tally, check_attached, soak_schedule
 from deploy.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
 from deploy.processes import free_port, http_ok, port_open
@@ -61,6 +61,23 @@ def test_any_error_is_excused_only_while_no_engine_of_either_role_is_alive():
     assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 8.5)])["errors_unexcused"] == 1
     assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0, kind="stop")]) \
         ["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_attach_mode_names_every_bad_option_before_any_load():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as info:
+        check_attached(dead, {"prefill": dead, "decoder": "nope"}, dead)
+    assert str(info.value).split("\n") == [
+        "--engines names decoder, prefill; name the P/D decode `decode` (its pulls are checked against the proxy's "
+        "P/D requests), e.g. prefill=http://P:8100,decode=http://D:8200",
+        f"--engines prefill={dead}: {dead}/metrics unreachable (<urlopen error [Errno 111] Connection refused>)",
+        "--engines decoder=nope: nope/metrics unreachable (unknown url type: 'nope/metrics')",
+        f"--proxy {dead}: {dead}/health does not answer 200",
+        f"--reference {dead}: {dead}/health does not answer 200"]
+    assert _engine_urls(" prefill=http://a:1/ , decode=http://b:2,") == {"prefill": "http://a:1", "decode": "http://b:2"}
+    with pytest.raises(ValueError, match="'decod' is not NAME=URL"):
+        _engine_urls("prefill=http://a:1,decod")
 
 
 @pytest.mark.unit
