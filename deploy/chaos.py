@@ -229,13 +229,9 @@ class Run:
 
     def _report(self, drain_s: float, drain: dict, counters: dict) -> dict:
         records = self.load.records
-        per_fault = []
-        for f in self.faults:
-            hit = [r for r in records if r.start <= f["end"] + SETTLE_S and r.end >= f["start"]]
-            per_fault.append({"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
-                              **_tally(hit, self.faults)})
-        quiet = [r for r in records if not any(r.start <= f["end"] + SETTLE_S and r.end >= f["start"]
-                                                for f in self.faults)]
+        per_fault = [{"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
+                      **_tally([r for r in records if _affected(r, f)], self.faults)} for f in self.faults]
+        quiet = [r for r in records if not any(_affected(r, f) for f in self.faults)]
         proxy_paths = _proxy_paths(self.stack.proxy_url)
         problems = []
         for row in per_fault:
@@ -258,6 +254,7 @@ class Run:
             "clients": self.load.clients,
             "totals": self.load.summary(),
             "faults": per_fault,
+            "fault_kinds": _by_kind(records, self.faults),
             "without_fault": baseline,
             "cancel_probes": self.probes,
             "drain": {"seconds": round(drain_s, 2), **drain},
@@ -269,6 +266,23 @@ class Run:
                          | ({"excused": _excused(r, self.faults)} if r.outcome == "error" else {})
                          for r in records],
         }
+
+
+def _affected(record, fault: dict) -> bool:
+    """A request overlapping a fault, or ending within SETTLE_S after it was over, is affected by it."""
+    return record.start <= fault["end"] + SETTLE_S and record.end >= fault["start"]
+
+
+def _by_kind(records, faults: list[dict]) -> list[dict]:
+    """One row per fault kind over all its injections (a soak repeats each), every request counted
+    once per kind; `recovered_s` is the longest time until the part served again."""
+    kinds: dict[str, list[dict]] = {}
+    for f in faults:
+        kinds.setdefault(f["label"], []).append(f)
+    return [{"fault": label, "injected": len(group), "down_s": group[0]["down_s"],
+             "recovered_s": max(f["recovered_s"] for f in group),
+             **_tally([r for r in records if any(_affected(r, f) for f in group)], faults)}
+            for label, group in kinds.items()]
 
 
 SERVED_BY = {"pd": "decode", "decode_only": "decode", "prefill_only": "prefill"}
@@ -391,12 +405,13 @@ def print_summary(report: dict) -> None:
     print(f"kvpp chaos: {report['clients']} clients, {t['requests']} requests in {report['duration_s']:.0f} s: "
           f"{t['answered']} answered (same tokens as a colocated engine), {t['wrong']} wrong, "
           f"{t['error']} errors, {t['cancelled']} cancelled by their client")
-    print(f"  {'fault':<18}{'affected':>9}{'answered':>9}{'errors':>7}{'allowed':>8}{'wrong':>6}"
+    print(f"  {'fault':<18}{'times':>6}{'affected':>9}{'answered':>9}{'errors':>7}{'allowed':>8}{'wrong':>6}"
           f"{'longest':>9}{'back in':>9}")
-    for row in report["faults"] + [{"fault": "(no fault)", "recovered_s": 0, **report["without_fault"]}]:
+    quiet = {"fault": "(no fault)", "injected": 0, "recovered_s": 0, **report["without_fault"]}
+    for row in report["fault_kinds"] + [quiet]:
         allowed = row["errors"] - row["errors_unexcused"]
-        print(f"  {row['fault']:<18}{row['affected']:>9}{row['answered']:>9}{row['errors']:>7}{allowed:>8}"
-              f"{row['wrong']:>6}{row['longest_s']:>8.1f}s{row['recovered_s']:>8.1f}s")
+        print(f"  {row['fault']:<18}{row['injected']:>6}{row['affected']:>9}{row['answered']:>9}{row['errors']:>7}"
+              f"{allowed:>8}{row['wrong']:>6}{row['longest_s']:>8.1f}s{row['recovered_s']:>8.1f}s")
     for p in report["cancel_probes"]:
         print(f"  {p['label']:<18} every engine idle {p['idle_after_s']:.1f} s after the client left "
               f"({p['tokens_generated']} of 600 tokens generated)")

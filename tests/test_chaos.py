@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from deploy.chaos import SHORT_SCHEDULE, _engine_urls, _tally, check_attached, soak_schedule
+from deploy.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _tally, check_attached, soak_schedule
 from deploy.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
 from deploy.processes import free_port, http_ok, port_open
@@ -61,6 +61,20 @@ def test_any_error_is_excused_only_while_no_engine_of_either_role_is_alive():
     assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 8.5)])["errors_unexcused"] == 1
     assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0, kind="stop")]) \
         ["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_a_soak_s_table_has_one_row_per_fault_kind_counting_each_request_once():
+    faults = [{**_kill("decode", 5.0, 9.0), "end": 6.0, "down_s": 1, "recovered_s": 4.0, "label": "kill decode"},
+              {**_kill("decode", 8.0, 20.0), "end": 9.0, "down_s": 1, "recovered_s": 12.0, "label": "kill decode"},
+              {**_kill("proxy", 30.0, 31.0, kind="stop"), "end": 31.0, "down_s": 1, "recovered_s": 1.0,
+               "label": "stop proxy"}]
+    spanning = _rec("plain", "error", 502, start=5.5, seconds=3.0)  # overlaps both decode kills
+    records = [spanning, _rec("plain", "answered", start=9.5), _rec("plain", "answered", start=29.0)]
+    decode, proxy = _by_kind(records, faults)
+    assert (decode["fault"], decode["injected"], decode["recovered_s"]) == ("kill decode", 2, 12.0)
+    assert (decode["affected"], decode["answered"], decode["errors"], decode["errors_unexcused"]) == (2, 1, 1, 1)
+    assert (proxy["fault"], proxy["injected"], proxy["affected"], proxy["errors"]) == ("stop proxy", 1, 1, 0)
 
 
 @pytest.mark.unit
