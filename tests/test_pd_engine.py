@@ -1,8 +1,8 @@
 """P/D end to end with real servers: a prefill (`vllm serve`-equivalent, TP=2, KVPP on) and a decode
 (TP=1) joined by MooncakeConnectorV2 over Mooncake TE (tcp, loopback), driven through `kvpp proxy`.
 
-One pair of servers serves every assertion; the lease test adds a decode it kills, and the fault
-test kills the prefill, so they run last.
+One pair of servers serves every assertion, `kvpp chaos` attached to them included; the lease test
+adds a decode it kills, and the fault test kills the prefill, so they run last.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class _WrongReference(http.server.BaseHTTPRequestHandler):
         self._send({})
 
     def do_POST(self):
-        json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.rfile.read(int(self.headers["Content-Length"]))
         self._send({"choices": [{"logprobs": {"tokens": ["wrong"] * MAX_TOKENS}}], "usage": {"prompt_tokens": 8}})
 
     def _send(self, body: dict):
