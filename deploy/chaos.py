@@ -30,7 +30,7 @@ from pathlib import Path
 from deploy.chaos_load import Load, Prompt, cancel_probe, reference_prompts
 from deploy.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
 from deploy.demo import LAYERS, engine_metrics, metric_total
-from deploy.processes import ProcessError
+from deploy.processes import ProcessError, http_ok
 from deploy.proxy import PATHS
 from deploy.tiny_model import build_tiny_model, sample_prompt
 
@@ -175,8 +175,9 @@ class Run:
         else:
             await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
             end = time.monotonic()
-        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end,
-                            "recovered_s": round(time.monotonic() - start, 2)})
+        back = time.monotonic()
+        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end, "back": back,
+                            "recovered_s": round(back - start, 2)})
 
     async def _cancel_probe(self, fault: Fault) -> None:
         """Quiesce the load, then have a client abandon a 600-token generation and time how long the
@@ -228,13 +229,9 @@ class Run:
 
     def _report(self, drain_s: float, drain: dict, counters: dict) -> dict:
         records = self.load.records
-        per_fault = []
-        for f in self.faults:
-            hit = [r for r in records if r.start <= f["end"] + SETTLE_S and r.end >= f["start"]]
-            per_fault.append({"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
-                              **_tally(hit, self.faults)})
-        quiet = [r for r in records if not any(r.start <= f["end"] + SETTLE_S and r.end >= f["start"]
-                                                for f in self.faults)]
+        per_fault = [{"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
+                      **_tally([r for r in records if _affected(r, f)], self.faults)} for f in self.faults]
+        quiet = [r for r in records if not any(_affected(r, f) for f in self.faults)]
         proxy_paths = _proxy_paths(self.stack.proxy_url)
         problems = []
         for row in per_fault:
@@ -257,6 +254,7 @@ class Run:
             "clients": self.load.clients,
             "totals": self.load.summary(),
             "faults": per_fault,
+            "fault_kinds": _by_kind(records, self.faults),
             "without_fault": baseline,
             "cancel_probes": self.probes,
             "drain": {"seconds": round(drain_s, 2), **drain},
@@ -265,24 +263,55 @@ class Run:
             "ok": not problems,
             "problems": problems,
             "requests": [r.asdict() | {"start": round(r.start - self.t0, 3), "end": round(r.end - self.t0, 3)}
+                         | ({"excused": _excused(r, self.faults)} if r.outcome == "error" else {})
                          for r in records],
         }
 
 
-def _excused(record, fault: dict) -> bool:
-    """Errors allowed: a stream already relayed from an instance that died under it, and a request
-    inside the proxy when the proxy was killed. Judged against every fault the request lived through,
-    not only the window it is counted in (a request can span two)."""
-    if fault["kind"] != "kill" or not record.start <= fault["start"] <= record.end:
-        return False
-    if fault["target"] == "proxy":
-        return record.start < fault["start"]
-    return fault["target"] in ("prefill", "decode") and record.mode == "stream" and record.status == 200
+def _affected(record, fault: dict) -> bool:
+    """A request overlapping a fault, or ending within SETTLE_S after it was over, is affected by it."""
+    return record.start <= fault["end"] + SETTLE_S and record.end >= fault["start"]
+
+
+def _by_kind(records, faults: list[dict]) -> list[dict]:
+    """One row per fault kind over all its injections (a soak repeats each), every request counted
+    once per kind; `recovered_s` is the longest time until the part served again."""
+    kinds: dict[str, list[dict]] = {}
+    for f in faults:
+        kinds.setdefault(f["label"], []).append(f)
+    return [{"fault": label, "injected": len(group), "down_s": group[0]["down_s"],
+             "recovered_s": max(f["recovered_s"] for f in group),
+             **_tally([r for r in records if any(_affected(r, f) for f in group)], faults)}
+            for label, group in kinds.items()]
+
+
+SERVED_BY = {"pd": "decode", "decode_only": "decode", "prefill_only": "prefill"}
+"""The role whose instance streams the answer, by the path the proxy took."""
+ENGINE_ROLES = frozenset(SERVED_BY.values())
+
+
+def _excused(record, faults: list[dict]) -> bool:
+    """The only errors the issue allows: a stream already relayed (its headers reached the client)
+    from an instance that a kill took down under it; a request inside the proxy when the proxy was
+    killed, cut off with its connection (never an HTTP error the proxy chose to send); and any
+    request that ended while no instance of either role was alive. Judged against every fault,
+    not only the window the request is counted in (a request can span two)."""
+    for f in faults:
+        if f["kind"] != "kill" or not record.start <= f["start"] <= record.end:
+            continue
+        if f["target"] == "proxy" and record.status in (None, 200):
+            return True
+        relayed = record.status == 200 and record.first_byte is not None \
+            and record.start + record.first_byte <= f["start"]
+        if f["target"] == SERVED_BY.get(record.path) and record.mode == "stream" and relayed:
+            return True
+    dead = {f["target"] for f in faults if f["kind"] == "kill" and f["start"] <= record.end <= f["back"]}
+    return ENGINE_ROLES <= dead
 
 
 def _tally(records, faults: list[dict]) -> dict:
     errors = [r for r in records if r.outcome == "error"]
-    excused = [r for r in errors if any(_excused(r, f) for f in faults)]
+    excused = [r for r in errors if _excused(r, faults)]
     return {"affected": len(records),
             "answered": sum(r.outcome == "answered" for r in records),
             "errors": len(errors), "errors_unexcused": len(errors) - len(excused),
@@ -326,7 +355,11 @@ def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, mo
                  seed: int, seconds: float, settings: StackSettings) -> dict:
     """Load, cancel probes and the after-run checks against running instances; no process faults (the
     harness does not own those processes)."""
-    prompts = asyncio.run(reference_prompts(reference_url, model))
+    check_attached(proxy_url, engines, reference_url)
+    try:
+        prompts = asyncio.run(reference_prompts(reference_url, model))
+    except RuntimeError as exc:
+        raise ValueError(f"--reference {reference_url} with --model {model}: {exc}") from None
     stack = Stack(engines=engines, proxy_url=proxy_url)
     schedule = (Fault("cancel", "stream"), Fault("cancel", "plain"))
     report = asyncio.run(Run(stack, model, prompts, clients, seed, settings).run(schedule, seconds / 3))
@@ -334,17 +367,51 @@ def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, mo
     return report
 
 
+def check_attached(proxy_url: str, engines: dict[str, str], reference_url: str) -> None:
+    """Refuse to start the load while any instance is unreachable or is not what its option says;
+    every problem is named by its option, one per line."""
+    problems = []
+    if "decode" not in engines:
+        problems.append(f"--engines names {', '.join(sorted(engines)) or 'no engine'}; name the P/D decode `decode` "
+                        "(its pulls are checked against the proxy's P/D requests), e.g. "
+                        "prefill=http://P:8100,decode=http://D:8200")
+    for name, url in engines.items():
+        try:
+            text = engine_metrics(url)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--engines {name}={url}: {url}/metrics unreachable ({exc})")
+            continue
+        if "vllm:num_requests_running" not in text:
+            problems.append(f"--engines {name}={url}: its /metrics is not a vLLM engine's (no vllm:num_requests_running)")
+    for flag, url in (("--proxy", proxy_url), ("--reference", reference_url)):
+        if not http_ok(f"{url}/health"):
+            problems.append(f"{flag} {url}: {url}/health does not answer 200")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _engine_urls(value: str) -> dict[str, str]:
+    engines = {}
+    for item in filter(None, (i.strip() for i in value.split(","))):
+        name, eq, url = item.partition("=")
+        if not (eq and name and url):
+            raise ValueError(f"--engines: {item!r} is not NAME=URL; write e.g. prefill=http://P:8100,decode=http://D:8200")
+        engines[name] = url.rstrip("/")
+    return engines
+
+
 def print_summary(report: dict) -> None:
     t = report["totals"]
     print(f"kvpp chaos: {report['clients']} clients, {t['requests']} requests in {report['duration_s']:.0f} s: "
           f"{t['answered']} answered (same tokens as a colocated engine), {t['wrong']} wrong, "
           f"{t['error']} errors, {t['cancelled']} cancelled by their client")
-    print(f"  {'fault':<18}{'affected':>9}{'answered':>9}{'errors':>7}{'allowed':>8}{'wrong':>6}"
+    print(f"  {'fault':<18}{'times':>6}{'affected':>9}{'answered':>9}{'errors':>7}{'allowed':>8}{'wrong':>6}"
           f"{'longest':>9}{'back in':>9}")
-    for row in report["faults"] + [{"fault": "(no fault)", "recovered_s": 0, **report["without_fault"]}]:
+    quiet = {"fault": "(no fault)", "injected": 0, "recovered_s": 0, **report["without_fault"]}
+    for row in report["fault_kinds"] + [quiet]:
         allowed = row["errors"] - row["errors_unexcused"]
-        print(f"  {row['fault']:<18}{row['affected']:>9}{row['answered']:>9}{row['errors']:>7}{allowed:>8}"
-              f"{row['wrong']:>6}{row['longest_s']:>8.1f}s{row['recovered_s']:>8.1f}s")
+        print(f"  {row['fault']:<18}{row['injected']:>6}{row['affected']:>9}{row['answered']:>9}{row['errors']:>7}"
+              f"{allowed:>8}{row['wrong']:>6}{row['longest_s']:>8.1f}s{row['recovered_s']:>8.1f}s")
     for p in report["cancel_probes"]:
         print(f"  {p['label']:<18} every engine idle {p['idle_after_s']:.1f} s after the client left "
               f"({p['tokens_generated']} of 600 tokens generated)")
@@ -395,9 +462,8 @@ def _run(args: argparse.Namespace) -> int:
     if any(attach):
         if not all(attach):
             raise ValueError("pointing at running instances needs --proxy, --engines, --reference and --model")
-        engines = dict(item.split("=", 1) for item in args.engines.split(",") if "=" in item)
-        report = run_attached(args.proxy, engines, args.reference, args.model, args.clients, args.seed,
-                              args.seconds, StackSettings())
+        report = run_attached(args.proxy.rstrip("/"), _engine_urls(args.engines), args.reference.rstrip("/"),
+                              args.model, args.clients, args.seed, args.seconds, StackSettings())
         return _output(args, report)
     schedule = SHORT_SCHEDULE if args.schedule == "short" else soak_schedule(args.soak_seconds, args.seed)
     settings = StackSettings()

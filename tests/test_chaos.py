@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from connectors.store.config import parse_store_config
-from deploy.chaos import SHORT_SCHEDULE, _tally, soak_schedule
+from deploy.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _tally, check_attached, soak_schedule
 from deploy.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.chaos_stack import Member, Stack, adopt_pool, inject
 from deploy.processes import free_port, http_ok, port_open
@@ -20,28 +20,79 @@ from deploy.proxy import PDProxy, Timeouts, start_proxy
 from tests.test_proxy import REQUEST, WORDS, Stub, _with
 
 
-def _rec(mode, outcome, status=200, start=4.5, path="pd"):
-    return Record(0, 0, mode, start, start + 1, outcome, status, path=path)
+def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, seconds=1.0):
+    return Record(0, 0, mode, start, start + seconds, outcome, status, first_byte=first_byte, path=path)
+
+
+def _kill(target, start=5.0, back=15.0, kind="kill"):
+    return {"kind": kind, "target": target, "start": start, "back": back}
 
 
 @pytest.mark.unit
-def test_only_streams_of_a_dead_instance_and_requests_inside_a_killed_proxy_are_excused():
-    kill_decode = {"kind": "kill", "target": "decode", "start": 5.0}
-    stall_decode = {**kill_decode, "kind": "stop"}
-    records = [_rec("stream", "error"), _rec("plain", "error", 502), _rec("stream", "error", 502),
+def test_only_streams_relayed_from_the_killed_instance_and_requests_cut_by_a_proxy_kill_are_excused():
+    relayed = _rec("stream", "error")  # headers at 4.7, the decode killed at 5.0
+    records = [relayed, _rec("plain", "error", 502), _rec("stream", "error", 502),
                _rec("plain", "answered", path="prefill_only"), _rec("stream", "wrong")]
-    row = _tally(records, [kill_decode])
+    row = _tally(records, [_kill("decode")])
     assert (row["errors"], row["errors_unexcused"], row["wrong"], row["answered"]) == (3, 2, 1, 1)
     assert row["paths"] == {"pd": 4, "prefill_only": 1}
-    assert _tally(records, [stall_decode])["errors_unexcused"] == 3  # a stall is not a death
-    assert _tally([_rec("stream", "error", start=6.0)], [kill_decode])["errors_unexcused"] == 1  # born after
-    kill_proxy = {"kind": "kill", "target": "proxy", "start": 5.0}
+    assert _tally([relayed], [_kill("decode", kind="stop")])["errors_unexcused"] == 1  # a stall is not a death
+    # The killed instance must be the one streaming: a decode's stream outlives a prefill's death,
+    # and a prefill serving alone is not hurt by the decode's.
+    assert _tally([relayed], [_kill("prefill")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("prefill")])["errors_unexcused"] == 0
+    # Not yet relayed when the kill came: the proxy could still have moved it (headers at 5.3).
+    assert _tally([_rec("stream", "error", first_byte=0.8)], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", start=6.0)], [_kill("decode")])["errors_unexcused"] == 1  # born after
+
     inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
-    assert _tally([inside, after], [kill_proxy])["errors_unexcused"] == 1
+    assert _tally([inside, after], [_kill("proxy")])["errors_unexcused"] == 1
+    assert _tally([_rec("plain", "error", 502, start=4.0)], [_kill("proxy")])["errors_unexcused"] == 1  # its own 502
     assert _tally([inside], [])["errors_unexcused"] == 1
     # A request counted in a stall's window that the next fault, a proxy kill, ended is excused there too.
-    stall_pool = {"kind": "stop", "target": "pool_holder", "start": 3.0}
-    assert _tally([inside], [stall_pool, kill_proxy])["errors_unexcused"] == 0
+    assert _tally([inside], [_kill("pool_holder", 3.0, kind="stop"), _kill("proxy")])["errors_unexcused"] == 0
+
+
+@pytest.mark.unit
+def test_any_error_is_excused_only_while_no_engine_of_either_role_is_alive():
+    failed = _rec("plain", "error", 502, start=8.0)  # ends at 9.0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0)])["errors_unexcused"] == 1  # the decode was alive
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0)])["errors_unexcused"] == 0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 8.5)])["errors_unexcused"] == 1
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0, kind="stop")]) \
+        ["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_a_soak_s_table_has_one_row_per_fault_kind_counting_each_request_once():
+    faults = [{**_kill("decode", 5.0, 9.0), "end": 6.0, "down_s": 1, "recovered_s": 4.0, "label": "kill decode"},
+              {**_kill("decode", 8.0, 20.0), "end": 9.0, "down_s": 1, "recovered_s": 12.0, "label": "kill decode"},
+              {**_kill("proxy", 30.0, 31.0, kind="stop"), "end": 31.0, "down_s": 1, "recovered_s": 1.0,
+               "label": "stop proxy"}]
+    spanning = _rec("plain", "error", 502, start=5.5, seconds=3.0)  # overlaps both decode kills
+    records = [spanning, _rec("plain", "answered", start=9.5), _rec("plain", "answered", start=29.0)]
+    decode, proxy = _by_kind(records, faults)
+    assert (decode["fault"], decode["injected"], decode["recovered_s"]) == ("kill decode", 2, 12.0)
+    assert (decode["affected"], decode["answered"], decode["errors"], decode["errors_unexcused"]) == (2, 1, 1, 1)
+    assert (proxy["fault"], proxy["injected"], proxy["affected"], proxy["errors"]) == ("stop proxy", 1, 1, 0)
+
+
+@pytest.mark.unit
+def test_attach_mode_names_every_bad_option_before_any_load():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as info:
+        check_attached(dead, {"prefill": dead, "decoder": "nope"}, dead)
+    assert str(info.value).split("\n") == [
+        "--engines names decoder, prefill; name the P/D decode `decode` (its pulls are checked against the proxy's "
+        "P/D requests), e.g. prefill=http://P:8100,decode=http://D:8200",
+        f"--engines prefill={dead}: {dead}/metrics unreachable (<urlopen error [Errno 111] Connection refused>)",
+        "--engines decoder=nope: nope/metrics unreachable (unknown url type: 'nope/metrics')",
+        f"--proxy {dead}: {dead}/health does not answer 200",
+        f"--reference {dead}: {dead}/health does not answer 200"]
+    assert _engine_urls(" prefill=http://a:1/ , decode=http://b:2,") == {"prefill": "http://a:1", "decode": "http://b:2"}
+    with pytest.raises(ValueError, match="'decod' is not NAME=URL"):
+        _engine_urls("prefill=http://a:1,decod")
 
 
 @pytest.mark.unit

@@ -1,15 +1,17 @@
 """P/D end to end with real servers: a prefill (`vllm serve`-equivalent, TP=2, KVPP on) and a decode
 (TP=1) joined by MooncakeConnectorV2 over Mooncake TE (tcp, loopback), driven through `kvpp proxy`.
 
-One pair of servers serves every assertion; the lease test adds a decode it kills, and the fault
-test kills the prefill, so they run last.
+One pair of servers serves every assertion, `kvpp chaos` attached to them included; the lease test
+adds a decode it kills, and the fault test kills the prefill, so they run last.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -18,7 +20,7 @@ import urllib.request
 import pytest
 
 from bench.pd_servers import pd_server
-from deploy.processes import ManagedProcess, free_port_range, start_servers
+from deploy.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.proxy import start_proxy
 from deploy.tiny_model import sample_prompt
 
@@ -176,6 +178,73 @@ def test_no_blocks_leak_after_pulls(pd):
         wait_for(lambda: metric(s.url, "vllm:kv_cache_usage_perc") == 0, 20, f"{s.name} KV usage back to 0")
 
 
+def _chaos_attached(pd, reference: str, engines: str, seconds: int) -> tuple[dict | None, object]:
+    """`kvpp chaos` pointed at this module's running proxy and engines; (its report or None, the process)."""
+    report = pd["tmp"] / f"chaos-attached-{time.monotonic_ns()}.json"
+    proc = run_in_group([sys.executable, "-m", "deploy.cli", "chaos", "--proxy", pd["proxy"], "--engines", engines,
+                         "--reference", reference, "--model", pd["model"], "--seconds", str(seconds),
+                         "--clients", "2", "--report", str(report)], timeout=600)
+    return (json.loads(report.read_text()) if report.exists() else None), proc
+
+
+class _WrongReference(http.server.BaseHTTPRequestHandler):
+    """A "reference" whose answers are not the model's (another model, a stale deployment)."""
+
+    def do_GET(self):
+        self._send({})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send({"choices": [{"logprobs": {"tokens": ["wrong"] * MAX_TOKENS}}], "usage": {"prompt_tokens": 8}})
+
+    def _send(self, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_chaos_attached_to_running_instances(pd):
+    """`kvpp chaos --proxy/--engines/--reference/--model` against this module's servers (the decode,
+    serving prompts alone, is the colocated reference): every answer equals the reference's, both
+    client cancellations end on every engine, nothing is left running or held, and the decode pulled
+    once per P/D request. A reference answering otherwise fails the run; an unreachable engine is
+    refused, by its option, before any load."""
+    engines = f"prefill={pd['prefill'].url},decode={pd['decode'].url}"
+    report, proc = _chaos_attached(pd, pd["decode"].url, engines, 24)
+    assert report is not None, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    totals = report["totals"]
+    assert proc.returncode == 0 and report["ok"] and not report["problems"], report["problems"]
+    assert totals["answered"] >= 10 and totals["wrong"] == totals["error"] == 0, totals
+    assert report["proxy_paths"]["pd"] >= totals["answered"] and report["proxy_paths"]["failed"] == 0
+    assert [p["label"] for p in report["cancel_probes"]] == ["cancel stream", "cancel plain"]
+    assert all(p["idle"] and p["idle_after_s"] <= 5 and p["tokens_generated"] < 600 for p in report["cancel_probes"])
+    assert all(s == {"running": 0, "waiting": 0, "kv_cache_usage": 0} for s in report["drain"]["engines"].values())
+    counters = report["counters"]
+    assert counters["consistent"] and counters["pulls"] == counters["proxy_pd"] == counters["requests"] == 8
+    assert "verdict            PASS" in proc.stdout
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WrongReference)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        wrong, proc = _chaos_attached(pd, f"http://127.0.0.1:{server.server_address[1]}", engines, 6)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 1 and not wrong["ok"] and "verdict            FAIL" in proc.stdout
+    assert wrong["totals"]["wrong"] > 0 and wrong["totals"]["answered"] == 0
+    assert any("wrong" in problem for problem in wrong["problems"]), wrong["problems"]
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    refused, proc = _chaos_attached(pd, pd["decode"].url, f"prefill={pd['prefill'].url},decode={dead}", 6)
+    assert refused is None and proc.returncode == 2
+    assert f"kvpp: error: --engines decode={dead}: {dead}/metrics unreachable" in proc.stderr, proc.stderr
+
+
 def test_prefill_frees_blocks_when_decode_never_pulls(pd):
     prefill = pd["prefill"]
     post(f"{prefill.url}/v1/completions",
@@ -218,28 +287,37 @@ def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-@pytest.mark.skip(reason="on the integrated main (P/D + side-channel tokens merged) the P/D request was no longer "
-                  "queued 23 s after it was sent (first assertion below); passed 6/6 on the P/D branch before the "
-                  "merge; lease renewal with tokens is covered by tests/test_mooncake_transfer.py and "
-                  "tests/test_sidechannel_unit.py; to be diagnosed (issue 11)")
 def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, colocated):
     """A decode with one run slot: a P/D request waits in its queue far longer than the initial lease;
-    the decode's renewals keep its blocks and it answers right when it runs. Then a request queued on
-    that decode when it is SIGKILLed: the prefill frees its blocks about one lease later, not after
-    the initial lease."""
+    the decode's renewals keep its blocks (the prefill counts renewals and no lapse) and it pulls and
+    answers right when it runs. Then a request queued on that decode when it is SIGKILLed: the prefill
+    frees its blocks about one lease later, counted as lapsed, not after the initial lease.
+
+    Each prefill leg runs before the decode is busy: its long generation shares a core with the
+    prefill's second rank (2 cores here), and a prefill leg run beside it took 70 s instead of 1 s,
+    so the P/D request reached the decode only after the queue had drained."""
     prefill, model, n = pd["prefill"], pd["model"], 170
+    workers = 2  # prefill TP ranks: each counts its own renewals and lapses
     queue = pd_server("decode-queue", model, pd["tmp"], tp=1, cores=[1], role="kv_consumer",
                       kv_port=free_port_range(2), transfer_timeout_s=5, extra_args=["--max-num-seqs", "1"])
     pd["started"].append(queue.start())
     queue.wait_ready(timeout=400)
 
+    def prefill_count(what: str) -> float:
+        return metric(prefill.url, f"vllm:mooncake_v2_{what}_total")
+
+    lapsed, renewed = prefill_count("lapsed_holds"), prefill_count("lease_renewals")
+    pulls = metric(queue.url, "vllm:mooncake_v2_pulls_total")
+    params = _prefill_leg(pd, sample_prompt(n, seed=n))
     slots = [_occupy(queue.url, model), _occupy(queue.url, model)]  # one runs, one waits: a long queue
     time.sleep(1)
-    params = _prefill_leg(pd, sample_prompt(n, seed=n))
     thread, out = _in_thread(completion, queue.url, model, sample_prompt(n, seed=n), kv_transfer_params=params)
     time.sleep(HOLD_TIMEOUT_S + 3)
-    assert thread.is_alive(), "the P/D request should still be queued behind the long generations"
+    assert thread.is_alive(), f"the P/D request should still be queued behind the long generations: {out}"
     assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0  # kept past the initial lease: renewed
+    assert prefill_count("lapsed_holds") == lapsed
+    # A heartbeat every LEASE_S / 3 on each worker; far fewer would not have kept the blocks.
+    assert prefill_count("lease_renewals") - renewed >= workers * HOLD_TIMEOUT_S / LEASE_S
     for slot in slots:
         slot.close()  # the client goes away: vLLM aborts the long generations
     thread.join(timeout=120)
@@ -247,12 +325,16 @@ def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, coloca
     tokens, lps = tokens_and_logprobs(out["value"])
     ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
     assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    wait_for(lambda: metric(queue.url, "vllm:mooncake_v2_pulls_total") >= pulls + 1, 30, "pull counted")
+    assert metric(queue.url, "vllm:mooncake_v2_failed_pulls_total") == 0
     wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, 20, "prefill freed the pulled blocks")
+    assert prefill_count("lapsed_holds") == lapsed  # freed by the decode's done-notice
 
-    slot = _occupy(queue.url, model)
     params = _prefill_leg(pd, sample_prompt(200, seed=6))
+    slot = _occupy(queue.url, model)
+    renewed = prefill_count("lease_renewals")
     _in_thread(completion, queue.url, model, sample_prompt(200, seed=6), kv_transfer_params=params)
-    time.sleep(2)  # arrived and claimed
+    wait_for(lambda: prefill_count("lease_renewals") >= renewed + workers, 10, "the queued request's lease renewed")
     assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0
     queue._signal_group(signal.SIGKILL)
     killed = time.monotonic()
@@ -261,6 +343,10 @@ def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, coloca
     slot.close()
     assert freed < LEASE_S + 4, f"freed {freed:.1f} s after the decode died (lease {LEASE_S} s)"
     assert time.monotonic() - killed < HOLD_TIMEOUT_S
+    wait_for(lambda: prefill_count("lapsed_holds") >= lapsed + workers, 10, "lapse counted")
+    assert prefill_count("lapsed_holds") == lapsed + workers  # this request, on each worker
+    print(f"blocks kept {HOLD_TIMEOUT_S + 3} s past a {HOLD_TIMEOUT_S} s initial lease by renewals; "
+          f"a killed decode's blocks freed {freed:.1f} s after SIGKILL (lease {LEASE_S} s)")
 
 
 def test_prefill_killed_before_pull(pd, colocated):

@@ -303,7 +303,8 @@ def test_lease_renewal_needs_the_live_token():
 
     clock = [100.0]
     table = HoldTable(timeout_s=30, lease_s=3, clock=lambda: clock[0])
-    responder = PrefillResponder(table)
+    granted = []
+    responder = PrefillResponder(table, on_renewed=granted.append)
     table.hold("r", 5, TOKEN)
     table.hold("s", 5, TOKEN)
 
@@ -320,6 +321,7 @@ def test_lease_renewal_needs_the_live_token():
     clock[0] += 1
     assert table.pop_finished() == (set(), {"r"})  # the forged renewals did not keep r's blocks
     assert responder(renewal(("s", TOKEN))) == m.LeaseGrant(version=V, seconds=[3.0])
+    assert granted == [0, 1, 1]  # per renewal: the claims that kept a live hold (forged ones never count)
 
 
 def test_ended_hold_is_not_revived_by_a_late_or_replayed_notice():
@@ -335,15 +337,19 @@ def test_ended_hold_is_not_revived_by_a_late_or_replayed_notice():
     assert not table._unknown and len(table) == 0 and table.pop_finished() == (set(), set())
 
 
-def test_refusals_are_counted_in_stats_and_prometheus_keys():
+def test_refusals_and_leases_are_counted_in_stats_and_prometheus_keys():
     from connectors.mooncake.stats import MooncakeV2PromMetrics
 
     stats = MooncakeV2Stats()
     for code in ("unauthorized", "unknown_request", "malformed", "malformed", "expired", "internal"):
         stats.record_refusal(code)
+    stats.record_leases(renewed=3)
+    stats.record_leases(lapsed=1)
+    assert not stats.is_empty()
     out = stats.clone_and_reset().reduce()
     assert (out["refused_requests"], out["malformed_frames"]) == (2, 2)
-    assert {"refused", "malformed"} <= set(MooncakeV2PromMetrics.COUNTERS)
+    assert (out["lease_renewals"], out["lapsed_holds"]) == (3, 1)
+    assert {"refused", "malformed", "renewed", "lapsed"} <= set(MooncakeV2PromMetrics.COUNTERS)
 
 
 # ---- settings and CURVE configuration (unit) ---------------------------------------------------

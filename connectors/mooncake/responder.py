@@ -9,6 +9,8 @@ token when the hold arrives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from connectors.mooncake.channel import Refused
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.messages import (
@@ -24,8 +26,10 @@ from connectors.mooncake.messages import (
 
 
 class PrefillResponder:
-    def __init__(self, holds: HoldTable) -> None:
+    def __init__(self, holds: HoldTable, on_renewed: Callable[[int], None] = lambda granted: None) -> None:
         self.holds = holds
+        self.on_renewed = on_renewed
+        """Told how many claims of each renewal were granted (the worker's lease counter)."""
         self.meta: WorkerMeta | None = None
         """Set once the KV caches are registered."""
 
@@ -47,6 +51,7 @@ class PrefillResponder:
             return Released(version=PROTOCOL_VERSION, request_id=message.request_id, held=verdict != "expired")
         if isinstance(message, LeaseRenewal):
             granted = self.holds.renew((claim.request_id, claim.token) for claim in message.claims)
+            self.on_renewed(sum(verdict == "ok" for _, verdict in granted))
             grant = LeaseGrant(version=PROTOCOL_VERSION, seconds=[seconds for seconds, _ in granted])
             forged = [claim.request_id for claim, (_, verdict) in zip(message.claims, granted)
                       if verdict == "unauthorized"]

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connectors.metrics import CounterPromMetrics
 
-_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed")
+_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed", "renewed", "lapsed")
 _HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}
 
 # Where a pulled request's time to first token goes on the decode, phase by phase (seconds summed
@@ -32,7 +32,9 @@ class MooncakeV2Stats(KVConnectorStats):
     the transfer engine and batch entries issued (after coalescing).
 
     A prefill worker also counts side-channel requests it refused: `refused` (no live hold for the
-    request, a wrong token, or a CURVE key it does not trust) and `malformed` (undecodable frames, requests without a token).
+    request, a wrong token, or a CURVE key it does not trust) and `malformed` (undecodable frames, requests without a token),
+    and its leases: `renewed` (claims it granted, one per request per heartbeat) and `lapsed` (holds
+    freed because no decode claimed or renewed them in time, not because a decode said done).
 
     Plain sums (not per-transfer lists) keep the payload constant-size however busy the step was.
     """
@@ -80,6 +82,11 @@ class MooncakeV2Stats(KVConnectorStats):
             with self._lock:
                 self.data[key] += 1
 
+    def record_leases(self, renewed: int = 0, lapsed: int = 0) -> None:
+        with self._lock:
+            self.data["renewed"] += renewed
+            self.data["lapsed"] += lapsed
+
     def clone_and_reset(self) -> MooncakeV2Stats:
         with self._lock:
             snapshot = MooncakeV2Stats(data=dict(self.data))
@@ -101,6 +108,8 @@ class MooncakeV2Stats(KVConnectorStats):
             "batch_entries": self.data["entries"],
             "refused_requests": self.data.get("refused", 0),
             "malformed_frames": self.data.get("malformed", 0),
+            "lease_renewals": self.data.get("renewed", 0),
+            "lapsed_holds": self.data.get("lapsed", 0),
             "throughput_MBps": round(self.data["bytes"] / seconds / 1e6, 1) if seconds else 0.0,
             "read_ms": round(1000 * seconds / self.data["transfers"], 2) if self.data["transfers"] else 0.0,
             **{f"{phase}_ms": round(1000 * self.data[f"{phase}_s"] / self.data[f"{phase}_n"], 2)
@@ -124,4 +133,7 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "refused": ("vllm:mooncake_v2_side_channel_refused",
                     "Side-channel requests refused: wrong token, no live hold, untrusted CURVE key."),
         "malformed": ("vllm:mooncake_v2_side_channel_malformed", "Undecodable side-channel frames (a request without its token included)."),
+        "renewed": ("vllm:mooncake_v2_lease_renewals", "Lease claims granted by prefill workers (per request, heartbeat and worker)."),
+        "lapsed": ("vllm:mooncake_v2_lapsed_holds",
+                   "Held requests a prefill worker freed because their lease lapsed (no decode claimed or renewed them)."),
     }

@@ -96,7 +96,7 @@ class MooncakeV2Worker:
         self.stats = MooncakeV2Stats()
         self.holds = HoldTable(settings.hold_timeout_s, settings.lease_s)
         self.curve = load_curve(settings.curve_secret_key_file, settings.curve_public_keys_dir)
-        self._responder = PrefillResponder(self.holds)
+        self._responder = PrefillResponder(self.holds, on_renewed=lambda n: self.stats.record_leases(renewed=n))
         self._meta: WorkerMeta | None = None
         self._puller: Puller | None = None
         # Unpinned: the pull threads (and the ZeroMQ I/O thread they start) must not queue behind
@@ -233,6 +233,7 @@ class MooncakeV2Worker:
                 self.holds.wait_for_notice(IDLE_POLL_S)
         released, lapsed = self.holds.pop_finished()
         if lapsed:
+            self.stats.record_leases(lapsed=len(lapsed))
             logger.warning("the leases of %s lapsed (no decode claimed them within hold_timeout_s=%.1f, or "
                            "it stopped renewing for lease_s=%.1f); freeing their blocks", sorted(lapsed),
                            self.settings.hold_timeout_s, self.settings.lease_s)
