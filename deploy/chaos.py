@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,15 +67,14 @@ SHORT_SCHEDULE = (
 )
 
 
-def soak_schedule(seconds: float, seed: int) -> list[Fault]:
-    """The short schedule's faults in shuffled rounds, enough of them to last about `seconds`."""
-    rng, out = random.Random(seed), []
-    rounds = max(1, math.ceil(seconds / 240))  # one round of the short schedule takes ~4 min here
-    for _ in range(rounds):
+def soak_schedule(seed: int) -> Iterator[Fault]:
+    """The short schedule's faults in shuffled rounds, without end: the run stops drawing from it
+    once its `--soak-seconds` have passed (a round's length depends on the host)."""
+    rng = random.Random(seed)
+    while True:
         faults = list(SHORT_SCHEDULE)
         rng.shuffle(faults)
-        out += faults
-    return out
+        yield from faults
 
 
 class Engines:
@@ -126,18 +126,24 @@ class Run:
         self.probes: list[dict] = []
         self.current = "warm-up"
 
-    async def run(self, schedule, gap_s: float) -> dict:
+    async def run(self, schedule: Iterable[Fault], gap_s: float, seconds: float | None = None) -> dict:
+        """Inject the schedule's faults one after another, `gap_s` apart, under load; with `seconds`,
+        start no fault once that long has passed since the run began."""
         load_task = asyncio.ensure_future(self.load.run())
         ticker = asyncio.ensure_future(self._progress())
+        injected: list[str] = []
         try:
             await asyncio.sleep(gap_s)
             for i, fault in enumerate(schedule):
-                self.current = f"fault {i + 1}/{len(schedule)} {fault.label}"
+                if seconds is not None and time.monotonic() - self.t0 >= seconds:
+                    break
+                injected.append(fault.label)
+                self.current = f"fault {i + 1} {fault.label}"
                 if fault.kind == "cancel":
                     await self._cancel_probe(fault)
                 else:
                     await self._fault(fault)
-                self.current = f"after fault {i + 1}/{len(schedule)}"
+                self.current = f"after fault {i + 1}"
                 await asyncio.sleep(gap_s)
             self.current = "draining"
             await self.load.stop()
@@ -149,7 +155,7 @@ class Run:
             ticker.cancel()
             if not load_task.done():
                 load_task.cancel()
-        return self._report(drain_s, drain, counters)
+        return {**self._report(drain_s, drain, counters), "schedule": injected}
 
     async def _progress(self) -> None:
         while True:
@@ -332,8 +338,8 @@ def _proxy_paths(url: str) -> dict:
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def run_chaos(workdir: Path, schedule, clients: int, seed: int, gap_s: float, settings: StackSettings,
-              restart_under_load: bool = False) -> dict:
+def run_chaos(workdir: Path, schedule: Iterable[Fault], clients: int, seed: int, gap_s: float,
+              settings: StackSettings, restart_under_load: bool = False, seconds: float | None = None) -> dict:
     progress("1/4 building the tiny 16-layer MLA model")
     model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
     progress("2/4 reference answers from a colocated engine (TP=2, KVPP off), then it stops")
@@ -341,13 +347,13 @@ def run_chaos(workdir: Path, schedule, clients: int, seed: int, gap_s: float, se
     progress("3/4 pool, prefill (TP=2, KVPP), decode (TP=1), proxy")
     stack = start_local_stack(model, workdir, settings)
     try:
-        progress(f"4/4 {clients} clients, {len(schedule)} faults")
+        progress(f"4/4 {clients} clients, " + (f"{len(schedule)} faults" if seconds is None
+                                                 else f"faults in shuffled rounds for {seconds:.0f} s"))
         report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, LAYERS * PAGE_BYTES,
-                                 restart_under_load).run(schedule, gap_s))
+                                 restart_under_load).run(schedule, gap_s, seconds))
     finally:
         stack.stop()
     report["settings"] = asdict(settings)
-    report["schedule"] = [f.label for f in schedule]
     return report
 
 
@@ -363,7 +369,6 @@ def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, mo
     stack = Stack(engines=engines, proxy_url=proxy_url)
     schedule = (Fault("cancel", "stream"), Fault("cancel", "plain"))
     report = asyncio.run(Run(stack, model, prompts, clients, seed, settings).run(schedule, seconds / 3))
-    report["schedule"] = [f.label for f in schedule]
     return report
 
 
@@ -465,17 +470,19 @@ def _run(args: argparse.Namespace) -> int:
         report = run_attached(args.proxy.rstrip("/"), _engine_urls(args.engines), args.reference.rstrip("/"),
                               args.model, args.clients, args.seed, args.seconds, StackSettings())
         return _output(args, report)
-    schedule = SHORT_SCHEDULE if args.schedule == "short" else soak_schedule(args.soak_seconds, args.seed)
+    soak = args.schedule == "soak"
+    schedule = soak_schedule(args.seed) if soak else SHORT_SCHEDULE
+    seconds = args.soak_seconds if soak else None
     settings = StackSettings()
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-chaos-") as tmp:
                 report = run_chaos(Path(tmp), schedule, args.clients, args.seed, args.gap, settings,
-                                   args.restart_under_load)
+                                   args.restart_under_load, seconds)
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
             report = run_chaos(args.workdir, schedule, args.clients, args.seed, args.gap, settings,
-                               args.restart_under_load)
+                               args.restart_under_load, seconds)
     except ProcessError as exc:
         print(f"kvpp chaos: failed: {exc}", file=sys.stderr)
         return 1
