@@ -22,6 +22,7 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     transfer = vllm_config.kv_transfer_config
     events = vllm_config.kv_events_config
     compilation = vllm_config.compilation_config
+    speculative = vllm_config.speculative_config
     return KvppSetup(
         model=ModelSpec.from_hf_dict(model_config.hf_config.to_dict(), model_config.model),
         topology=Topology(
@@ -41,4 +42,5 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         kv_events=bool(events is not None and events.enable_kv_cache_events),
         cudagraph_mode=None if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
         splitting_ops=None if compilation.splitting_ops is None else tuple(compilation.splitting_ops),
+        speculative_method=None if speculative is None else speculative.method,
     )

@@ -62,6 +62,8 @@ class KvppSetup:
     None when unknown (a deployment spec): vLLM's default then, FULL_AND_PIECEWISE on GPUs."""
     splitting_ops: tuple[str, ...] | None = None
     """The ops vLLM splits the compiled graph at; None when unknown."""
+    speculative_method: str | None = None
+    """speculative_config.method (None: no speculative decoding)."""
 
 
 KV_UPDATE_OP = "vllm::unified_mla_kv_cache_update"
@@ -78,7 +80,7 @@ def _kvpp_rules(setup: KvppSetup) -> list[Problem]:
     """All problems of `setup`; empty when KVPP is off or everything is supported."""
     if not setup.kvpp.enabled:
         return []
-    problems = [*_model_rules(setup.model), *_parallel_rules(setup), *_graph_rules(setup)]
+    problems = [*_model_rules(setup.model), *_parallel_rules(setup), *_graph_rules(setup), *_draft_rules(setup)]
     problems += _connector_rules(setup)
     return problems
 
@@ -175,6 +177,18 @@ def _graph_rules(setup: KvppSetup) -> list[Problem]:
             f"piecewise CUDA graphs must split at {KV_UPDATE_OP} (KVPP delivers each layer there, outside "
             f"the captured pieces); leave splitting_ops unset or add {KV_UPDATE_OP}, or add --enforce-eager"))]
     return []
+
+
+def _draft_rules(setup: KvppSetup) -> list[Problem]:
+    """KVPP tells target layers from draft caches by the layer index in a cache's name: MTP and EAGLE heads
+    number their layers after the decoder stack, but a separate draft model (`draft_model`) numbers its own
+    from 0, so its caches would be taken for target layers and sharded or staged like them."""
+    if setup.speculative_method != "draft_model":
+        return []
+    return [_error("speculative_config.method", (
+        "a separate draft model (\"draft_model\") numbers its cache layers from 0, so KVPP would take them "
+        "for target layers; use the model's MTP layers ({\"method\": \"mtp\"}) or another method, or "
+        f"{_DISABLE}"))]
 
 
 def _connector_rules(setup: KvppSetup) -> list[Problem]:

@@ -54,3 +54,12 @@ def tiny_model(tmp_path_factory) -> str:
     from deploy.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16", layers=16))
+
+
+@pytest.fixture(scope="session")
+def mtp_model(tmp_path_factory) -> str:
+    """The tiny model with one MTP layer (`kvpp tiny-model --mtp 1`), for MTP speculative decoding
+    (`{"method": "mtp", "num_speculative_tokens": 1}`); built once per test session."""
+    from deploy.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16-mtp1", layers=16, mtp=1))

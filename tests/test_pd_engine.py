@@ -1,5 +1,8 @@
 """P/D end to end with real servers: a prefill (`vllm serve`-equivalent, TP=2, KVPP on) and a decode
 (TP=1) joined by MooncakeConnectorV2 over Mooncake TE (tcp, loopback), driven through `kvpp proxy`.
+Every server decodes with MTP (the tiny model with one MTP layer, one speculative token): the prefill
+keeps the MTP cache on both ranks, and a decode reads it from one of them and each target layer from
+its owner.
 
 One pair of servers serves every assertion, `kvpp chaos` attached to them included; the lease test
 adds a decode it kills, and the fault test kills the prefill, so they run last.
@@ -27,6 +30,7 @@ from deploy.tiny_model import sample_prompt
 pytestmark = pytest.mark.engine
 
 LAYERS = 16
+MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 MAX_TOKENS = 8
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
@@ -69,20 +73,20 @@ def tokens_and_logprobs(resp: dict) -> tuple[list[str], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model, tmp_path_factory):
+def pd(mtp_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     started: list[ManagedProcess] = []
     try:
-        prefill = pd_server("prefill", tiny_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
+        prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True})])
-        decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
-                        policy="recompute", transfer_timeout_s=5)
+                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP])
+        decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
+                        policy="recompute", transfer_timeout_s=5, extra_args=MTP)
         start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
         yield {"prefill": prefill, "decode": decode, "proxy": proxy_url,
-               "model": tiny_model, "tmp": tmp, "started": started}
+               "model": mtp_model, "tmp": tmp, "started": started}
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -134,7 +138,8 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
 
     pages = -(-n // 16)
     wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls_before + 1, 30, "pull counted")
-    assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == LAYERS * pages * PAGE_BYTES
+    # The 16 target layers, each from its owner, and the MTP layer once.
+    assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == (LAYERS + 1) * pages * PAGE_BYTES
     assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed_before
 
 
@@ -299,7 +304,7 @@ def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, coloca
     prefill, model, n = pd["prefill"], pd["model"], 170
     workers = 2  # prefill TP ranks: each counts its own renewals and lapses
     queue = pd_server("decode-queue", model, pd["tmp"], tp=1, cores=[1], role="kv_consumer",
-                      kv_port=free_port_range(2), transfer_timeout_s=5, extra_args=["--max-num-seqs", "1"])
+                      kv_port=free_port_range(2), transfer_timeout_s=5, extra_args=["--max-num-seqs", "1", *MTP])
     pd["started"].append(queue.start())
     queue.wait_ready(timeout=400)
 
@@ -355,7 +360,7 @@ def test_prefill_killed_before_pull(pd, colocated):
     bounded time, and both keep serving."""
     tmp, model = pd["tmp"], pd["model"]
     decode_fail = pd_server("decode-fail", model, tmp, tp=1, cores=[1], role="kv_consumer",
-                         kv_port=free_port_range(2), policy="fail", transfer_timeout_s=5)
+                         kv_port=free_port_range(2), policy="fail", transfer_timeout_s=5, extra_args=MTP)
     pd["started"].append(decode_fail.start())
     decode_fail.wait_ready(timeout=400)
 

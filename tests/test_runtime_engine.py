@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 from scripts.generate import assert_same_outputs, run, write_prompts
 
-from deploy.tiny_model import build_tiny_model
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
@@ -21,11 +20,6 @@ MAX_TOKENS = 8
 # Long enough to span many blocks (300 tokens = 19 blocks); two arrive while the first two decode.
 PROMPT_LENGTHS = (300, 45, 170, 90)
 MTP_CACHE = "model.layers.16.self_attn.attn"
-
-
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16-mtp1", layers=16, mtp=1))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ tokens. Faults ride along in the fresh engine: a wrong-size object and a removed
 planted between the engines, and the pool's master is killed mid-run. Tenants ride along too: a prompt
 saved under one cache_salt is a hit only for that salt. The KVPP fresh engine is a P/D prefill as the
 demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool kv_both) serving its four
-prompts at once, with pooled loads failing on one rank and on every rank.
+prompts at once, with pooled loads failing on one rank and on every rank. The KVPP engines decode with
+MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is replicated on both ranks
+and rides in both owner shards, never one owner's alone.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
@@ -41,6 +43,7 @@ BLOCK = 16
 LAYERS = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
 LOGPROB_TOL = 2e-5
+MTP_CACHE = "model.layers.16.self_attn.attn"
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
 
@@ -58,8 +61,8 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 
 class Scenario:
-    def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool, load_async: bool):
-        self.model, self.tmp, self.tp, self.kvpp, self.by_name = model, tmp, tp, kvpp, by_name
+    def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool, load_async: bool, mtp: int = 0):
+        self.model, self.tmp, self.tp, self.kvpp, self.by_name, self.mtp = model, tmp, tp, kvpp, by_name, mtp
         self.load_async = load_async
         self.prompts = _prompts(json.loads(Path(model, "config.json").read_text())["vocab_size"])
         os.environ.update(POOL_ENV)
@@ -85,6 +88,7 @@ class Scenario:
         path.write_text(json.dumps(actions))
         cmd = [sys.executable, str(SCRIPT), "--model", self.model, "--tp", str(self.tp), "--actions", str(path)]
         cmd += ["--kvpp"] if self.kvpp else []
+        cmd += ["--mtp", str(self.mtp)] if self.mtp else []
         if pool:
             cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
         env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if self.tp == 2 else "0"}
@@ -104,7 +108,7 @@ class Scenario:
         return total
 
     def shard_keys(self):
-        stage = StageLayers(0, tuple(range(LAYERS)))
+        stage = StageLayers(0, tuple(range(LAYERS)), mtp_caches=self.mtp)
         layout = CacheLayout(self.model, "float32", BLOCK, PAGE_BYTES)
         return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp, replicated=True))
 
@@ -210,9 +214,9 @@ def test_off_killed_master_means_misses_dropped_saves_and_correct_tokens(off):
 
 # ---- KVPP on, TP=2, asynchronous loads ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def on(tiny_model, tmp_path_factory):
-    sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True,
-                  load_async=True)  # what KVPP requires
+def on(mtp_model, tmp_path_factory):
+    sc = Scenario(mtp_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True,
+                  load_async=True, mtp=1)  # what KVPP requires
     p = sc.prompts
     try:
         served = ("prefix_plus", "other_plus", "torn_plus", "wrong_size")
@@ -242,12 +246,13 @@ def on(tiny_model, tmp_path_factory):
         sc.close()
 
 
-def test_on_each_rank_saves_its_own_layers(on):
-    sc, _, _, _ = on
+def test_on_each_rank_saves_its_own_layers_and_the_mtp_cache(on):
+    sc, _, saved, _ = on
+    assert [w["mtp_caches"] for w in saved["kvpp_workers"]] == [[MTP_CACHE], [MTP_CACHE]]
     for rank in (0, 1):
         s = json.loads((sc.tmp / f"stats-save.pp0.tp{rank}.json").read_text())
         assert s["saved_blocks"] == 18, "6 blocks of each prompt"
-        assert s["saved_bytes"] == 18 * (LAYERS // 2) * PAGE_BYTES, "8 owned layers per object, staging never"
+        assert s["saved_bytes"] == 18 * (LAYERS // 2 + 1) * PAGE_BYTES, "8 owned layers + MTP per object, staging never"
 
 
 def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
@@ -255,7 +260,7 @@ def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
     assert fresh["prefix_plus"]["num_cached_tokens"] >= 96
     for rank in (0, 1):
         s = json.loads((sc.tmp / f"stats-fresh.pp0.tp{rank}.json").read_text())
-        assert s["loaded_bytes"] == s["loaded_blocks"] * (LAYERS // 2) * PAGE_BYTES and s["loaded_blocks"] >= 6
+        assert s["loaded_bytes"] == s["loaded_blocks"] * (LAYERS // 2 + 1) * PAGE_BYTES and s["loaded_blocks"] >= 6
     _assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
 
 

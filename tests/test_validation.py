@@ -84,6 +84,18 @@ def test_compiled_sfa_refused():
     assert p.option == "enforce_eager" and "SFA" in p.message and "add --enforce-eager" in p.message
 
 
+@pytest.mark.parametrize("method", [None, "mtp", "eagle", "ngram"])
+def test_drafts_numbered_after_the_decoder_stack_are_accepted(method):
+    assert validate(setup(speculative_method=method)) == []
+
+
+def test_a_separate_draft_model_is_refused():
+    p = only(validate(setup(speculative_method="draft_model")))
+    assert p.option == "speculative_config.method" and "numbers its cache layers from 0" in p.message
+    assert '"method": "mtp"' in p.message and "remove enable_kvpp" in p.message
+    assert validate(setup(speculative_method="draft_model", kvpp=KvppConfig(enabled=False))) == []
+
+
 def test_dcp_refused():
     p = only(validate(setup(topology=Topology(tp=8, dcp=2))))
     assert p.option == "decode_context_parallel_size"

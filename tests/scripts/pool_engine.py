@@ -6,7 +6,7 @@ opts?], ...]] serves several at once (one generate call: admitted, looked up and
 "kv_transfer_params" (e.g. {"do_remote_decode": true}, as a P/D proxy sends a prefill). Each prompt
 records the tokens, their logprobs, and how many prompt tokens came from outside the engine
 (num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
-configuration.
+configuration. Under "kvpp_workers" it adds each worker's `kvpp_stats` report (blocks, layout).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1, help="PP stages (the split: VLLM_PP_LAYER_PARTITION)")
     ap.add_argument("--kvpp", action="store_true")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (the model needs MTP layers)")
     ap.add_argument("--kv-transfer-config", default=None, help="JSON; omitted = no pool")
     ap.add_argument("--actions", required=True, help="JSON file with the action list")
     ap.add_argument("--max-tokens", type=int, default=6)
@@ -36,6 +37,8 @@ def main() -> None:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.pp > 1:
         kwargs.update(pipeline_parallel_size=args.pp, distributed_executor_backend="mp")
+    if args.mtp:
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
     llm = LLM(
         model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
         kv_cache_memory_bytes=64 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
@@ -75,6 +78,7 @@ def main() -> None:
             os.kill(int(action[1]), signal.SIGKILL)
         else:
             raise ValueError(f"unknown action {action!r}")
+    results["kvpp_workers"] = llm.collective_rpc("kvpp_stats")
     print("RESULT " + json.dumps(results), flush=True)
 
 
