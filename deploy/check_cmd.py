@@ -8,6 +8,7 @@ adds only what spans instances (shared hosts, P/D wiring, the pool).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -96,13 +97,18 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
         kvpp = parse_additional_config(launch.additional_config(inst))
     except KvppConfigError as exc:
         return out + [_error(where, "additional_config", str(exc))]
+    try:
+        speculative = _speculative_method(inst.extra_args)
+    except ValueError as exc:
+        return out + [_error(where, "extra_args --speculative-config", str(exc))]
     if model is None:
         return out
     # MultiConnector (P/D plus pool) goes in whole: validation checks each child with its own rules.
     kv_cfg = launch.kv_transfer_config(spec, inst) or {}
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
-                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events)
+                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
+                      speculative_method=speculative)
     out += [Finding(where, problem) for problem in validate(setup)]
     return out
 
@@ -283,6 +289,22 @@ def _pool_address(spec: Spec, cfg: StoreConfig) -> str:
         rendered = spec.pool.mooncake.master_server_address if spec.pool.mooncake else None
         return cfg.backend_settings.master_server_address or rendered or spec.pool.address
     return cfg.backend_settings.meta_service_url or str(spec.pool.settings.get("meta_service_url") or spec.pool.address)
+
+
+def _speculative_method(args: tuple[str, ...]) -> str | None:
+    """speculative_config.method of `--speculative-config` in extra_args ("auto" when vLLM infers it);
+    None without speculative decoding."""
+    value = _flag(args, "--speculative-config")
+    if value is None:
+        return None
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{value!r} is not a JSON object; write it as '{{\"method\": \"mtp\", "
+                         f"\"num_speculative_tokens\": 1}}'")
+    return str(cfg.get("method") or "auto")
 
 
 def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str | None:

@@ -183,12 +183,19 @@ def _draft_rules(setup: KvppSetup) -> list[Problem]:
     """KVPP tells target layers from draft caches by the layer index in a cache's name: MTP and EAGLE heads
     number their layers after the decoder stack, but a separate draft model (`draft_model`) numbers its own
     from 0, so its caches would be taken for target layers and sharded or staged like them."""
-    if setup.speculative_method != "draft_model":
-        return []
-    return [_error("speculative_config.method", (
-        "a separate draft model (\"draft_model\") numbers its cache layers from 0, so KVPP would take them "
-        "for target layers; use the model's MTP layers ({\"method\": \"mtp\"}) or another method, or "
-        f"{_DISABLE}"))]
+    problems = []
+    if setup.speculative_method == "draft_model":
+        problems.append(_error("speculative_config.method", (
+            "a separate draft model (\"draft_model\") numbers its cache layers from 0, so KVPP would take them "
+            "for target layers; use the model's MTP layers ({\"method\": \"mtp\"}) or another method, or "
+            f"{_DISABLE}")))
+    if setup.speculative_method is not None and setup.topology.pp > 1:
+        problems.append(_error("speculative_config", (
+            f"speculative decoding ({setup.speculative_method}) with pipeline parallelism (PP {setup.topology.pp}) "
+            "does not start on vLLM 0.32.0, the release KVPP's adapter supports: the drafter lives on the last "
+            "stage only and vLLM's cache initialisation reads it on every stage; drop --speculative-config or "
+            "set --pipeline-parallel-size 1")))
+    return problems
 
 
 def _connector_rules(setup: KvppSetup) -> list[Problem]:

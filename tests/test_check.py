@@ -324,3 +324,15 @@ def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):
     assert sorted(e.split(": ")[2] for e in errors) == ["kv_connector_extra_config.mooncake.local_buffer_size",
                                                         "kv_connector_extra_config.mooncake.master_server_adress"]
     assert any("did you mean master_server_address?" in e for e in errors)
+
+
+def test_speculative_decoding_with_pp_is_refused_from_extra_args(tmp_path):
+    mtp = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    errors, _, code = _check(tmp_path, _spec([_prefill(pp=2, extra_args=mtp)], model="deepseek-v3"))
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): speculative_config: speculative decoding (mtp) with "
+                                "pipeline parallelism (PP 2)")
+    errors, _, code = _check(tmp_path, _spec([_prefill(pp=2, extra_args=["--speculative-config", "mtp"])],
+                                             model="deepseek-v3"))
+    assert code == 1 and errors == ["error: prefill[0] (p): extra_args --speculative-config: 'mtp' is not a JSON "
+                                    "object; write it as '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"]

@@ -251,3 +251,11 @@ def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.lookup_rpc_port"]
     assert "transfer_timeout" in problems[0].message
     assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_speculative_decoding_with_pp_is_refused_naming_both_fixes(method):
+    p = only(validate(setup(topology=Topology(tp=8, pp=2), speculative_method=method)))
+    assert p.option == "speculative_config" and f"({method})" in p.message and "PP 2" in p.message
+    assert "drop --speculative-config" in p.message and "--pipeline-parallel-size 1" in p.message
+    assert validate(setup(topology=Topology(tp=8, pp=2))) == []
