@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 MESSAGES = 400
 IDLE_S = 0.8
 
