@@ -10,27 +10,15 @@ show each stage's layers delivered on every step that has history."""
 from __future__ import annotations
 
 import pytest
-from scripts.generate import assert_same_outputs, run, write_prompts
-
-from kvpp_core.capacity import plan_capacity
-from kvpp_core.model import ModelSpec
-from kvpp_core.topology import Topology
+from scripts.generate import assert_same_outputs
+from test_runtime_pp_engine import MAX_TOKENS, PROMPT_LENGTHS, SPLIT, pp_plan, pp_runs
 
 pytestmark = pytest.mark.engine
-
-SPLIT = (7, 9)
-KV_BYTES = 64 << 20
-BLOCK = 16
-MAX_TOKENS = 8
-PROMPT_LENGTHS = (300, 45, 170, 90)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", tiny_model, PROMPT_LENGTHS)
-    args = ("--tp", "2", "--pp", "2", "--compiled", "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
-    return run(tiny_model, prompts, *args, env=env), run(tiny_model, prompts, *args, "--kvpp", env=env)
+    return pp_runs(tiny_model, tmp_path_factory, "--compiled")
 
 
 def test_compiled_kvpp_with_pp_produces_identical_tokens_and_logprobs(runs):
@@ -49,8 +37,7 @@ def test_compiled_kvpp_delivers_each_stages_layers_on_every_step_with_history(ru
 
 def test_compiled_engine_holds_the_planned_blocks(runs, tiny_model):
     off, on = runs
-    plan = plan_capacity(ModelSpec.from_hf_config(tiny_model), Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES,
-                         block_size=BLOCK)
+    plan = pp_plan(tiny_model)
     assert {w["num_blocks"] for w in off["workers"]} == {plan.blocks_off}
     assert {w["num_blocks"] for w in on["workers"]} == {plan.blocks_on}
     for worker in on["workers"]:

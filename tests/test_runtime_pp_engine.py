@@ -22,18 +22,29 @@ PROMPT_LENGTHS = (300, 45, 170, 90)
 PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
 
 
+def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
+    """KVPP off and on over the same prompts, TP2 x PP2 split SPLIT; `extra` engine flags for both
+    (test_runtime_compiled_engine.py runs the same pair with --compiled)."""
+    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
+    args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
+    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
+    return run(model, prompts, *args, env=env), run(model, prompts, *args, "--kvpp", env=env)
+
+
+def pp_plan(model: str):
+    """`kvpp plan` for the same model, split and memory as pp_runs."""
+    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES,
+                         block_size=BLOCK)
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", tiny_model, PROMPT_LENGTHS)
-    args = ("--tp", "2", "--pp", "2", "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
-    return run(tiny_model, prompts, *args, env=env), run(tiny_model, prompts, *args, "--kvpp", env=env)
+    return pp_runs(tiny_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def plan(tiny_model):
-    spec = ModelSpec.from_hf_config(tiny_model)
-    return plan_capacity(spec, Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES, block_size=BLOCK)
+    return pp_plan(tiny_model)
 
 
 def test_kvpp_with_pp_produces_identical_tokens_and_logprobs(runs):
