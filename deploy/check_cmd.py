@@ -1,6 +1,6 @@
 """`kvpp check SPEC`: every problem of a deployment spec before the cluster finds it.
 
-KVPP rules come from kvpp_core.validation, port ranges from kvpp_core.ports and layer splits from
+KVPP rules come from kvpp_core.validation, port ranges from connectors.mooncake.ports and layer splits from
 kvpp_core.topology, applied to exactly the configs `kvpp render` emits (deploy.launch); this module
 adds only what spans instances (shared hosts, P/D wiring, the pool).
 """
@@ -14,9 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
-from kvpp_core.hosts import MOONCAKE_IPV6, canonical_host, ip_version
+from connectors.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
-from kvpp_core.ports import PortLayout, overlaps
+from connectors.mooncake.ports import PortLayout, overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.validation import MOONCAKE, MULTI, STORE, KvppSetup, Problem, validate
 
@@ -323,7 +323,7 @@ def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str |
 
 def _family_findings(spec: Spec) -> list[Finding]:
     """The IP literals among the hosts that exchange Mooncake traffic (P/D transfers, the Mooncake
-    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (kvpp_core.hosts.MOONCAKE_IPV6)."""
+    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (connectors.hosts.MOONCAKE_IPV6)."""
     members = [(i.where, "hosts", h) for i in spec.instances
                if spec.disaggregated or (i.uses_pool and _mooncake_pool(spec)) for h in i.hosts]
     if _mooncake_pool(spec):

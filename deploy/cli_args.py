@@ -8,19 +8,18 @@ allocate per-rank tables for a trillion ranks or bind port 99999.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
-import re
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from connectors.hosts import host_problem
+
 # Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
 MAX_PARALLEL = 1024
 MAX_LAYERS = 4096
 MAX_SECONDS = 7 * 24 * 3600.0
-_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
@@ -76,22 +75,6 @@ def _num(x: float) -> str:
 port = bounded_int(1, 65535)
 parallel_size = bounded_int(1, MAX_PARALLEL)
 seconds = bounded_float(0.0, MAX_SECONDS)
-
-
-def host_problem(host: str) -> str | None:
-    """Why `host` is not a DNS name or an IPv4/IPv6 address, or None when it is one."""
-    if not isinstance(host, str) or not host:
-        return "must be a non-empty host name or IP address"
-    try:
-        ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
-    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        return (f"{shown(host)} is not a host name or IP address (letters, digits, '-' and '.' only; no spaces, "
-                "quotes or control characters)")
-    return None
 
 
 def host(text: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from kvpp_core.config import ENABLE_KEY
-from kvpp_core.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
+from connectors.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
 from kvpp_core.validation import MOONCAKE, MULTI, STORE
 
 from connectors.store.config import MooncakeSettings

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kvpp_core.hosts import host_url, join_host_port
+from connectors.hosts import host_url, join_host_port
 
 from deploy.processes import ProcessError, http_ok
 from deploy.render import render, write_files

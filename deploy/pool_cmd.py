@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from kvpp_core.files import read_small_file
-from kvpp_core.hosts import join_host_port, mooncake_family
+from connectors.hosts import join_host_port, mooncake_family
 
 from connectors.store.config import MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 

@@ -1,7 +1,7 @@
 """`kvpp ports`: the side-channel ports a MooncakeConnectorV2 instance binds, and overlaps between
 instances sharing a host.
 
-The ports come from kvpp_core.ports.PortLayout, the same code the connector's workers bind with, so
+The ports come from connectors.mooncake.ports.PortLayout, the same code the connector's workers bind with, so
 what this prints is what the servers will use.
 """
 
@@ -11,8 +11,8 @@ import argparse
 import json
 from collections import defaultdict
 
-from kvpp_core.hosts import canonical_host
-from kvpp_core.ports import PortLayout, overlaps
+from connectors.hosts import canonical_host
+from connectors.mooncake.ports import PortLayout, overlaps
 
 from deploy import cli_args
 

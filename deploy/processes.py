@@ -22,7 +22,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpp_core.hosts import host_url, is_ipv6
+from connectors.hosts import host_url, is_ipv6
 
 LOOPBACK = "127.0.0.1"
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.

@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from kvpp_core.hosts import host_url
+from connectors.hosts import host_url
 
 from deploy import cli_args
 from deploy.processes import LOOPBACK, ManagedProcess, free_port

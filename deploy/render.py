@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from kvpp_core.hosts import host_url, wildcard
+from connectors.hosts import host_url, wildcard
 
 from deploy import cli_args, launch
 from deploy.check_cmd import check_spec

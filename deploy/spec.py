@@ -24,11 +24,11 @@ import yaml
 
 from kvpp_core.config import parse_struct
 from kvpp_core.files import read_small_file
-from kvpp_core.hosts import split_host_port
+from connectors.hosts import host_problem, split_host_port
 
 from connectors.store.config import MooncakeSettings
 
-from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, host_problem, shown
+from deploy.cli_args import MAX_LAYERS, MAX_PARALLEL, shown
 
 MAX_SPEC_BYTES = 1 << 20
 # Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,
@@ -355,12 +355,12 @@ def _text_problems(data: dict) -> list[str]:
             inst = section(inst, dict)
             check(inst.get("name"), f"{role}[{i}].name", _label_problem)
             for j, host in enumerate(section(inst.get("hosts"), list)):
-                check(host, f"{role}[{i}].hosts[{j}]", _spec_host_problem)
+                check(host, f"{role}[{i}].hosts[{j}]", host_problem)
             for key in section(inst.get("env"), dict):
                 if not _ENV_KEY.fullmatch(key):
                     problems.append(f"{role}[{i}].env: key {shown(key)} is not an environment variable name (letters, "
                                     "digits and '_', not starting with a digit)")
-    check(section(data.get("proxy"), dict).get("host"), "proxy.host", _spec_host_problem)
+    check(section(data.get("proxy"), dict).get("host"), "proxy.host", host_problem)
     pool = section(data.get("pool"), dict)
     check(pool.get("address"), "pool.address", _address_problem)
     if pool.get("backend") == "memcache" and isinstance(pool.get("settings"), dict):
@@ -379,15 +379,6 @@ def _text_problems(data: dict) -> list[str]:
     check(k8s.get("device_resource"), "kubernetes.device_resource", lambda v: None if _RESOURCE.fullmatch(v) else (
         f"{shown(v)} is not a Kubernetes resource name (e.g. huawei.com/ascend-1980)"))
     return problems
-
-
-def _spec_host_problem(value: str) -> str | None:
-    if "%" in value:  # rendered into URLs, where vLLM, Mooncake and memcache would have to decode %25
-        return (f"{shown(value)}: a scoped IPv6 address (%zone) names an interface of one host, which peers on "
-                "other hosts cannot use; give a global or unique-local address (e.g. fd00::11)")
-    if value.startswith("["):
-        return f"{shown(value)}: write a host without brackets (kvpp render adds them where a port follows)"
-    return host_problem(value)
 
 
 def _argument_problem(value: str) -> str | None:
@@ -409,7 +400,7 @@ def _address_problem(value: str) -> str | None:
         host, _ = split_host_port(value)
     except ValueError as exc:
         return f"{shown(value)} {exc} (e.g. 10.0.0.9:50051 or [fd00::9]:50051)"
-    problem = _spec_host_problem(host)
+    problem = host_problem(host)
     return f"host {problem}" if problem else None
 
 

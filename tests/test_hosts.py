@@ -9,7 +9,7 @@ import shlex
 import pytest
 import yaml
 
-from kvpp_core.hosts import (MOONCAKE_IPV6, canonical_host, host_url, join_host_port, mooncake_family,
+from connectors.hosts import (MOONCAKE_IPV6, canonical_host, host_url, join_host_port, mooncake_family,
                              split_host_port, wildcard)
 
 from deploy.check_cmd import check_spec

@@ -1,4 +1,4 @@
-"""`kvpp ports`: per-rank ports from kvpp_core.ports and overlap detection between instances."""
+"""`kvpp ports`: per-rank ports from connectors.mooncake.ports and overlap detection between instances."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from deploy.cli import main
 from deploy.ports_cmd import parse_node
-from kvpp_core.ports import PortLayout
+from connectors.mooncake.ports import PortLayout
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from kvpp_core.ports import PortLayout, overlaps
+from connectors.mooncake.ports import PortLayout, overlaps
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpp_core.hosts import host_url, join_host_port
+from connectors.hosts import host_url, join_host_port
 
 from deploy.cli import main
 from deploy.render import MARKER, render

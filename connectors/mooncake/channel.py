@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvpp_core.hosts import host_url
+from connectors.hosts import host_url
 
 from connectors.mooncake.affinity import run_unpinned, unpin_current_thread
 from connectors.mooncake.curve import CurveKeys

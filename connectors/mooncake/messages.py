@@ -9,15 +9,14 @@ request carry its token (issued by the prefill in kv_transfer_params); refusals 
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvpp_core.hosts import join_host_port
-from kvpp_core.ports import PortLayout
+from connectors.hosts import host_problem, join_host_port
+from connectors.mooncake.ports import PortLayout
 
 PROTOCOL_VERSION = 2
 
@@ -53,7 +52,6 @@ CurveKey = Annotated[str, msgspec.Meta(pattern=r"\A[0-9a-zA-Z.:+=^!/*?&<>()\[\]{
 PeerError = Literal["malformed", "unauthorized", "unknown_request", "expired", "not_ready", "internal"]
 """What a refused peer is told; the details stay in the refusing side's log."""
 
-_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def is_ident(value: str) -> bool:
@@ -61,19 +59,9 @@ def is_ident(value: str) -> bool:
 
 
 def check_host(host: str, what: str) -> None:
-    """An IP literal (IPv6 bare, as VLLM_HOST_IP holds it) or a DNS name; anything else (whitespace,
-    control characters, URLs, brackets) is refused."""
-    if "%" in host:  # a zone may hold any character, and means nothing on another host
-        raise ValueError(f"{what} {host!r} is a scoped IPv6 address (%zone), which names an interface of its "
-                         "own host; peers need a global or unique-local address")
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    name = host[:-1] if host.endswith(".") else host
-    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
-        raise ValueError(f"{what} {host!r} is neither an IP address nor a DNS name")
+    problem = host_problem(host)
+    if problem:
+        raise ValueError(f"{what} {problem}")
 
 
 class MessageError(ValueError):

@@ -28,8 +28,8 @@ from connectors.mooncake.messages import (
 )
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
 from connectors.mooncake.transfer import MooncakeTransfer
-from kvpp_core.hosts import join_host_port
-from kvpp_core.ports import PortLayout
+from connectors.hosts import join_host_port
+from connectors.mooncake.ports import PortLayout
 
 
 def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:

@@ -29,7 +29,7 @@ from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.transfer import MooncakeTransfer, TransferError
-from kvpp_core.ports import PortLayout
+from connectors.mooncake.ports import PortLayout
 from kvpp_core.runtime import active_layout
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvpp_core.config import parse_struct
-from kvpp_core.hosts import mooncake_family
+from connectors.hosts import mooncake_family
 
 from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
 from connectors.store.config import MooncakeSettings

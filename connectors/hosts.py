@@ -1,5 +1,5 @@
-"""Hosts in addresses: the one place that brackets IPv6 literals (`[fd00::1]:8000`, `tcp://[::1]:5000`)
-and splits `host:port`.
+"""Hosts in addresses: the one place that validates a host, brackets IPv6 literals (`[fd00::1]:8000`,
+`tcp://[::1]:5000`) and splits `host:port`.
 
 Hosts travel bare (VLLM_HOST_IP, --master-addr, Mooncake's local_hostname all take `fd00::1`); only
 where a port or a scheme is joined to one does it need brackets, and every such join goes through
@@ -9,6 +9,35 @@ where a port or a scheme is joined to one does it need brackets, and every such 
 from __future__ import annotations
 
 import ipaddress
+import re
+
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def host_problem(host: object) -> str | None:
+    """Why `host` cannot be given to a peer as this node's address, or None: an IP literal (IPv6 bare, as
+    VLLM_HOST_IP holds it) or a DNS name. Scoped IPv6 addresses name an interface of their own host (and
+    would need %25 in URLs); brackets belong to `join_host_port`, never to the host itself."""
+    if not isinstance(host, str) or not host:
+        return "must be a non-empty host name or IP address"
+    if "%" in host:
+        return (f"{_shown(host)}: a scoped IPv6 address (%zone) names an interface of one host, which peers on "
+                "other hosts cannot use; give a global or unique-local address (e.g. fd00::11)")
+    if host.startswith("["):
+        return (f"{_shown(host)}: write a host without brackets (they are added where a port follows); as "
+                "written it is neither an IP address nor a DNS name")
+    if ip_version(host) is not None:
+        return None
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
+        return (f"{_shown(host)} is neither an IP address nor a DNS name (letters, digits, '-' and '.' only; no "
+                "spaces, quotes or control characters)")
+    return None
 
 
 def ip_version(host: str) -> int | None:
