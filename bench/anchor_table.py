@@ -72,7 +72,7 @@ def _workload(vocab: int, a: argparse.Namespace) -> list:
 
 
 def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: Path) -> dict:
-    from deploy.pool_cmd import pool_down, pool_up
+    from deploy.services.pool import pool_down, pool_up
 
     state = tmp / f"pool-{'on' if kvpp else 'off'}"
     os.environ.update(POOL_ENV)
@@ -239,7 +239,7 @@ def main() -> None:
 
     import broadcast_copy
 
-    from deploy.tiny_model import SHAPES, build_tiny_model
+    from deploy.harness.tiny_model import SHAPES, build_tiny_model
     from kvpp_core.capacity import plan_capacity
     from kvpp_core.model import ModelSpec
     from kvpp_core.topology import Topology

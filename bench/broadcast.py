@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from scripts.generate import run, write_prompts  # noqa: E402
+from deploy.harness.engine_run import run, write_prompts  # noqa: E402
 
 VARIANTS = ("on", "whole", "sync", "compiled")
 
@@ -60,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from deploy.tiny_model import build_tiny_model
+            from deploy.harness.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))
         prompts = write_prompts(Path(tmp) / "prompts.json", model, [args.prompt_tokens])

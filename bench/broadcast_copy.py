@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from deploy.processes import free_port  # noqa: E402
+from deploy.services.processes import free_port  # noqa: E402
 
 BLOCK_TOKENS = 16
 ROW_BYTES = (512 + 64) * 2  # kv_lora_rank + rope dims, bf16

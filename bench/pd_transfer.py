@@ -42,11 +42,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as `python bench/pd_transfer.py` like the other benchmarks
-from bench.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages  # noqa: E402
+from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages  # noqa: E402
 from connectors.mooncake.messages import PrefillHandle  # noqa: E402
 from connectors.mooncake.puller import Puller  # noqa: E402
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries  # noqa: E402
-from deploy.processes import free_port  # noqa: E402
+from deploy.services.processes import free_port  # noqa: E402
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
 
@@ -61,7 +61,7 @@ def transport(tokens: int, repeat: int) -> dict:
     blocks = -(-tokens // BLOCK_TOKENS)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
-    peer = subprocess.Popen([sys.executable, str(REPO / "bench" / "mooncake_peer.py"), "--port", str(port),
+    peer = subprocess.Popen([sys.executable, str(REPO / "deploy" / "harness" / "mooncake_peer.py"), "--port", str(port),
                              "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11", "--hold", "bench"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -201,7 +201,7 @@ def ttft_table(prefill_url: str, decode_url: str, model: str, lengths: list[int]
                concurrency: int, raw_s: dict[int, float]) -> list[dict]:
     """Per prompt length: decode-leg TTFT of transferred prompts against the decode computing the
     same prompts itself and the raw transfer time of their bytes, plus the decode's phase means."""
-    from deploy.tiny_model import sample_prompt
+    from deploy.harness.tiny_model import sample_prompt
 
     rows = []
     for tokens in lengths:
@@ -251,10 +251,10 @@ def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len
 
 
 def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int, float], readers: str) -> dict:
-    from bench.pd_servers import pd_server
-    from deploy.processes import ManagedProcess, free_port_range, start_servers
-    from deploy.proxy import start_proxy
-    from deploy.tiny_model import build_tiny_model, sample_prompt
+    from deploy.harness.pd_servers import pd_server
+    from deploy.services.processes import ManagedProcess, free_port_range, start_servers
+    from deploy.services.proxy import start_proxy
+    from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 
     from kvpp_core.vllm_adapter import SPINNING_READERS_ENV
 

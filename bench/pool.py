@@ -37,7 +37,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
     from connectors.store.backends import Status, open_backend
     from connectors.store.keys import CacheLayout, ShardKey, block_hashes
     from connectors.store.transfer import BlockPages, ShardIO
-    from deploy.pool_cmd import pool_down, pool_up
+    from deploy.services.pool import pool_down, pool_up
 
     src = [torch.randn(blocks, 16, 576) for _ in range(layers)]
     dst = [torch.zeros(blocks, 16, 576) for _ in range(layers)]
@@ -102,7 +102,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
 
 
 def ttft(model: str, prompt_tokens: int, suffix_tokens: int) -> dict:
-    from deploy.pool_cmd import pool_down, pool_up
+    from deploy.services.pool import pool_down, pool_up
 
     os.environ.update(POOL_ENV)
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]

@@ -116,7 +116,7 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("deepseek-v3.2", 61, 1, 512, 64, indexer_dim=128, attention="sfa", num_heads=128),
         ModelSpec("deepseek-v2-lite", 27, 0, 512, 64, attention="mla", num_heads=16),
         ModelSpec("kimi-k2", 61, 0, 512, 64, attention="mla", num_heads=64),
-        # The project's offline test model (deploy/tiny_model.py): fp32 so outputs compare exactly.
+        # The project's offline test model (deploy/harness/tiny_model.py): fp32 so outputs compare exactly.
         ModelSpec("kvpp-tiny", 16, 0, 512, 64, kv_dtype="float32", attention="mla", num_heads=4),
     )
 }

@@ -43,15 +43,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
-    from deploy.processes import free_port as pick
+    from deploy.services.processes import free_port as pick
 
     return pick()
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """The project's 16-layer tiny MLA model (deploy/tiny_model.py), built once per test session."""
-    from deploy.tiny_model import build_tiny_model
+    """The project's 16-layer tiny MLA model (deploy/harness/tiny_model.py), built once per test session."""
+    from deploy.harness.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16", layers=16))
 
@@ -60,6 +60,6 @@ def tiny_model(tmp_path_factory) -> str:
 def mtp_model(tmp_path_factory) -> str:
     """The tiny model with one MTP layer (`kvpp tiny-model --mtp 1`), for MTP speculative decoding
     (`{"method": "mtp", "num_speculative_tokens": 1}`); built once per test session."""
-    from deploy.tiny_model import build_tiny_model
+    from deploy.harness.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16-mtp1", layers=16, mtp=1))

@@ -1,0 +1,190 @@
+"""`kvpp plan`: what KVPP buys on a model and topology, before touching a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
+from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
+from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
+from kvpp_core.topology import RUNNERS, Topology
+from kvpp_core.validation import KvppSetup, raise_for_errors, validate
+
+from deploy import args as cli_args
+
+GIB = 1 << 30
+MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
+MAX_BLOCK_SIZE = 1 << 20
+MAX_MTP = 64
+PLOT_FORMATS = ("png", "svg", "pdf")
+# The table has one row per rank of the cache-replica groups of all stages; the per-rank layout is
+# superlinear in the group size, so beyond this a plan takes minutes instead of seconds.
+MAX_GROUP, MAX_RANKS = 1024, 16384
+PLOT_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="KV-cache capacity with and without KVPP for a model and topology",
+        description="Per PP stage and kvpp rank: owned layers, bytes per block, blocks and tokens with "
+        "KVPP off (every TP rank replicates every layer) and on (one owner per layer plus staging buffers).",
+    )
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json / model directory")
+    p.add_argument("--tp", type=cli_args.parallel_size, required=True, help="tensor-parallel size")
+    p.add_argument("--pp", type=cli_args.parallel_size, default=None,
+                   help="pipeline-parallel size (default: from --pp-layers, else 1)")
+    p.add_argument("--pp-layers", type=cli_args.value_list(cli_args.bounded_int(1, cli_args.MAX_LAYERS),
+                                                           "comma-separated integers like 38,40",
+                                                           cli_args.MAX_PARALLEL),
+                   default=None, metavar="N,N,...",
+                   help="explicit target layers per PP stage, e.g. 38,40 (default: vLLM's even split)")
+    p.add_argument("--pcp", type=cli_args.parallel_size, default=1,
+                   help="prefill-context-parallel size (joins the group on runner v2)")
+    p.add_argument("--runner", choices=RUNNERS, default="v1", help="vLLM model runner (v2 = VLLM_USE_V2_MODEL_RUNNER=1)")
+    p.add_argument("--mtp", type=cli_args.bounded_int(0, MAX_MTP), default=0, metavar="N",
+                   help="MTP layers served (their caches are replicated on the last stage); default 0, as in "
+                   "the anchor measurements; MTP caches exist only when MTP decoding is enabled")
+    p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None, help="KV cache dtype (default: the model's)")
+    p.add_argument("--memory-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, MAX_MEMORY_GIB),
+                                                            "a number or comma-separated numbers like 60,64",
+                                                            cli_args.MAX_PARALLEL),
+                   default=(32.0,), metavar="GIB[,GIB...]",
+                   help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
+    p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per block (default {DEFAULT_BLOCK_SIZE} as on Ascend; vLLM's CPU MLA backend uses 16)")
+    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=2, metavar="N",
+                   help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", type=_plot_path, default=None, metavar="FILE.png",
+                   help=f"also draw the capacity ratio against TP size ({', '.join(PLOT_FORMATS)})")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    shipped_mtp = model.mtp_layers
+    model = model.with_overrides(mtp_layers=args.mtp, kv_dtype=args.kv_dtype)
+    split = args.pp_layers
+    pp = args.pp if args.pp is not None else (len(split) if split else 1)
+    topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner)
+    if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
+        raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
+                         f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
+    kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
+    warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp)))
+    memory = [int(gib * GIB) for gib in args.memory_gib]
+    if len(memory) not in (1, topo.pp):
+        raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")
+    plan = plan_capacity(model, topo, memory, block_size=args.block_size, staging=kvpp.staging_buffers)
+    for problem in warnings:
+        print(f"kvpp: warning: {problem}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(dict(plan.to_json(), model_mtp_layers=shipped_mtp,
+                              warnings=[str(p) for p in warnings]), indent=2))
+    else:
+        print(format_plan(plan, shipped_mtp))
+    if args.plot:
+        plot_ratio_vs_tp(args.plot, model, topo, memory, args.block_size, kvpp.staging_buffers)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def format_plan(plan: CapacityPlan, shipped_mtp: int) -> str:
+    m, t = plan.model, plan.topology
+    indexer = f" + indexer {m.indexer_dim}" if m.indexer_dim else ""
+    mtp_note = f"MTP layers served: {m.mtp_layers}"
+    if shipped_mtp != m.mtp_layers:
+        mtp_note += f" (the model ships {shipped_mtp}; pass --mtp {shipped_mtp} when serving with MTP)"
+    memory = ", ".join(f"stage {s.stage}: {s.memory_bytes / GIB:.2f} GiB" for s in plan.stages)
+    lines = [
+        f"KVPP capacity plan for {m.name}",
+        f"  model     {m.num_layers} target layers, {m.attention.upper()}, KV {m.kv_dtype}; bundle "
+        f"({m.kv_lora_rank} + rope {m.rope_dim}{indexer}) x {m.dtype_bytes} B = {m.bundle_bytes_per_token:,} B/token; "
+        f"{mtp_note}",
+        f"  topology  {t.describe()}; cache-replica group = {t.group_size} rank(s) per PP stage",
+        f"  blocks    {plan.block_size} tokens = {m.page_bytes(plan.block_size):,} B per layer; "
+        f"{plan.staging} staging buffer(s) per rank",
+        f"  memory    KV memory per rank: {memory}",
+        "",
+    ]
+    header = ("stage", "rank", "owned layers", "mtp", "staging", "bytes/block off", "bytes/block on",
+              "blocks off", "blocks on", "tokens off", "tokens on", "ratio")
+    rows = [header]
+    for s in plan.stages:
+        for r in s.ranks:
+            owned = f"{r.owned_range} ({len(r.owned)})" if r.owned else "- (0)"
+            rows.append((str(s.stage), str(r.kvpp_rank), owned, str(len(s.mtp_layers)), str(r.staging_slots),
+                         f"{r.bytes_per_block_off:,}", f"{r.bytes_per_block_on:,}", f"{r.blocks_off:,}",
+                         f"{r.blocks_on:,}", f"{r.tokens_off:,}", f"{r.tokens_on:,}",
+                         f"{r.tokens_on / r.tokens_off:.2f}x"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        cells = [c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    lines += [
+        "",
+        f"without KVPP: {plan.blocks_off:,} blocks = {plan.tokens_off:,} tokens "
+        f"(binding: {_stages(plan.binding_stages_off)})",
+        f"with KVPP:    {plan.blocks_on:,} blocks = {plan.tokens_on:,} tokens "
+        f"(binding: {_stages(plan.binding_stages_on)})",
+        f"capacity ratio {plan.ratio:.2f}x; equivalent KV memory saving {plan.memory_saving:.1%}",
+    ]
+    return "\n".join(lines)
+
+
+def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[int], block_size: int,
+                     staging: int) -> None:
+    """Capacity ratio for each TP size the model's heads allow, to show where the gain saturates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [tp for tp in PLOT_TP_SIZES if not model.num_heads or model.num_heads % tp == 0]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for count in sorted({staging, 1}, reverse=True):
+        points = []
+        for tp in sizes:
+            try:
+                trial = Topology(tp=tp, pp=topo.pp, pp_layers=topo.pp_layers, pcp=topo.pcp, runner=topo.runner)
+                points.append((tp, plan_capacity(model, trial, memory, block_size, count).ratio))
+            except ValueError:
+                continue
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", label=f"{count} staging buffer(s)")
+        above = count == 1  # fewer staging buffers give the upper curve: label it above, the other below
+        for x, y in points:
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7 if above else -13),
+                        ha="center", fontsize=8)
+    ax.axvline(topo.tp, color="grey", linestyle=":", label=f"chosen TP {topo.tp}")
+    ax.set_ylim(bottom=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("TP size (cache-replica group = TP ranks of one PP stage)")
+    ax.set_ylabel("KV capacity ratio, KVPP on / off")
+    split = f", PP split {'/'.join(map(str, topo.pp_layers))}" if topo.pp_layers else (f", PP{topo.pp}" if topo.pp > 1 else "")
+    ax.set_title(f"{model.name}: {model.num_layers} layers, MTP {model.mtp_layers}{split}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _stages(stages: tuple[int, ...]) -> str:
+    return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
+
+
+def _plot_path(text: str) -> str:
+    path = cli_args.path_text(text)
+    if path.rsplit(".", 1)[-1].lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot file must end in .{', .'.join(PLOT_FORMATS)}")
+    return path

@@ -1,0 +1,375 @@
+"""`kvpp check SPEC`: every problem of a deployment spec before the cluster finds it.
+
+KVPP rules come from kvpp_core.validation, port ranges from connectors.mooncake.ports and layer splits from
+kvpp_core.topology, applied to exactly the configs `kvpp render` emits (deploy.deployment.launch); this module
+adds only what spans instances (shared hosts, P/D wiring, the pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvpp_core.config import KvppConfigError, parse_additional_config
+from connectors.hosts import MOONCAKE_IPV6, canonical_host, ip_version
+from kvpp_core.model import ModelSpec, resolve_model
+from connectors.mooncake.ports import PortLayout, overlaps
+from kvpp_core.topology import Topology
+from kvpp_core.validation import MOONCAKE, MULTI, STORE, KvppSetup, Problem, validate
+
+from connectors.store.config import StoreConfig, read_store_config, role_actions
+from connectors.store.layouts import KeyLayout, key_differences
+from connectors.store.shards import StageLayers
+
+from deploy import args as cli_args
+
+from deploy.deployment import launch
+from deploy.deployment.spec import Instance, Spec, SpecError, load_spec
+
+
+@dataclass(frozen=True)
+class Finding:
+    where: str
+    problem: Problem
+
+    @property
+    def severity(self) -> str:
+        return self.problem.severity
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.where}: {self.problem}"
+
+
+def _error(where: str, option: str, message: str) -> Finding:
+    return Finding(where, Problem("error", option, message))
+
+
+def _warning(where: str, option: str, message: str) -> Finding:
+    return Finding(where, Problem("warning", option, message))
+
+
+def check_spec(spec: Spec) -> list[Finding]:
+    """All findings, errors and warnings, in spec order."""
+    findings: list[Finding] = []
+    model = _model(spec, findings)
+    for inst in spec.instances:
+        findings += _instance_findings(spec, inst, model)
+    findings += _wiring_findings(spec)
+    findings += _host_findings(spec)
+    findings += _pool_layout_findings(spec, model)
+    findings += _family_findings(spec)
+    return findings
+
+
+def _model(spec: Spec, findings: list[Finding]) -> ModelSpec | None:
+    needed = any(i.enable_kvpp or i.pp_layers for i in spec.instances)
+    try:
+        model = resolve_model(spec.model_preset or spec.model_path)
+    except ValueError as exc:
+        if needed:
+            findings.append(_error("model", "model.preset", (
+                f"{exc}; KVPP and layer-split checks need the model's layers: set model.preset or make "
+                "model.path readable where kvpp check runs")))
+        return None
+    if spec.mtp_layers is not None:
+        model = model.with_overrides(mtp_layers=spec.mtp_layers)
+    return model
+
+
+def _topology(inst: Instance) -> Topology:
+    return Topology(tp=inst.tp, pp=inst.pp, pp_layers=inst.pp_layers, pcp=inst.pcp, dcp=inst.dcp, dp=inst.dp,
+                    runner=inst.runner)
+
+
+def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> list[Finding]:
+    where, out = inst.where, []
+    try:
+        topo = _topology(inst)
+    except ValueError as exc:
+        return [_error(where, "pp_layers" if "split" in str(exc) else "parallel sizes", str(exc))]
+    if model is not None:
+        try:
+            topo.stage_layers(model.num_layers)
+        except ValueError as exc:
+            out.append(_error(where, "pp_layers", str(exc)))
+    try:
+        kvpp = parse_additional_config(launch.additional_config(inst))
+    except KvppConfigError as exc:
+        return out + [_error(where, "additional_config", str(exc))]
+    try:
+        speculative = _speculative_method(inst.extra_args)
+    except ValueError as exc:
+        return out + [_error(where, "extra_args --speculative-config", str(exc))]
+    if model is None:
+        return out
+    # MultiConnector (P/D plus pool) goes in whole: validation checks each child with its own rules.
+    kv_cfg = launch.kv_transfer_config(spec, inst) or {}
+    setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
+                      kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
+                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
+                      speculative_method=speculative)
+    out += [Finding(where, problem) for problem in validate(setup)]
+    return out
+
+
+def _wiring_findings(spec: Spec) -> list[Finding]:
+    out = []
+    if spec.disaggregated:
+        for inst in spec.instances:
+            if inst.kv_port is None:
+                out.append(_error(inst.where, "kv_port", (
+                    f"P/D with {MOONCAKE} needs a kv_port on every prefill and decode instance (the base of "
+                    "its handshake ports); set kv_port, e.g. 37000 for the prefill and 37010 for the decode")))
+    else:
+        for inst in spec.instances:
+            if inst.kv_port is not None:
+                out.append(_warning(inst.where, "kv_port", "kv_port is unused without decode instances (it is the "
+                                    "base of P/D handshake ports); remove it or add the decode instances"))
+    for inst in spec.instances:
+        if inst.uses_pool and spec.pool is None:
+            out.append(_error(inst.where, "uses_pool", "uses_pool is true but the spec has no pool section; add "
+                              "pool (backend, address, lookup_rpc_port) or set uses_pool: false"))
+    if spec.pool is not None and not any(i.uses_pool for i in spec.instances):
+        out.append(_warning("pool", "pool", "no instance uses the pool (prefill instances do by default unless "
+                            "uses_pool: false); remove the pool section or set uses_pool: true"))
+    return out
+
+
+def _host_findings(spec: Spec) -> list[Finding]:
+    """Ports that collide between instances sharing a host (every node of an instance reserves them;
+    one host written two ways, `fd00:0::1` and `fd00::1`, is one host)."""
+    by_host: dict[str, list[Instance]] = defaultdict(list)
+    for inst in spec.instances:
+        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
+            by_host[host].append(inst)
+    out = []
+    for host, insts in by_host.items():
+        layouts = []
+        for inst in insts:
+            if spec.disaggregated and inst.kv_port is not None:
+                try:
+                    layouts.append((inst.where, PortLayout(inst.kv_port, tp=inst.tp, pp=inst.pp, pcp=inst.pcp,
+                                                           dp=inst.dp)))
+                except ValueError as exc:
+                    out.append(_error(inst.where, "kv_port", str(exc)))
+        for a, b, shared in overlaps(layouts):
+            out.append(_error(b, "kv_port", (
+                f"on host {host} its handshake/control ports overlap {a}'s at {shared.start}-{shared.stop - 1}; "
+                f"move kv_port so the ranges are disjoint (each instance uses kv_port .. "
+                "kv_port + tp*pp*pcp*dp + dp - 1)")))
+        out += _single_port_clashes(spec, host, insts, layouts)
+    return out
+
+
+def _single_port_clashes(spec: Spec, host: str, insts: list[Instance], layouts) -> list[Finding]:
+    out = []
+    http: dict[int, str] = {}
+    lookup: dict[int, str] = {}
+    for inst in insts:
+        if inst.port in http:
+            out.append(_error(inst.where, "port", f"HTTP port {inst.port} on host {host} is also used by "
+                              f"{http[inst.port]}; give each instance on a host its own port"))
+        http.setdefault(inst.port, inst.where)
+        port = launch.lookup_port(spec, inst)
+        if port is not None:
+            if port in lookup:
+                out.append(_error(inst.where, "lookup_rpc_port", (
+                    f"lookup_rpc_port {port} on host {host} is also used by {lookup[port]}; the pool lookup "
+                    "channel is per instance: set a distinct lookup_rpc_port on this instance")))
+            lookup.setdefault(port, inst.where)
+    for port, owner in http.items():
+        for where, layout in layouts:
+            if port in layout.ports:
+                out.append(_error(owner, "port", f"HTTP port {port} on host {host} falls inside {where}'s "
+                                  f"handshake range {layout.ports.start}-{layout.last_port}; move one of them"))
+    return out
+
+
+_LAYOUT_FIX = {
+    "model": "start every instance with the same model.path",
+    "kv_dtype": "give every instance the same --dtype/--kv-cache-dtype",
+    "block_size": "set the same memory.block_size on every instance",
+    "kvpp": "set the same enable_kvpp on every instance",
+    "group_size": "use the same tp (and pcp) on every KVPP instance",
+    "stages": "use the same pp, pp_layers and speculative (MTP) setting on every instance",
+}
+
+
+@dataclass(frozen=True)
+class _PoolMember:
+    inst: Instance
+    pool: str
+    layout: KeyLayout
+    loads: bool
+    saves: bool
+
+
+def _pool_layout_findings(spec: Spec, model: ModelSpec | None) -> list[Finding]:
+    """Instances on one pool whose pool keys never meet (connectors.store.layouts): they share its
+    memory but no prefix (a warning, against the pool's first instance). An instance that only reads
+    the pool while every writer keys blocks differently can never hit (an error)."""
+    members = [m for inst in spec.instances if (m := _pool_member(spec, inst, model)) is not None]
+    out = []
+    for pool in dict.fromkeys(m.pool for m in members):
+        group = [m for m in members if m.pool == pool]
+        writers = [m for m in group if m.saves]
+        for m in group:
+            if m.loads and not m.saves and writers and all(key_differences(m.layout, w.layout) for w in writers):
+                shown, fixes = _differences(m, writers[0])
+                out.append(_error(m.inst.where, "pool", (
+                    f"reads pool {pool} but every instance writing it keys blocks differently (vs "
+                    f"{writers[0].inst.where}: {shown}), so it can never hit; {fixes}, or give it a pool of its own")))
+            elif m is not group[0] and key_differences(m.layout, group[0].layout):
+                shown, fixes = _differences(m, group[0])
+                out.append(_warning(m.inst.where, "pool", (
+                    f"shares pool {pool} with {group[0].inst.where} but their pool keys differ in {shown}: pooled "
+                    "objects are keyed per layout and owner shard, so neither reuses the other's prefixes (they "
+                    f"only split its memory); {fixes}, or give them separate pools")))
+    return out
+
+
+def _differences(a: _PoolMember, b: _PoolMember) -> tuple[str, str]:
+    """The differing key fields of two members, shown, and their fixes."""
+    fields = key_differences(a.layout, b.layout)
+    shown = ", ".join(f"PP stages ({a.inst.name}: {_stages(a.layout)}, {b.inst.name}: {_stages(b.layout)})"
+                      if f == "stages" else
+                      f"{f} ({a.inst.name}: {getattr(a.layout, f)!r}, {b.inst.name}: {getattr(b.layout, f)!r})"
+                      for f in fields)
+    return shown, "; ".join(_LAYOUT_FIX[f] for f in fields)
+
+
+def _stages(layout: KeyLayout) -> str:
+    """Layers per stage, e.g. `39+40+mtp1`."""
+    return "+".join(f"{len(s.target_layers)}" + (f"+mtp{s.mtp_caches}" if s.mtp_caches else "") for s in layout.stages)
+
+
+def _pool_member(spec: Spec, inst: Instance, model: ModelSpec | None) -> _PoolMember | None:
+    """The instance's pool, key layout and role; None without a pool or when a setting it needs is
+    broken (the instance's own findings report that)."""
+    store = _store_connector(launch.kv_transfer_config(spec, inst) or {})
+    if model is None or spec.pool is None or store is None:
+        return None
+    cfg = read_store_config(store.get("kv_connector_extra_config")).value
+    try:
+        topo = _topology(inst)
+        ranges = topo.stage_layers(model.num_layers)
+    except ValueError:
+        return None
+    if cfg is None:
+        return None
+    mtp = model.mtp_layers if _flag(inst.extra_args, "--speculative-config") is not None else 0
+    stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
+    kv_dtype = _flag(inst.extra_args, "--kv-cache-dtype", "auto")
+    block_size = inst.memory.get("block_size") or _flag(inst.extra_args, "--block-size")
+    layout = KeyLayout(model=spec.model_path,
+                       kv_dtype=kv_dtype if kv_dtype != "auto" else _flag(inst.extra_args, "--dtype", "auto"),
+                       block_size=int(block_size) if str(block_size).isdigit() else None, kvpp=inst.enable_kvpp,
+                       group_size=topo.group_size, stages=stages)
+    loads, saves = role_actions(store.get("kv_role"), cfg)
+    return _PoolMember(inst, _pool_address(spec, cfg), layout, loads, saves)
+
+
+def _store_connector(kv_cfg: dict) -> dict | None:
+    """The pool connector's config in an instance's kv_transfer_config (alone, or a MultiConnector
+    child, whose kv_role defaults to the parent's)."""
+    if kv_cfg.get("kv_connector") == STORE:
+        return kv_cfg
+    if kv_cfg.get("kv_connector") == MULTI:
+        children = (kv_cfg.get("kv_connector_extra_config") or {}).get("connectors")
+        for child in children if isinstance(children, list) else []:
+            if isinstance(child, dict) and child.get("kv_connector") == STORE:
+                return {"kv_role": kv_cfg.get("kv_role"), **child}
+    return None
+
+
+def _pool_address(spec: Spec, cfg: StoreConfig) -> str:
+    """Where the instance's pool client connects: its own settings, else the rendered config file's."""
+    if cfg.backend == "mooncake":
+        rendered = spec.pool.mooncake.master_server_address if spec.pool.mooncake else None
+        return cfg.backend_settings.master_server_address or rendered or spec.pool.address
+    return cfg.backend_settings.meta_service_url or str(spec.pool.settings.get("meta_service_url") or spec.pool.address)
+
+
+def _speculative_method(args: tuple[str, ...]) -> str | None:
+    """speculative_config.method of `--speculative-config` in extra_args ("auto" when vLLM infers it);
+    None without speculative decoding."""
+    value = _flag(args, "--speculative-config")
+    if value is None:
+        return None
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{value!r} is not a JSON object; write it as '{{\"method\": \"mtp\", "
+                         f"\"num_speculative_tokens\": 1}}'")
+    return str(cfg.get("method") or "auto")
+
+
+def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str | None:
+    """The value of `flag` in extra_args (`--flag v` or `--flag=v`, `_` or `-`; the last one wins, as in vLLM)."""
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def _family_findings(spec: Spec) -> list[Finding]:
+    """The IP literals among the hosts that exchange Mooncake traffic (P/D transfers, the Mooncake
+    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (connectors.hosts.MOONCAKE_IPV6)."""
+    members = [(i.where, "hosts", h) for i in spec.instances
+               if spec.disaggregated or (i.uses_pool and _mooncake_pool(spec)) for h in i.hosts]
+    if _mooncake_pool(spec):
+        members.append(("pool", "pool.address", spec.pool.host))
+    literals = [(where, option, host, v) for where, option, host in members if (v := ip_version(host))]
+    if not literals:
+        return []
+    first = literals[0]
+    return [_error(where, option, (
+        f"{host} is IPv{version} but {first[2]} ({first[0]}) is IPv{first[3]}: Mooncake runs in one family per "
+        f"deployment ({MOONCAKE_IPV6}=1 for IPv6, in which mode it cannot reach IPv4 peers); give every host of the "
+        f"P/D instances and the Mooncake pool an IPv{first[3]} address (or a name resolving to one)"))
+        for where, option, host, version in dict.fromkeys(literals) if version != first[3]]
+
+
+def _mooncake_pool(spec: Spec) -> bool:
+    return spec.pool is not None and spec.pool.backend == "mooncake"
+
+
+def run_check(path: str) -> tuple[list[Finding], int]:
+    """Findings and the exit code (1 if any error)."""
+    try:
+        spec = load_spec(path)
+    except SpecError as exc:
+        return [_error(path, "spec", p) for p in exc.problems], 1
+    findings = check_spec(spec)
+    return findings, int(any(f.severity == "error" for f in findings))
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check", help="check a deployment spec (KVPP rules, ports, layer splits, pool) before launching",
+        description="Print one line per problem with its fix; errors first, then warnings. Exit 1 on errors.",
+    )
+    p.add_argument("spec", type=cli_args.path_text, help="deployment spec (YAML)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    findings, code = run_check(args.spec)
+    errors = [f for f in findings if f.severity == "error"]
+    warnings = [f for f in findings if f.severity != "error"]
+    for finding in errors + warnings:
+        print(cli_args.printable(str(finding)), file=sys.stderr)
+    if not errors:
+        print(f"{args.spec}: ok ({len(warnings)} warning{'s' * (len(warnings) != 1)})")
+    return code

@@ -1,0 +1,326 @@
+"""`kvpp demo`: the whole suite working on one machine, with an embedded default and no arguments.
+
+It builds the tiny MLA model, measures a colocated reference engine (TP=2, KVPP off), then starts
+the Mooncake pool, a prefill engine (TP=2, KVPP on, MooncakeConnectorV2 producer plus the pool
+through vLLM's MultiConnector), a decode engine (TP=1, consumer) and the P/D proxy, all on loopback.
+It sends a few requests through the proxy, one of which repeats a long prefix, and reports KV
+capacity against the plan, the P/D transfer, the pool hits, and whether every answer equals the
+reference. Every process it started is stopped at the end, on failure and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy import args as cli_args
+from deploy.services.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range, start_servers
+from deploy.services.proxy import start_proxy
+from deploy.harness.testbed import TestbedError
+from deploy.harness.tiny_model import build_tiny_model, sample_prompt
+from kvpp_core.capacity import plan_capacity
+from kvpp_core.model import ModelSpec
+from kvpp_core.topology import Topology
+
+LAYERS = 16
+KV_BYTES = 64 << 20
+# Without KVPP, 64 MiB holds 113 blocks (1,808 tokens) of the 16-layer fp32 model: one request of 1,024 fits.
+MAX_MODEL_LEN = 1024
+BLOCK = 16
+MAX_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-4  # decode runs TP=1, the reference TP=2: reduction order differs slightly
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    name: str
+    prompt: str
+
+
+def _requests() -> list[DemoRequest]:
+    shared = sample_prompt(320, seed=1)
+    return [
+        DemoRequest("long", shared + " " + sample_prompt(40, seed=2)),
+        DemoRequest("short", sample_prompt(30, seed=3)),
+        DemoRequest("medium", sample_prompt(150, seed=4)),
+        # Repeats the long request's 320-word prefix: the prefill finds those blocks in the pool.
+        DemoRequest("long-prefix-again", shared + " " + sample_prompt(25, seed=5)),
+    ]
+
+
+def _progress(message: str) -> None:
+    print(f"[kvpp demo] {message}", file=sys.stderr, flush=True)
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which and why."""
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+
+
+def engine_metrics(base_url: str) -> str:
+    return urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples over all label sets (0 when absent)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _num_blocks(base_url: str) -> int:
+    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
+    if not found:
+        raise RuntimeError(f"{base_url}/metrics does not report num_gpu_blocks")
+    return int(found.group(1))
+
+
+def _answer(resp: dict) -> dict:
+    lp = resp["choices"][0]["logprobs"]
+    return {"text": resp["choices"][0]["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"]}
+
+
+def _complete(base_url: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
+    return _answer(_post(f"{base_url}/v1/completions", body))
+
+
+def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str],
+                  env: dict | None = None) -> VllmServer:
+    # log_stats: the connectors' counters reach /metrics only with stats on.
+    return VllmServer(name, model, free_port(), workdir / f"{name}.log", tp=tp, cores=cores,
+                      kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
+                      extra_args=extra_args, log_stats=True)
+
+
+def pd_configs(pool_extra: dict, producer_extra: dict | None = None,
+               consumer_extra: dict | None = None) -> tuple[dict, dict]:
+    prefill_port = free_port_range(3)
+    decode_port = free_port_range(2)
+    while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
+        decode_port = free_port_range(2)
+    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": prefill_port,
+                "kv_connector_extra_config": producer_extra or {}}
+    store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
+    # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
+    store = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+             "kv_connector_extra_config": store_extra}
+    prefill = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [mooncake, store]},
+    }
+    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": decode_port,
+              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": consumer_extra or {}}
+    return prefill, decode
+
+
+def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
+               consumer_extra: dict | None = None, env: dict | None = None) -> tuple[VllmServer, VllmServer]:
+    """The demo's P/D pair (not started): prefill TP=2 with KVPP and a MultiConnector of
+    MooncakeConnectorV2 and the pool, decode TP=1 consumer."""
+    prefill_cfg, decode_cfg = pd_configs(pool_extra, producer_extra, consumer_extra)
+    prefill = engine_server("prefill", model, workdir, 2, [0, 1], [
+        "--additional-config", json.dumps({"enable_kvpp": True}),
+        "--kv-transfer-config", json.dumps(prefill_cfg)], env)
+    decode = engine_server("decode", model, workdir, 1, [1], ["--kv-transfer-config", json.dumps(decode_cfg)], env)
+    return prefill, decode
+
+
+def _matches(got: dict, ref: dict) -> bool:
+    return got["tokens"] == ref["tokens"] and all(
+        abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(got["logprobs"], ref["logprobs"])
+    )
+
+
+def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls: list[str], decode_url: str,
+           expected: dict[str, dict], blocks_off: int, plan) -> dict:
+    """Send the requests through the proxy and build the report from the engines' own counters (pool
+    counters summed over the prefill instances, capacity from the first, which runs KVPP)."""
+    answers, seconds = {}, {}
+    for r in requests:
+        t0 = time.perf_counter()
+        answers[r.name] = _complete(proxy_url, model, r.prompt)
+        seconds[r.name] = time.perf_counter() - t0
+    # Counters reach /metrics with the next stats interval.
+    time.sleep(6)
+    decode_metrics = engine_metrics(decode_url)
+    prefill_metrics = [engine_metrics(url) for url in prefill_urls]
+    blocks_on = _num_blocks(prefill_urls[0])
+    return {
+        "capacity": {
+            "blocks_off": blocks_off,
+            "blocks_on": blocks_on,
+            "ratio": blocks_on / blocks_off,
+            "plan_blocks_off": plan.blocks_off,
+            "plan_blocks_on": plan.blocks_on,
+            "plan_ratio": plan.ratio,
+        },
+        "transfer": {
+            "bytes": int(metric_total(decode_metrics, "vllm:mooncake_v2_pulled_bytes_total")),
+            "seconds": metric_total(decode_metrics, "vllm:mooncake_v2_transfer_seconds_total"),
+            "pulls": int(metric_total(decode_metrics, "vllm:mooncake_v2_pulls_total")),
+            "failures": int(metric_total(decode_metrics, "vllm:mooncake_v2_failed_pulls_total")),
+        },
+        "pool": {
+            # The engine's own count of prompt tokens that came through a connector: on the
+            # prefill only the pool loads anything.
+            "hit_tokens": int(sum(metric_total(m, "vllm:external_prefix_cache_hits_total") for m in prefill_metrics)),
+            "loaded_bytes": int(sum(metric_total(m, "vllm:kv_pool_loaded_bytes_total") for m in prefill_metrics)),
+            "saved_bytes": int(sum(metric_total(m, "vllm:kv_pool_saved_bytes_total") for m in prefill_metrics)),
+        },
+        "requests": {
+            r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
+                     "matches_reference": _matches(answers[r.name], expected[r.name])}
+            for r in requests
+        },
+        "answers_match": all(_matches(answers[r.name], expected[r.name]) for r in requests),
+    }
+
+
+def run_demo(workdir: Path) -> dict:
+    from deploy.services.pool import pool_down, pool_up
+
+    started: list[ManagedProcess] = []
+    pool_dir = workdir / "pool"
+    pool_started = False
+    requests = _requests()
+    try:
+        _progress("1/5 building the tiny 16-layer MLA model")
+        model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
+        plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
+
+        _progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
+        reference = engine_server("reference", model, workdir, 2, [0, 1], [])
+        start_servers((reference,), started, timeout=600)
+        blocks_off = _num_blocks(reference.url)
+        expected = {r.name: _complete(reference.url, model, r.prompt) for r in requests}
+        reference.stop()
+        started.remove(reference)
+
+        _progress("3/5 Mooncake pool (mooncake_master + segment holder)")
+        pool = pool_up("mooncake", pool_dir, segment_bytes=256 << 20)
+        pool_started = True
+
+        _progress("4/5 prefill (TP=2, KVPP on), decode (TP=1) and the P/D proxy")
+        prefill, decode = pd_servers(model, workdir, pool.kv_connector_extra_config)
+        start_servers((prefill, decode), started, timeout=600)
+        proxy, proxy_url = start_proxy([prefill.url], [decode.url], workdir / "proxy.log")
+        started.append(proxy)
+
+        _progress("5/5 requests through the proxy")
+        return _drive(requests, model, proxy_url, [prefill.url], decode.url, expected, blocks_off, plan)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        if pool_started:
+            pool_down(pool_dir)
+
+
+def run_demo_hosts(workdir: Path) -> dict:
+    """The demo's stack as a rendered deployment across five network-namespace hosts (needs root):
+    `kvpp check` and `kvpp render --launcher api-server` produce the scripts, each runs on its host."""
+    from deploy.harness.multihost import HOSTS, RenderedStack, cpu_spec
+    from deploy.harness.testbed import Testbed
+
+    requests = _requests()
+    _progress("1/4 building the tiny 16-layer MLA model")
+    model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
+    plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
+    with Testbed(list(HOSTS)) as bed:
+        _progress("2/4 hosts " + ", ".join(f"{h.name}={h.address}" for h in bed.hosts.values())
+                  + f" on bridge {bed.bridge}; rendering the deployment")
+        try:
+            stack = RenderedStack(bed, cpu_spec(bed, model, kv_cache_bytes=KV_BYTES), workdir)
+        except ValueError as exc:
+            raise DemoError(f"kvpp render refused the demo spec: {exc}") from None
+        _progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
+        stack.start_all(progress=_progress)
+        # Reference: the decode engine computing each prompt itself; its KV budget is the prefills', without
+        # KVPP, so its blocks are the capacity without KVPP.
+        expected = {r.name: _complete(stack.url("decode"), model, r.prompt) for r in requests}
+        _progress("4/4 requests through the proxy on host proxy")
+        report = _drive(requests, model, stack.url("proxy"), [stack.url("prefill"), stack.url("prefill2")],
+                        stack.url("decode"), expected, _num_blocks(stack.url("decode")), plan)
+        report["hosts"] = {h.name: h.address for h in bed.hosts.values()}
+        report["rendered"] = str(stack.scripts)
+        return report
+
+
+def _print_report(report: dict) -> None:
+    cap, xfer, pool = report["capacity"], report["transfer"], report["pool"]
+    print("KVPP demo: tiny 16-layer MLA model, prefill TP=2 with KVPP, decode TP=1, Mooncake pool")
+    print(f"  KV capacity    off {cap['blocks_off']} blocks, on {cap['blocks_on']} blocks: {cap['ratio']:.2f}x "
+          f"(plan {cap['plan_blocks_off']} -> {cap['plan_blocks_on']}, {cap['plan_ratio']:.2f}x)")
+    rate = xfer["bytes"] / xfer["seconds"] / 1e6 if xfer["seconds"] else 0.0
+    print(f"  P/D transfer   {xfer['pulls']} pulls, {xfer['bytes']:,} bytes in {xfer['seconds']:.3f} s "
+          f"({rate:.0f} MB/s), {xfer['failures']} failed")
+    print(f"  KV pool        {pool['hit_tokens']} prompt tokens loaded from the pool "
+          f"({pool['loaded_bytes']:,} bytes loaded, {pool['saved_bytes']:,} bytes saved)")
+    for name, r in report["requests"].items():
+        mark = "same as colocated" if r["matches_reference"] else "DIFFERS from colocated"
+        print(f"  {name:<18} {r['seconds']:6.2f} s  {mark}: {r['text']!r}")
+    print(f"  answers match a colocated engine: {'yes' if report['answers_match'] else 'NO'}")
+    if "hosts" in report:
+        print("  hosts          " + ", ".join(f"{n} {a}" for n, a in report["hosts"].items())
+              + f"; scripts in {report['rendered']}")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="run prefill (KVPP) + decode + pool + proxy on this machine and report",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--workdir", type=cli_args.path, help="where the model, logs and pool state go (default: a temp dir)")
+    p.add_argument("--hosts", action="store_true",
+                   help="spread the stack over five hosts (network namespaces on a bridge, needs root) and run "
+                   "it from `kvpp render` scripts; without root it runs on loopback and says so")
+    p.set_defaults(func=_run)
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_demo's cleanup, unlike the default action
+
+
+def _run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    demo = run_demo
+    if args.hosts:
+        from deploy.harness.testbed import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            _progress(f"--hosts: {reason}; running on loopback instead")
+        else:
+            demo = run_demo_hosts
+    try:
+        if args.workdir is None:
+            with tempfile.TemporaryDirectory(prefix="kvpp-demo-") as tmp:
+                report = demo(Path(tmp))
+        else:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            report = demo(args.workdir)
+    except (ProcessError, DemoError, TestbedError) as exc:
+        # The message names the process and ends with its log tail: what the user needs, not our stack.
+        print(f"kvpp demo: failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    return 0 if report["answers_match"] else 1

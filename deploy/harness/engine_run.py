@@ -1,0 +1,136 @@
+"""Run one real vLLM engine over a fixed workload and print tokens, logprobs and KVPP reports as JSON.
+
+Tests compare two runs of this script (KVPP off and on) in separate processes, since one process
+can host only one vLLM engine configuration. Requests arrive in two waves so that later steps mix
+fresh prefills with decodes that need history (the steps where KVPP broadcasts).
+
+Tests and benchmarks call `run()` (which starts this file in a process group of its own) and
+`write_prompts()`, and compare two runs with `assert_same_outputs()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+RESULT_PREFIX = "KVPP_RESULT "
+
+
+def write_prompts(path: Path, model: str, lengths: Sequence[int], seed: int = 0) -> Path:
+    """Random token-id prompts of the given lengths, drawn from the model's vocabulary."""
+    rng = random.Random(seed)
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    path.write_text(json.dumps([[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]))
+    return path
+
+
+def run(model: str, prompts: Path, *args: str, env: Mapping[str, str] | None = None, timeout: float = 900) -> dict:
+    """One engine run of this script; its result, or RuntimeError with the end of its output."""
+    from deploy.services.processes import run_in_group
+
+    workers = 1
+    for flag in ("--tp", "--pp"):
+        if flag in args:
+            workers *= int(args[args.index(flag) + 1])
+    # One OpenMP core per worker, the TP ranks of a stage on different cores (PP stages take turns).
+    bind = "|".join(str(i % 2) for i in range(workers))
+    full_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, **(env or {})}
+    proc = run_in_group([sys.executable, __file__, "--model", model, "--prompts", str(prompts), *args],
+                        timeout=timeout, env=full_env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line.removeprefix(RESULT_PREFIX))
+    raise RuntimeError(f"engine run {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+                       f"\n{proc.stdout[-4000:]}")
+
+
+def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int, logprob_tol: float = 1e-5) -> None:
+    """Two runs answered every prompt with the same tokens, and logprobs equal within `logprob_tol` (fp32)."""
+    assert sorted(ref["outputs"]) == sorted(got["outputs"]) == sorted(str(i) for i in range(num_prompts))
+    for req, want in ref["outputs"].items():
+        have = got["outputs"][req]
+        assert len(want["token_ids"]) == max_tokens
+        assert have["token_ids"] == want["token_ids"], f"request {req}"
+        worst = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"]))
+        assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="PP stages (the split: VLLM_PP_LAYER_PARTITION)")
+    ap.add_argument("--compiled", action="store_true", help="torch.compile instead of --enforce-eager")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (the model needs MTP layers)")
+    ap.add_argument("--kvpp", action="store_true")
+    ap.add_argument("--staging", type=int, default=None)
+    ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--prompts", required=True, help="JSON file: list of lists of token ids")
+    ap.add_argument("--first-wave", type=int, default=2, help="prompts submitted before the first step")
+    ap.add_argument("--steps-between-waves", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    additional = {}
+    if args.kvpp:
+        additional["enable_kvpp"] = True
+        if args.staging is not None:
+            additional["kvpp_staging_buffers"] = args.staging
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        distributed_executor_backend="mp",
+        speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else None,
+        dtype="float32",
+        enforce_eager=not args.compiled,
+        block_size=16,
+        kv_cache_memory_bytes=args.kv_bytes,
+        compilation_config={"custom_ops": ["-rotary_embedding"]},
+        additional_config=additional,
+        max_model_len=1024,
+        seed=0,
+    )
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
+    engine = llm.llm_engine
+    outputs = {}
+    step_seconds = []
+
+    def submit(indices):
+        for i in indices:
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+
+    def step():
+        started = time.perf_counter()
+        finished = engine.step()
+        step_seconds.append(time.perf_counter() - started)
+        for out in finished:
+            if out.finished:
+                comp = out.outputs[0]
+                outputs[out.request_id] = {
+                    "token_ids": list(comp.token_ids),
+                    "logprobs": [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)],
+                }
+
+    submit(range(min(args.first_wave, len(prompts))))
+    for _ in range(args.steps_between_waves):
+        step()
+    submit(range(args.first_wave, len(prompts)))
+    while engine.has_unfinished_requests():
+        step()
+    reports = llm.collective_rpc("kvpp_stats")
+    print(RESULT_PREFIX + json.dumps({"outputs": outputs, "workers": reports, "step_seconds": step_seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,525 @@
+"""`kvpp proxy`: an OpenAI-compatible P/D proxy speaking vLLM's disaggregation protocol.
+
+Each completion normally runs twice: on a prefill instance with `max_tokens: 1` and
+`kv_transfer_params: {"do_remote_decode": true}` (it computes the prompt's KV and keeps it), then on a
+decode instance with the `kv_transfer_params` the prefill returned, unchanged (it pulls that KV and
+generates). Instances are picked round-robin per role.
+
+An outage of one role costs latency, not errors: every instance is a full engine, so when no prefill
+answers the request goes to a decode as a plain request (it computes its own prompt), and when no
+decode answers a prefill serves the whole request. A failed instance leaves the rotation until its
+/health answers again. Only a stream that already reached the client cannot move; it ends with an
+in-band error event. A client that disconnects cancels both legs: closing the upstream connection
+is what makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from connectors.hosts import host_url
+
+from deploy import args as cli_args
+from deploy.services.processes import LOOPBACK, ManagedProcess, free_port
+
+logger = logging.getLogger("kvpp.proxy")
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Headers passed to the backends (auth, tracing); hop-by-hop and body headers are aiohttp's business.
+FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
+# Outcomes counted on /metrics: the path an answered request took, or why it was not answered.
+PATHS = ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected")
+PATH_HEADER = "X-Kvpp-Path"  # on every answer: pd, decode_only or prefill_only
+FAILED_MID_STREAM = web.ResponseKey("kvpp_failed_mid_stream", bool)  # marks a relayed stream that ended with an error event
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 10.0
+    prefill: float = 600.0
+    """Whole prefill request (long prompts take long); a prefill silent this long is given up."""
+    decode_read: float = 300.0
+    """Longest silence between two chunks of an answer (before the first one too)."""
+    probe: float = 1.0
+    """Seconds between /health probes of instances out of rotation."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 32 << 20
+    """Large enough for a long prompt as text or token ids; larger bodies get a 413."""
+    max_depth: int = 32
+    """JSON nesting allowed in a request (chat content parts need about 5)."""
+
+
+class BackendFailure(Exception):
+    """One instance failed to serve a request before anything reached the client."""
+
+    def __init__(self, backend: Backend, reason: str, reached: bool = True):
+        super().__init__(f"{backend.role} {backend.url}: {reason}")
+        self.backend, self.reason = backend, reason
+        self.reached = reached
+        """False when the request never got to the instance (connection refused): safe to resend as is."""
+
+
+class ClientLeft(Exception):
+    """Writing to the client failed: it disconnected (not the backend's fault)."""
+
+
+class Rejected(Exception):
+    """An instance refused the request itself (HTTP 4xx): the client's problem, relayed as is."""
+
+    def __init__(self, status: int, body: bytes):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+class Backend:
+    def __init__(self, role: str, url: str):
+        self.role, self.url = role, url.rstrip("/")
+        self.up = True
+        self.reason = ""
+        self.failures = 0
+
+
+class Rotation:
+    """The instances of one role, used round-robin; a failed one stays out until its /health answers."""
+
+    def __init__(self, role: str, urls: Sequence[str]):
+        if not urls:
+            raise ValueError(f"need at least one {role} backend URL")
+        self.role = role
+        self.backends = [Backend(role, u) for u in urls]
+        self._next = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [b.url for b in self.backends]
+
+    def order(self) -> list[Backend]:
+        """The instances in rotation, starting with the one whose turn it is."""
+        start = self._next
+        self._next = (start + 1) % len(self.backends)
+        return [b for b in self.backends[start:] + self.backends[:start] if b.up]
+
+    def mark_failed(self, failure: BackendFailure) -> None:
+        b = failure.backend
+        b.failures += 1
+        b.reason = failure.reason
+        if b.up:
+            b.up = False
+            logger.warning("%s %s out of rotation: %s", b.role, b.url, failure.reason)
+
+    def down(self) -> list[Backend]:
+        return [b for b in self.backends if not b.up]
+
+
+def prefill_body(body: dict) -> dict:
+    """The client's request turned into a KV-producing prefill: one token, no streaming."""
+    req = plain_body(body)
+    req["kv_transfer_params"] = {"do_remote_decode": True}
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req["stream"] = False
+    req.pop("stream_options", None)
+    return req
+
+
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    return {**plain_body(body), "kv_transfer_params": kv_transfer_params}
+
+
+def plain_body(body: dict) -> dict:
+    """The request as one engine computes it alone; transfer parameters are the proxy's to set."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+def _error(status: int, message: str, kind: str = "upstream_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _too_deep(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+class PDProxy:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeouts: Timeouts = Timeouts(),
+                 limits: Limits = Limits()):
+        self.prefill = Rotation("prefill", prefill)
+        self.decode = Rotation("decode", decode)
+        self.timeouts, self.limits = timeouts, limits
+        self.outcomes: collections.Counter[str] = collections.Counter({p: 0 for p in PATHS})
+        self.in_flight = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
+
+    # -- app -----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        for path in COMPLETION_PATHS:
+            app.router.add_post(path, self.handle_completion)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    def runner(self) -> web.AppRunner:
+        """The app served so that a client's disconnect cancels its handler (and so both legs)."""
+        return web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+
+    async def _start(self, _app) -> None:
+        # No total limit: a decode stream may legitimately last long; reads are bounded per chunk.
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect))
+        self._prober = asyncio.create_task(self._probe_loop())
+
+    async def _stop(self, _app) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _probe_loop(self) -> None:
+        """Put failed instances back into rotation once their /health answers 200."""
+        while True:
+            await asyncio.sleep(self.timeouts.probe)
+            down = self.prefill.down() + self.decode.down()
+            results = await asyncio.gather(*(self._backend_ok(b.url) for b in down))
+            for b, result in zip(down, results):
+                if result == "ok":
+                    b.up, b.reason = True, ""
+                    logger.info("%s %s back in rotation", b.role, b.url)
+
+    # -- handlers ------------------------------------------------------------------------------
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """Shallow by default (the proxy is up); `?backends=1` also asks every backend's /health."""
+        info = {"status": "ok", "prefill": self.prefill.urls, "decode": self.decode.urls}
+        if request.query.get("backends") not in ("1", "true"):
+            return web.json_response(info)
+        urls = self.prefill.urls + self.decode.urls
+        results = await asyncio.gather(*(self._backend_ok(u) for u in urls))
+        info["backends"] = dict(zip(urls, results))
+        healthy = all(r == "ok" for r in results)
+        info["status"] = "ok" if healthy else "degraded"
+        return web.json_response(info, status=200 if healthy else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: requests by the path they took, in flight, and each instance's state."""
+        lines = ["# HELP kvpp_proxy_requests_total Completions by outcome: the path an answer took "
+                 "(pd, decode_only, prefill_only) or failed, cancelled (client left), rejected (bad request).",
+                 "# TYPE kvpp_proxy_requests_total counter"]
+        lines += [f'kvpp_proxy_requests_total{{path="{p}"}} {self.outcomes[p]}' for p in PATHS]
+        lines += ["# HELP kvpp_proxy_requests_in_flight Completions being served.",
+                  "# TYPE kvpp_proxy_requests_in_flight gauge", f"kvpp_proxy_requests_in_flight {self.in_flight}"]
+        backends = self.prefill.backends + self.decode.backends
+        lines += ["# HELP kvpp_proxy_backend_up 1 while the instance is in rotation.",
+                  "# TYPE kvpp_proxy_backend_up gauge"]
+        lines += [f'kvpp_proxy_backend_up{{role="{b.role}",backend="{b.url}"}} {int(b.up)}' for b in backends]
+        lines += ["# HELP kvpp_proxy_backend_failures_total Requests an instance failed to serve.",
+                  "# TYPE kvpp_proxy_backend_failures_total counter"]
+        lines += [f'kvpp_proxy_backend_failures_total{{role="{b.role}",backend="{b.url}"}} {b.failures}'
+                  for b in backends]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _backend_ok(self, url: str) -> str:
+        try:
+            async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"unreachable ({_reason(exc)})"
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        reasons = []
+        for b in self.decode.order() + self.prefill.order():
+            try:
+                async with self._session.get(f"{b.url}/v1/models", headers=_forwarded(request),
+                                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    if resp.status < 500:
+                        return web.Response(status=resp.status, body=await resp.read(),
+                                            content_type="application/json")
+                    reasons.append(f"{b.role} {b.url}: HTTP {resp.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                reasons.append(f"{b.role} {b.url}: unreachable ({_reason(exc)})")
+        return _error(502, "no backend answered: " + ("; ".join(reasons) or "none in rotation"))
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            self.outcomes["rejected"] += 1
+            return body
+        headers = {**_forwarded(request), "X-Request-Id": request.headers.get("X-Request-Id") or uuid.uuid4().hex}
+        self.in_flight += 1
+        try:
+            response, outcome = await self._route(request, body, headers)
+            outcome = "failed" if response.get(FAILED_MID_STREAM) else outcome
+        except (asyncio.CancelledError, ClientLeft) as exc:
+            # The client went away; leaving the upstream `async with` blocks closed both connections.
+            self.outcomes["cancelled"] += 1
+            logger.info("client left %s %s: upstream requests closed", request.path, headers["X-Request-Id"])
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return web.Response(status=499)  # never sent: the connection is gone
+        finally:
+            self.in_flight -= 1
+        self.outcomes[outcome] += 1
+        return response
+
+    async def _read_body(self, request: web.Request) -> dict | web.Response:
+        """The request as a JSON object, or an OpenAI-style error (logged as one short line)."""
+        try:
+            body = json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            return self._reject(request, 413, f"request body larger than {self.limits.max_body_bytes} bytes")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            return self._reject(request, 400, "request body is not valid JSON")
+        except RecursionError:  # the parser itself gave up on the nesting
+            return self._reject(request, 400, f"request body nests deeper than {self.limits.max_depth} levels")
+        if not isinstance(body, dict):
+            return self._reject(request, 400, "request body must be a JSON object")
+        if _too_deep(body, self.limits.max_depth):
+            return self._reject(request, 400, f"request body nests deeper than {self.limits.max_depth} levels")
+        return body
+
+    def _reject(self, request: web.Request, status: int, message: str) -> web.Response:
+        logger.info("rejected %s from %s: %s", request.path, request.remote, message)
+        return _error(status, message, "invalid_request_error")
+
+    # -- routing -------------------------------------------------------------------------------
+    async def _route(self, request: web.Request, body: dict, headers: dict) -> tuple[web.StreamResponse, str]:
+        """Serve by P/D when both roles answer, else by whichever role does; returns the answer and its path."""
+        prefills, decodes = self.prefill.order(), self.decode.order()
+        if not prefills and not decodes:  # every instance failed lately: try them all rather than refuse
+            prefills, decodes = list(self.prefill.backends), list(self.decode.backends)
+        failures: list[BackendFailure] = []
+        stream = body.get("stream") is True
+        try:
+            params = None
+            if decodes:  # without a decode there is no one to hand the KV to
+                for b in prefills:
+                    try:
+                        params = await self._prefill(b, request.path, body, headers)
+                        break
+                    except BackendFailure as failure:
+                        failures.append(self._failed(failure))
+            for b in decodes:
+                # A resend elsewhere pulls the same blocks only if the first decode never got the request.
+                send, path = (decode_body(body, params), "pd") if params is not None else (plain_body(body),
+                                                                                          "decode_only")
+                try:
+                    return await self._serve(request, b, send, headers, stream, path), path
+                except BackendFailure as failure:
+                    failures.append(self._failed(failure))
+                    params = params if not failure.reached else None
+            for b in self.prefill.order() if decodes else prefills:
+                try:
+                    return await self._serve(request, b, plain_body(body), headers, stream, "prefill_only"), \
+                        "prefill_only"
+                except BackendFailure as failure:
+                    failures.append(self._failed(failure))
+        except Rejected as rejected:
+            return web.Response(status=rejected.status, body=rejected.body, content_type="application/json"), \
+                "rejected"
+        reasons = "; ".join(str(f) for f in failures) or "no instance in rotation"
+        return _error(502, f"no backend could serve the request: {reasons}"), "failed"
+
+    def _failed(self, failure: BackendFailure) -> BackendFailure:
+        (self.prefill if failure.backend.role == "prefill" else self.decode).mark_failed(failure)
+        return failure
+
+    async def _prefill(self, backend: Backend, path: str, body: dict, headers: dict) -> dict:
+        timeout = aiohttp.ClientTimeout(total=self.timeouts.prefill, connect=self.timeouts.connect)
+        try:
+            async with self._session.post(f"{backend.url}{path}", json=prefill_body(body), headers=headers,
+                                          timeout=timeout) as resp:
+                data = await resp.read()
+                _check_status(backend, resp.status, data)
+        except asyncio.TimeoutError:
+            raise BackendFailure(backend, f"no answer within {self.timeouts.prefill:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise _connection_failure(backend, exc) from None
+        try:
+            params = json.loads(data).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise BackendFailure(backend, "answered with a body that is not a JSON object") from None
+        if not isinstance(params, dict):
+            raise BackendFailure(backend, "returned no kv_transfer_params; start it with --kv-transfer-config "
+                                 '{"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", ...}')
+        return params
+
+    async def _serve(self, request: web.Request, backend: Backend, body: dict, headers: dict, stream: bool,
+                     path: str) -> web.StreamResponse:
+        """One instance answers the client, told the path taken in PATH_HEADER. Raises BackendFailure
+        while nothing has reached the client."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_read=self.timeouts.decode_read)
+        silent = f"no answer within {self.timeouts.decode_read:g} s"
+        try:
+            resp = await self._session.post(f"{backend.url}{request.path}", json=body, headers=headers,
+                                            timeout=timeout)
+        except asyncio.TimeoutError:
+            raise BackendFailure(backend, silent) from None
+        except aiohttp.ClientError as exc:
+            raise _connection_failure(backend, exc) from None
+        try:
+            try:
+                if not stream:
+                    data = await resp.read()
+                    _check_status(backend, resp.status, data)
+                    out = web.Response(status=200, body=data, content_type="application/json",
+                                       headers={PATH_HEADER: path})
+                    resp.release()
+                    return out
+                if resp.status != 200:
+                    _check_status(backend, resp.status, await resp.read())
+                first = await resp.content.readany()
+                if not first:
+                    raise BackendFailure(backend, "closed the stream before sending anything")
+            except asyncio.TimeoutError:
+                raise BackendFailure(backend, silent) from None
+            except aiohttp.ClientError as exc:
+                raise BackendFailure(backend, f"failed while answering ({_reason(exc)})") from None
+            return await self._relay(request, resp, backend, first, path)
+        finally:
+            resp.close()  # a no-op after release(); otherwise it cuts the connection, which aborts the request
+
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
+                     first: bytes, path: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
+            PATH_HEADER: path})
+        await _to_client(out.prepare(request))
+        await _to_client(out.write(first))
+        try:
+            async for chunk in resp.content.iter_any():
+                await _to_client(out.write(chunk))
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Headers are gone already: tell the client in-band, the way vLLM reports stream errors.
+            reason = "went silent" if isinstance(exc, asyncio.TimeoutError) else _reason(exc)
+            self._failed(BackendFailure(backend, f"failed mid-stream ({reason})"))
+            event = {"error": {"message": f"{backend.role} {backend.url} failed mid-stream: {reason}",
+                               "type": "upstream_error", "code": 502}}
+            out[FAILED_MID_STREAM] = True
+            await _to_client(out.write(f"data: {json.dumps(event)}\n\n".encode()))
+        await _to_client(out.write_eof())
+        return out
+
+
+async def _to_client(write) -> None:
+    """Await a write to the client; its disconnect must not pass for the backend's failure."""
+    try:
+        await write
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientLeft() from None
+
+
+def _check_status(backend: Backend, status: int, data: bytes) -> None:
+    if 400 <= status < 500:
+        raise Rejected(status, data)
+    if status != 200:
+        raise BackendFailure(backend, f"answered HTTP {status}")
+
+
+def _connection_failure(backend: Backend, exc: aiohttp.ClientError) -> BackendFailure:
+    reached = not isinstance(exc, aiohttp.ClientConnectorError)
+    return BackendFailure(backend, f"{'connection lost' if reached else 'unreachable'} ({_reason(exc)})", reached)
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _urls(value: str, flag: str) -> list[str]:
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"{flag}: {u!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100")
+    if not urls:
+        raise ValueError(f"{flag} needs at least one URL")
+    return urls
+
+
+def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_path: Path, port: int | None = None,
+                extra_args: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
+    """Run `kvpp proxy` as a managed process on loopback (a free port unless given); returns it and its
+    URL once healthy."""
+    port = port or free_port()
+    proc = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli.main", "proxy",
+                                         "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
+                                         "--port", str(port), *extra_args], log_path).start()
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        proc.wait_http(f"{url}/health", timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "proxy", help="OpenAI-compatible P/D proxy: prefill with KV export, then decode with the KV",
+        description="Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health "
+        "(?backends=1 also probes the backends) and /metrics. Instances are used round-robin; when one role "
+        "has no instance answering, the other role's instances serve whole requests.",
+    )
+    p.add_argument("--prefill", type=cli_args.url_list, required=True, metavar="URL[,URL]",
+                   help="prefill instance base URL(s)")
+    p.add_argument("--decode", type=cli_args.url_list, required=True, metavar="URL[,URL]",
+                   help="decode instance base URL(s)")
+    p.add_argument("--host", type=cli_args.host, default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=cli_args.port, required=True)
+    p.add_argument("--connect-timeout", type=cli_args.seconds, default=Timeouts.connect, metavar="S")
+    p.add_argument("--prefill-timeout", type=cli_args.seconds, default=Timeouts.prefill, metavar="S",
+                   help=f"whole prefill request; then the request goes to a decode alone (default {Timeouts.prefill:.0f})")
+    p.add_argument("--decode-timeout", type=cli_args.seconds, default=Timeouts.decode_read, metavar="S",
+                   help="longest silence while reading an answer; before the first byte the request then moves to "
+                   f"another instance (default {Timeouts.decode_read:.0f})")
+    p.add_argument("--probe-interval", type=cli_args.seconds, default=Timeouts.probe, metavar="S",
+                   help=f"seconds between /health probes of failed instances (default {Timeouts.probe:g})")
+    p.add_argument("--max-body-bytes", type=cli_args.bounded_int(1024, 1 << 30), default=Limits.max_body_bytes,
+                   metavar="N", help=f"larger request bodies get HTTP 413 (default {Limits.max_body_bytes})")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    prefill, decode = _urls(args.prefill, "--prefill"), _urls(args.decode, "--decode")
+    problems = [f"--{name.replace('_', '-')} must be > 0"
+                for name in ("connect_timeout", "prefill_timeout", "decode_timeout", "probe_interval",
+                             "max_body_bytes") if getattr(args, name) <= 0]
+    if problems:
+        raise ValueError("; ".join(problems))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvpp-proxy %(levelname)s %(message)s")
+    timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval)
+    proxy = PDProxy(prefill, decode, timeouts, Limits(max_body_bytes=args.max_body_bytes))
+    logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", args.host, args.port), prefill, decode)
+    # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
+    hosts = [args.host, "0.0.0.0"] if args.host == "::" else args.host
+    web.run_app(proxy.app(), host=hosts, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    return 0

@@ -1,0 +1,200 @@
+"""The scheduler -> worker-0 lookup channel over real ZeroMQ IPC: answers, bad input, dead peers, late replies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+
+from tests.helpers.paths import REPO
+import zmq
+
+from connectors.store.keys import block_hashes
+from connectors.store.ipc import IpcPathError, SocketInUse, private_dir
+from connectors.store.lookup import LookupChannel, LookupClient, LookupReply, LookupServer, lookup_path
+
+pytestmark = pytest.mark.integration
+
+HASHES = block_hashes(list(range(16 * 6)), 16)
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def channel(runtime_dir, free_port):
+    return LookupChannel(free_port, dp_rank=1)
+
+
+@pytest.fixture
+def endpoint(channel):
+    return channel
+
+
+def test_sockets_live_in_a_private_directory_per_port_and_dp_rank(channel, runtime_dir):
+    assert channel.path.startswith(f"{runtime_dir}/kvpp/") and channel.path.endswith("-dp1.sock")
+    assert LookupChannel(5000, 0).path != LookupChannel(5000, 1).path != LookupChannel(5001, 1).path
+    assert lookup_path(channel.lookup_rpc_port, 1) == f"ipc://{channel.path}"
+    server = LookupServer(channel, lambda hashes: 0)
+    try:
+        st = os.stat(runtime_dir / "kvpp")
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert stat.S_ISSOCK(os.stat(channel.path).st_mode)
+    finally:
+        server.close()
+
+
+def test_without_xdg_runtime_dir_the_directory_is_per_user_in_tmp(monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    assert private_dir() == f"{tmp_path}/kvpp-{os.getuid()}"
+    assert stat.S_IMODE(os.stat(private_dir()).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("plant", ["open-mode", "symlink", "file"])
+def test_an_unsafe_socket_directory_is_refused(runtime_dir, plant):
+    target = runtime_dir / "kvpp"
+    if plant == "open-mode":
+        target.mkdir(mode=0o777)
+        os.chmod(target, 0o777)
+    elif plant == "symlink":
+        (runtime_dir / "elsewhere").mkdir(mode=0o700)
+        target.symlink_to(runtime_dir / "elsewhere")
+    else:
+        target.write_text("x")
+    with pytest.raises(IpcPathError, match="must be a directory owned by uid .* with mode 0700"):
+        LookupChannel(6000).path
+
+
+def test_a_second_engine_on_the_same_port_fails_and_cannot_remove_the_first_ones_socket(channel):
+    first = LookupServer(channel, lambda hashes: 3)
+    client = LookupClient(channel, timeout_s=2)
+    try:
+        with pytest.raises(SocketInUse, match=rf"lookup_rpc_port {channel.lookup_rpc_port} is already in use.*pid {os.getpid()}"):
+            LookupServer(channel, lambda hashes: 0)
+        assert os.path.exists(channel.path), "the failed second server left the first one's socket alone"
+        assert client.hit_blocks(HASHES) == (3, ""), "the first engine still answers its own scheduler"
+    finally:
+        client.close()
+        first.close()
+    assert not os.path.exists(channel.path), "the owner removes its socket on close"
+    LookupServer(channel, lambda hashes: 0).close()  # the name is free again
+
+
+_OWNER = """
+import sys, time
+from connectors.store.lookup import LookupChannel, LookupServer
+server = LookupServer(LookupChannel(int(sys.argv[1]), 1), lambda hashes: 2)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_port_held_by_another_process_fails_and_a_killed_owners_socket_is_reclaimed(channel):
+    root = str(REPO)
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(channel.lookup_rpc_port)], stdout=subprocess.PIPE,
+                             text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        with pytest.raises(SocketInUse, match=f"pid {owner.pid}"):
+            LookupServer(channel, lambda hashes: 0)
+        client = LookupClient(channel, timeout_s=2)
+        assert client.hit_blocks(HASHES) == (2, "")
+        client.close()
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    assert os.path.exists(channel.path), "a killed owner leaves its socket file behind"
+    server = LookupServer(channel, lambda hashes: 4)  # ...which the next engine reclaims
+    client = LookupClient(channel, timeout_s=2)
+    try:
+        assert client.hit_blocks(HASHES) == (4, "")
+    finally:
+        client.close()
+        server.close()
+
+
+def test_answer_comes_from_the_worker(endpoint):
+    server = LookupServer(endpoint, lambda hashes: 4 if hashes == HASHES else 0)
+    client = LookupClient(endpoint, timeout_s=2)
+    try:
+        assert client.hit_blocks(HASHES) == (4, "")
+        assert client.hit_blocks(HASHES[:2]) == (0, "")
+        assert client.hit_blocks([]) == (0, "")
+    finally:
+        client.close()
+        server.close()
+    assert not os.path.exists(endpoint.path), "the socket file is removed on close"
+
+
+def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):
+    def boom(_hashes):
+        raise RuntimeError("store unreachable")
+
+    server = LookupServer(endpoint, boom)
+    client = LookupClient(endpoint, timeout_s=2)
+    try:
+        hit, error = client.hit_blocks(HASHES)
+        assert hit == 0 and "store unreachable" in error
+    finally:
+        client.close()
+        server.close()
+
+
+def test_malformed_requests_are_answered_with_an_error(endpoint):
+    server = LookupServer(endpoint, lambda hashes: len(hashes))
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint.endpoint)
+    try:
+        for raw in (b"\x00garbage", msgspec.msgpack.encode({"block_hashes": ["zz"]}),
+                    msgspec.msgpack.encode({"block_hashes": HASHES, "pickle": b"x"})):
+            sock.send(raw)
+            assert sock.poll(2000)
+            reply = msgspec.msgpack.decode(sock.recv(), type=LookupReply)
+            assert reply.hit_blocks == 0 and reply.error.startswith("invalid lookup")
+    finally:
+        sock.close()
+        server.close()
+
+
+def test_no_worker_means_a_bounded_miss(endpoint):
+    client = LookupClient(endpoint, timeout_s=0.3)
+    start = time.monotonic()
+    hit, error = client.hit_blocks(HASHES)
+    assert hit == 0 and "within 300 ms" in error
+    assert time.monotonic() - start < 1.5
+    client.close()
+
+
+def test_a_late_reply_is_not_taken_for_the_next_answer(endpoint):
+    slow = threading.Event()
+
+    def count(hashes):
+        if len(hashes) == 1:
+            slow.wait(2)  # the first lookup answers after the client gave up
+            return 1
+        return 5
+
+    server = LookupServer(endpoint, count)
+    client = LookupClient(endpoint, timeout_s=0.3)
+    try:
+        assert client.hit_blocks(HASHES[:1])[0] == 0
+        slow.set()
+        assert client.hit_blocks(HASHES)[0] == 5
+    finally:
+        client.close()
+        server.close()

@@ -1,0 +1,120 @@
+"""`kvpp plan`: figures, JSON shape, one-line errors without tracebacks, and the plot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+
+def run_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_glm_tp8_json(capsys):
+    data = run_json(capsys, "--model", "glm-5.2", "--tp", "8")
+    assert {"ratio", "tokens_off", "tokens_on", "stages"} <= data.keys()
+    assert data["ratio"] == pytest.approx(6.50, abs=0.005)
+    assert data["tokens_on"] > data["tokens_off"] > 0
+    assert data["model_mtp_layers"] == 1 and data["model"]["mtp_layers"] == 0
+    assert [len(r["owned"]) for r in data["stages"][0]["ranks"]] == [10] * 6 + [9] * 2
+
+
+@pytest.mark.parametrize(
+    "args, ratio, binding_off",
+    [
+        (["--staging", "1"], 78 / 11, [0]),
+        (["--pp-layers", "38,40"], 40 / 7, [1]),
+        (["--pp", "2", "--pp-layers", "38,40", "--memory-gib", "55,60"], 38 / 7, [0]),
+        (["--mtp", "1"], 79 / 13, [0]),
+    ],
+)
+def test_anchor_figures(capsys, args, ratio, binding_off):
+    data = run_json(capsys, "--model", "glm-5.2", "--tp", "8", *args)
+    assert data["ratio"] == pytest.approx(ratio, rel=1e-3)
+    assert data["binding_stages_off"] == binding_off
+
+
+def test_table_names_binding_stages(capsys):
+    assert main(["plan", "--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,40", "--memory-gib", "55,60"]) == 0
+    out = capsys.readouterr().out
+    assert "without KVPP: " in out and "(binding: stage 0)" in out
+    assert "capacity ratio 5.43x; equivalent KV memory saving 81.6%" in out
+    assert "1     7  73-77 (5)" in out  # stage 1, rank 7 owns layers 73-77
+    assert "pass --mtp 1 when serving with MTP" in out
+
+
+def test_tiny_model_plan_and_hf_path(capsys, tmp_path):
+    data = run_json(capsys, "--model", "kvpp-tiny", "--tp", "2", "--block-size", "16", "--memory-gib", "0.0625")
+    assert data["ratio"] == pytest.approx(1.6, rel=1e-2) and data["block_size"] == 16
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="deepseek_v3", num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512,
+        qk_rope_head_dim=64, torch_dtype="bfloat16")))
+    data = run_json(capsys, "--model", str(tmp_path), "--tp", "8", "--kv-dtype", "fp8")
+    assert data["model"]["kv_dtype"] == "fp8" and data["bundle_bytes_per_token"] == 576
+
+
+def test_tp1_warns_and_reports_ratio_1(capsys):
+    assert main(["plan", "--model", "deepseek-v2-lite", "--tp", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ratio"] == 1.0
+    assert captured.err.startswith("kvpp: warning: tensor_parallel_size: TP=1 without PCP")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt-9", "--tp", "8"], "unknown model 'gpt-9'"),
+        (["--model", "glm-5.2", "--tp", "3"], "TP 3 does not divide the 64 attention heads"),
+        (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,39"], "sums to 77 but the model has 78"),
+        (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,x"], "argument --pp-layers: takes comma-separated integers like 38,40"),
+        (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "-4"], "argument --memory-gib: takes a number or comma-separated numbers like 60,64: expected a number in (0, "),
+        (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "1,2,3"], "one value or one per PP stage (1)"),
+        (["--model", "glm-5.2", "--tp", "8", "--staging", "5"], "kvpp_staging_buffers must be an integer from 1 to 3"),
+        (["--model", "glm-5.2", "--tp", "8", "--pcp", "2"], "set VLLM_USE_V2_MODEL_RUNNER=1"),
+        (["--model", "glm-5.2", "--tp", "8", "--mtp", "-1"], "argument --mtp: expected an integer from 0 to 64, got -1"),
+        (["--model", "glm-5.2", "--tp", "0"], "argument --tp: expected an integer from 1 to 1024, got 0"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpp: error: ") and message in lines[0]
+
+
+def test_malformed_config_through_the_real_command(tmp_path):
+    (tmp_path / "config.json").write_text("{broken")
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli.main", "plan", "--model", str(tmp_path), "--tp", "8"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("kvpp: error: ") and "not a readable JSON config" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    out = tmp_path / "ratio.png"
+    assert main(["plan", "--model", "glm-5.2", "--tp", "8", "--plot", str(out)]) == 0
+    assert f"plot written to {out}" in capsys.readouterr().out
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_to_unwritable_path_is_one_line(capsys, tmp_path):
+    assert main(["plan", "--model", "glm-5.2", "--tp", "8", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("kvpp: error: ")
+
+
+def test_a_table_too_large_to_compute_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(dict(  # no head count: no divisibility check stops it
+        model_type="deepseek_v3", num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)))
+    assert main(["plan", "--model", str(tmp_path), "--tp", "1024", "--pp", "61"]) == 2
+    assert "62464 ranks to tabulate" in capsys.readouterr().err

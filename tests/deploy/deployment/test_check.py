@@ -1,0 +1,338 @@
+"""`kvpp check`: one spec per rule that breaks it, plus schema errors reported with their paths."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.deployment.check import run_check
+from deploy.cli.main import main
+from deploy.deployment.spec import SpecError, parse_spec
+
+pytestmark = pytest.mark.unit
+
+from tests.helpers.paths import REPO as ROOT
+
+
+def _prefill(**kw):
+    base = {"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": True, "enforce_eager": True}
+    return {**base, **kw}
+
+
+def _decode(**kw):
+    return {"name": "d", "hosts": ["h1"], "tp": 4, "port": 8001, "kv_port": 37010, **kw}
+
+
+def _check(tmp_path, spec):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    findings, code = run_check(str(path))
+    return [str(f) for f in findings if f.severity == "error"], [str(f) for f in findings if f.severity != "error"], code
+
+
+def _spec(prefill, decode=(), pool=None, model="glm-5.2"):
+    spec = {"model": {"path": "/models/x", "preset": model}, "prefill": list(prefill), "decode": list(decode)}
+    if pool:
+        spec["pool"] = pool
+    return spec
+
+
+POOL = {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600, "kv_role": "kv_both",
+        "extra_config": {"load_async": True}}
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "deploy" / "deployment" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_examples_pass(example, capsys):
+    assert main(["check", str(example)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_kvpp_only_on_prefill(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(enable_kvpp=True, enforce_eager=True)]))
+    assert code == 1
+    assert any(e.startswith("error: decode[0] (d): kv_role:") and "prefill nodes" in e for e in errors)
+
+
+def test_kvpp_needs_eager_on_sfa(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(enforce_eager=False)]))
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): enforce_eager: KVPP on an SFA model (glm-5.2) runs in eager "
+                                "mode only") and errors[0].endswith("add --enforce-eager")
+
+
+def test_kvpp_refuses_vllms_default_full_graphs_on_mla(tmp_path):
+    """A spec does not say the CUDA graph mode, so vLLM's default (FULL_AND_PIECEWISE) is assumed."""
+    errors, _, code = _check(tmp_path, _spec([_prefill(enforce_eager=False)], model="deepseek-v3"))
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): compilation_config.cudagraph_mode: vLLM's default "
+                                "FULL_AND_PIECEWISE captures whole forward passes")
+
+
+def test_pcp_needs_runner_v2(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2)]))
+    assert any("prefill_context_parallel_size" in e and "VLLM_USE_V2_MODEL_RUNNER=1" in e for e in errors)
+    errors, _, code = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2")]))
+    assert code == 0 and errors == []
+
+
+def test_no_pcp_with_pd_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2", kv_port=37000)], [_decode(kv_port=37100)]))
+    assert any("MooncakeConnectorV2 with KVPP does not support PCP" in e for e in errors)
+
+
+def test_no_pcp_with_pooling_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pcp=2, runner="v2")], pool=POOL))
+    assert any("prefill_context_parallel_size" in e for e in errors)
+
+
+def test_pool_options_allowed_with_kvpp(tmp_path):
+    pool = {**POOL, "extra_config": {"use_layerwise": True}}
+    errors, _, code = _check(tmp_path, _spec([_prefill()], pool=pool))
+    assert code == 1
+    assert any("kv_connector_extra_config.use_layerwise" in e for e in errors)
+    assert any("kv_connector_extra_config.load_async: defaults to false" in e for e in errors)
+
+
+def test_kv_events_not_with_pool_under_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_events=True)], pool=POOL))
+    assert any("kv_events_config" in e for e in errors)
+
+
+def test_mooncake_role_must_be_producer_with_kvpp(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_port=37000, kv_transfer_config={"kv_role": "kv_both"})],
+                                          [_decode(kv_port=37100)]))
+    assert any("kv_role" in e and "kv_producer" in e for e in errors)
+
+
+def test_tp1_gains_nothing_is_a_warning(tmp_path, capsys):
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(tp=1)]))
+    assert code == 0 and errors == []
+    assert len(warnings) == 1 and "warning: prefill[0] (p): tensor_parallel_size: TP=1 without PCP" in warnings[0]
+
+
+def test_handshake_ranges_overlap_on_one_host(tmp_path):
+    # prefill TP8 from 37000 uses 37000-37008; a decode at 37005 collides on the same host.
+    errors, _, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37005)]))
+    assert code == 1
+    assert errors == ["error: decode[0] (d): kv_port: on host h1 its handshake/control ports overlap prefill[0] (p)'s "
+                      "at 37005-37008; move kv_port so the ranges are disjoint (each instance uses kv_port .. "
+                      "kv_port + tp*pp*pcp*dp + dp - 1)"]
+    # The seed's layout, 37000 / 37010, is disjoint; so are overlapping numbers on different hosts.
+    assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37010)]))[2] == 0
+    assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37005, hosts=["h2"])]))[2] == 0
+
+
+def test_kv_port_range_beyond_65535(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(kv_port=65530)], [_decode()]))
+    assert any("beyond 65535" in e for e in errors)
+
+
+def test_pd_needs_kv_ports(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill()], [_decode()]))
+    assert any(e.startswith("error: prefill[0] (p): kv_port: P/D with MooncakeConnectorV2 needs a kv_port") for e in errors)
+
+
+def test_lookup_ports_unique_per_instance_on_a_host(tmp_path):
+    second = _prefill(name="p2", port=8001)
+    errors, _, code = _check(tmp_path, _spec([_prefill(), second], pool=POOL))
+    assert code == 1 and any("prefill[1] (p2): lookup_rpc_port: lookup_rpc_port 5600 on host h1" in e for e in errors)
+    second["lookup_rpc_port"] = 5601
+    assert _check(tmp_path, _spec([_prefill(), second], pool=POOL))[2] == 0
+
+
+def test_http_ports_unique_on_a_host(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(), _prefill(name="p2")]))
+    assert any("prefill[1] (p2): port: HTTP port 8000 on host h1" in e for e in errors)
+
+
+def test_layer_split_must_add_up(tmp_path):
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 39])]))
+    assert any("pp_layers" in e and "sums to 77 but the model has 78" in e for e in errors)
+    errors, _, _ = _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[78])]))
+    assert any("has 1 stages but pp is 2" in e for e in errors)
+    assert _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 40])]))[2] == 0
+
+
+def test_non_mla_model_is_refused(tmp_path):
+    cfg = tmp_path / "llama"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4,
+                                                 "num_attention_heads": 8, "torch_dtype": "bfloat16"}))
+    spec = _spec([_prefill()])
+    spec["model"] = {"path": str(cfg)}
+    errors, _, _ = _check(tmp_path, spec)
+    assert any("error: prefill[0] (p): model:" in e and "MLA/SFA" in e for e in errors)
+
+
+def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
+    spec = _spec([_prefill()])
+    spec["model"] = {"path": "/nowhere/model"}
+    errors, _, _ = _check(tmp_path, spec)
+    assert any(e.startswith("error: model: model.preset:") for e in errors)
+
+
+def test_schema_reports_every_error_with_its_path():
+    bad = {"model": {}, "prefill": [{"name": "P_0", "hosts": [], "tp": 0, "colour": 1}],
+           "pool": {"backend": "redis", "address": "nohost", "lookup_rpc_port": 70000}}
+    with pytest.raises(SpecError) as info:
+        parse_spec(bad)
+    problems = info.value.problems
+    paths = sorted(p.split(":")[0] for p in problems)
+    assert paths == sorted(["model", "pool.address", "pool.backend", "pool.lookup_rpc_port", "prefill[0]",
+                            "prefill[0].hosts", "prefill[0].name", "prefill[0].tp"])
+    assert any("'colour' was unexpected" in p and "allowed keys:" in p for p in problems)
+
+
+def test_flags_owned_by_render_are_refused_in_extra_args():
+    with pytest.raises(SpecError, match=r"prefill\[0\]\.extra_args\[1\]: --additional-config is set by kvpp render"):
+        parse_spec(_spec([_prefill(extra_args=["--max-num-seqs=4", "--additional-config={}"])]))
+
+
+def test_duplicate_instance_names():
+    with pytest.raises(SpecError, match=r"decode\[0\]\.name: 'p' is already used by prefill\[0\]"):
+        parse_spec(_spec([_prefill(kv_port=37000)], [_decode(name="p")]))
+
+
+def test_cli_prints_errors_and_exits_1(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(_spec([_prefill(enforce_eager=False, tp=1)])))
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: ") and err[1].startswith("warning: ")
+
+
+def test_pd_plus_pool_runs_a_multiconnector_whose_children_are_each_checked(tmp_path):
+    pool = {**POOL, "extra_config": {}}
+    spec = _spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=pool)
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1
+    assert any("connectors[1].kv_connector_extra_config.load_async: defaults to false" in e for e in errors)
+    from deploy.deployment import launch
+    from deploy.deployment.spec import parse_spec
+
+    parsed = parse_spec(_spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=POOL))
+    cfg = launch.kv_transfer_config(parsed, parsed.prefill[0])
+    assert cfg["kv_connector"] == "MultiConnector" and cfg["kv_role"] == "kv_both"
+    assert [c["kv_connector"] for c in cfg["kv_connector_extra_config"]["connectors"]] == [
+        "MooncakeConnectorV2", "AscendStoreConnector"]
+    assert launch.kv_transfer_config(parsed, parsed.decode[0])["kv_connector"] == "MooncakeConnectorV2"
+    assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=POOL))[2] == 0
+
+
+def test_kv_port_without_decode_is_a_warning(tmp_path):
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(kv_port=37000)]))
+    assert code == 0 and errors == []
+    assert warnings == ["warning: prefill[0] (p): kv_port: kv_port is unused without decode instances (it is the "
+                        "base of P/D handshake ports); remove it or add the decode instances"]
+
+
+def test_sizes_past_the_ceilings_are_refused_in_one_short_line_each():
+    spec = _spec([_prefill(name=f"p{i}") for i in range(1025)])
+    spec["prefill"][0]["tp"] = 8.0  # an integer written as a float would render as `8.0`
+    spec["decode"] = [_decode(hosts=["h" * 5000])]
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    problems = info.value.problems
+    assert "prefill: has 1025 items, more than the 1024 allowed" in problems
+    assert any(p.startswith("prefill[0].tp: 8.0 is not of type 'integer'") for p in problems)
+    assert any(p.startswith("decode[0].hosts[0]: 'hhhh") for p in problems)
+    assert all(len(p) < 400 for p in problems)
+
+
+# ---- instances sharing one pool must key blocks alike (connectors.store.layouts) --------------------
+def _pooled(name, host, **kw):
+    return _prefill(name=name, hosts=[host], lookup_rpc_port=5601, **kw)
+
+
+def _example(**prefill_b):
+    spec = yaml.safe_load((ROOT / "deploy" / "deployment" / "examples" / "pd-multi-host-pool.yaml").read_text())
+    spec["prefill"][1].update(prefill_b)
+    return spec
+
+
+@pytest.mark.parametrize("change, shown, fix", [
+    ({"enable_kvpp": False}, "kvpp (prefill-b: False, prefill-a: True)", "set the same enable_kvpp on every instance"),
+    ({"tp": 4}, "group_size (prefill-b: 4, prefill-a: 8)", "use the same tp (and pcp) on every KVPP instance"),
+    ({"memory": {"block_size": 64}}, "block_size (prefill-b: 64, prefill-a: None)",
+     "set the same memory.block_size on every instance"),
+    ({"extra_args": ["--kv-cache-dtype", "fp8"]}, "kv_dtype (prefill-b: 'fp8', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
+    ({"extra_args": ["--dtype=float16"]}, "kv_dtype (prefill-b: 'float16', prefill-a: 'auto')", "--dtype/--kv-cache-dtype"),
+    ({"pp": 2, "tp": 8}, "PP stages (prefill-b: 39+39, prefill-a: 78)", "use the same pp, pp_layers"),
+])
+def test_instances_sharing_a_pool_with_different_key_layouts_are_named(tmp_path, change, shown, fix):
+    # The shipped example: two KVPP TP8 prefills on one Mooncake master; change the second one.
+    errors, warnings, code = _check(tmp_path, _example(**change))
+    assert code == 0, errors
+    layout = [w for w in warnings if ": pool: " in w]
+    assert len(layout) == 1, warnings
+    assert layout[0].startswith("warning: prefill[1] (prefill-b): pool: shares pool 198.51.100.30:50051 with "
+                                f"prefill[0] (prefill-a) but their pool keys differ in {shown}: pooled objects")
+    assert fix in layout[0] and layout[0].endswith("or give them separate pools")
+
+
+def test_layouts_that_key_alike_are_not_flagged(tmp_path):
+    # Without KVPP an MLA block is one object per stage whatever the TP: TP8 and TP4 share prefixes.
+    spec = _spec([_pooled("a", "h1", enable_kvpp=False), _pooled("b", "h2", enable_kvpp=False, tp=4)], pool=POOL)
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+    # An explicit PP split equal to vLLM's own is the same split.
+    spec = _spec([_pooled("a", "h1", pp=2, tp=4), _pooled("b", "h2", pp=2, tp=4, pp_layers=[39, 39])], pool=POOL)
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+
+
+def test_separate_pools_are_not_compared(tmp_path):
+    other = {"kv_transfer_config": {"kv_connector_extra_config": {"mooncake": {"master_server_address": "[fd00::9]:50051"}}}}
+    spec = _spec([_pooled("a", "h1"), _pooled("b", "h2", enable_kvpp=False, **other)], pool=POOL)
+    errors, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w], errors
+
+
+def test_a_reader_no_writer_keys_alike_for_can_never_hit(tmp_path):
+    reader = {"enable_kvpp": False, "kv_transfer_config": {"kv_role": "kv_consumer"}}
+    spec = _spec([_pooled("w", "h1", kv_transfer_config={"kv_role": "kv_producer"}), _pooled("r", "h2", **reader)],
+                 pool=POOL)
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("error: prefill[1] (r): pool: reads pool h9:50051 but every instance writing it keys "
+                                "blocks differently (vs prefill[0] (w): kvpp (r: False, w: True)), so it can never hit; "
+                                "set the same enable_kvpp on every instance")
+
+
+def test_key_differences_follow_the_shard_split():
+    from connectors.store.layouts import KeyLayout, key_differences
+    from connectors.store.shards import StageLayers
+
+    def layout(kvpp, group, stages=((0, 8),), **kw):
+        return KeyLayout(**{"model": "m", "kv_dtype": "auto", "block_size": 128, **kw}, kvpp=kvpp, group_size=group,
+                         stages=tuple(StageLayers(i, tuple(range(*r))) for i, r in enumerate(stages)))
+
+    assert key_differences(layout(False, 8), layout(False, 4)) == []
+    assert key_differences(layout(True, 1), layout(False, 8)) == []  # KVPP over one rank owns every layer
+    assert key_differences(layout(True, 8), layout(True, 4)) == ["group_size"]
+    assert key_differences(layout(True, 8), layout(False, 8)) == ["kvpp"]
+    assert key_differences(layout(False, 8), layout(False, 8, ((0, 4), (4, 8)))) == ["stages"]
+    assert key_differences(layout(False, 8), layout(False, 8, block_size=64, model="n")) == ["model", "block_size"]
+
+
+def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):
+    pool = {**POOL, "extra_config": {"load_async": True, "mooncake": {"master_server_adress": "h9:50051",
+                                                                       "local_buffer_size": "16MB"}}}
+    errors, _, code = _check(tmp_path, _spec([_prefill()], pool=pool))
+    assert code == 1
+    assert sorted(e.split(": ")[2] for e in errors) == ["kv_connector_extra_config.mooncake.local_buffer_size",
+                                                        "kv_connector_extra_config.mooncake.master_server_adress"]
+    assert any("did you mean master_server_address?" in e for e in errors)
+
+
+def test_speculative_decoding_with_pp_is_refused_from_extra_args(tmp_path):
+    mtp = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    errors, _, code = _check(tmp_path, _spec([_prefill(pp=2, extra_args=mtp)], model="deepseek-v3"))
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: prefill[0] (p): speculative_config: speculative decoding (mtp) with "
+                                "pipeline parallelism (PP 2)")
+    errors, _, code = _check(tmp_path, _spec([_prefill(pp=2, extra_args=["--speculative-config", "mtp"])],
+                                             model="deepseek-v3"))
+    assert code == 1 and errors == ["error: prefill[0] (p): extra_args --speculative-config: 'mtp' is not a JSON "
+                                    "object; write it as '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"]

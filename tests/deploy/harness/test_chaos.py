@@ -1,0 +1,232 @@
+"""`kvpp chaos` machinery without engines: fault bookkeeping, schedules, the clients' records, and
+kill/restart/stall of real processes (`kvpp proxy` in front of real aiohttp backends, the Mooncake pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from connectors.store.config import parse_store_config
+from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _tally, check_attached, soak_schedule
+from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
+from deploy.harness.chaos_stack import Member, Stack, adopt_pool, inject
+from deploy.services.processes import free_port, http_ok, port_open
+from deploy.services.proxy import PDProxy, Timeouts, start_proxy
+from tests.deploy.services.test_proxy import REQUEST, WORDS, Stub, _with
+
+
+def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, seconds=1.0):
+    return Record(0, 0, mode, start, start + seconds, outcome, status, first_byte=first_byte, path=path)
+
+
+def _kill(target, start=5.0, back=15.0, kind="kill"):
+    return {"kind": kind, "target": target, "start": start, "back": back}
+
+
+@pytest.mark.unit
+def test_only_streams_relayed_from_the_killed_instance_and_requests_cut_by_a_proxy_kill_are_excused():
+    relayed = _rec("stream", "error")  # headers at 4.7, the decode killed at 5.0
+    records = [relayed, _rec("plain", "error", 502), _rec("stream", "error", 502),
+               _rec("plain", "answered", path="prefill_only"), _rec("stream", "wrong")]
+    row = _tally(records, [_kill("decode")])
+    assert (row["errors"], row["errors_unexcused"], row["wrong"], row["answered"]) == (3, 2, 1, 1)
+    assert row["paths"] == {"pd": 4, "prefill_only": 1}
+    assert _tally([relayed], [_kill("decode", kind="stop")])["errors_unexcused"] == 1  # a stall is not a death
+    # The killed instance must be the one streaming: a decode's stream outlives a prefill's death,
+    # and a prefill serving alone is not hurt by the decode's.
+    assert _tally([relayed], [_kill("prefill")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", path="prefill_only")], [_kill("prefill")])["errors_unexcused"] == 0
+    # Not yet relayed when the kill came: the proxy could still have moved it (headers at 5.3).
+    assert _tally([_rec("stream", "error", first_byte=0.8)], [_kill("decode")])["errors_unexcused"] == 1
+    assert _tally([_rec("stream", "error", start=6.0)], [_kill("decode")])["errors_unexcused"] == 1  # born after
+
+    inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
+    assert _tally([inside, after], [_kill("proxy")])["errors_unexcused"] == 1
+    assert _tally([_rec("plain", "error", 502, start=4.0)], [_kill("proxy")])["errors_unexcused"] == 1  # its own 502
+    assert _tally([inside], [])["errors_unexcused"] == 1
+    # A request counted in a stall's window that the next fault, a proxy kill, ended is excused there too.
+    assert _tally([inside], [_kill("pool_holder", 3.0, kind="stop"), _kill("proxy")])["errors_unexcused"] == 0
+
+
+@pytest.mark.unit
+def test_any_error_is_excused_only_while_no_engine_of_either_role_is_alive():
+    failed = _rec("plain", "error", 502, start=8.0)  # ends at 9.0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0)])["errors_unexcused"] == 1  # the decode was alive
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0)])["errors_unexcused"] == 0
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 8.5)])["errors_unexcused"] == 1
+    assert _tally([failed], [_kill("prefill", 3.0, 20.0), _kill("decode", 4.0, 20.0, kind="stop")]) \
+        ["errors_unexcused"] == 1
+
+
+@pytest.mark.unit
+def test_a_soak_s_table_has_one_row_per_fault_kind_counting_each_request_once():
+    faults = [{**_kill("decode", 5.0, 9.0), "end": 6.0, "down_s": 1, "recovered_s": 4.0, "label": "kill decode"},
+              {**_kill("decode", 8.0, 20.0), "end": 9.0, "down_s": 1, "recovered_s": 12.0, "label": "kill decode"},
+              {**_kill("proxy", 30.0, 31.0, kind="stop"), "end": 31.0, "down_s": 1, "recovered_s": 1.0,
+               "label": "stop proxy"}]
+    spanning = _rec("plain", "error", 502, start=5.5, seconds=3.0)  # overlaps both decode kills
+    records = [spanning, _rec("plain", "answered", start=9.5), _rec("plain", "answered", start=29.0)]
+    decode, proxy = _by_kind(records, faults)
+    assert (decode["fault"], decode["injected"], decode["recovered_s"]) == ("kill decode", 2, 12.0)
+    assert (decode["affected"], decode["answered"], decode["errors"], decode["errors_unexcused"]) == (2, 1, 1, 1)
+    assert (proxy["fault"], proxy["injected"], proxy["affected"], proxy["errors"]) == ("stop proxy", 1, 1, 0)
+
+
+@pytest.mark.unit
+def test_attach_mode_names_every_bad_option_before_any_load():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError) as info:
+        check_attached(dead, {"prefill": dead, "decoder": "nope"}, dead)
+    assert str(info.value).split("\n") == [
+        "--engines names decoder, prefill; name the P/D decode `decode` (its pulls are checked against the proxy's "
+        "P/D requests), e.g. prefill=http://P:8100,decode=http://D:8200",
+        f"--engines prefill={dead}: {dead}/metrics unreachable (<urlopen error [Errno 111] Connection refused>)",
+        "--engines decoder=nope: nope/metrics unreachable (unknown url type: 'nope/metrics')",
+        f"--proxy {dead}: {dead}/health does not answer 200",
+        f"--reference {dead}: {dead}/health does not answer 200"]
+    assert _engine_urls(" prefill=http://a:1/ , decode=http://b:2,") == {"prefill": "http://a:1", "decode": "http://b:2"}
+    with pytest.raises(ValueError, match="'decod' is not NAME=URL"):
+        _engine_urls("prefill=http://a:1,decod")
+
+
+@pytest.mark.unit
+def test_soak_rounds_hold_every_fault_of_the_short_schedule():
+    n = len(SHORT_SCHEDULE)
+    soak = list(itertools.islice(soak_schedule(seed=3), 7 * n))  # as many rounds as the time allows
+    for i in range(7):
+        assert sorted(soak[i * n:(i + 1) * n], key=str) == sorted(SHORT_SCHEDULE, key=str)
+    assert soak == list(itertools.islice(soak_schedule(seed=3), 7 * n))
+    assert soak != list(itertools.islice(soak_schedule(seed=4), 7 * n))
+    kinds = {(f.kind, f.target) for f in SHORT_SCHEDULE}
+    for target in ("prefill", "decode", "pool_master", "pool_holder", "proxy"):
+        assert {("kill", target), ("stop", target)} <= kinds
+
+
+def _answer(url, timeout):
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(REQUEST).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.integration
+def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go():
+        await p.start()
+        await d.start()
+        stack = Stack()
+        try:
+            proxy, url = await asyncio.to_thread(start_proxy, [p.url], [d.url], tmp_path / "proxy.log")
+            member = Member.of(proxy, lambda proc: proc.wait_http(f"{url}/health", 30))
+            stack.members["proxy"] = member
+            first_pid = member.pid
+            await asyncio.to_thread(inject, member, "kill", 0.5, stack)
+            assert member.pid != first_pid and member.restarts == 1
+            assert (await asyncio.to_thread(_answer, url, 10))["served_by"] == "d0"
+
+            task = asyncio.ensure_future(asyncio.to_thread(inject, member, "stop", 2.0, stack))
+            await asyncio.sleep(0.5)
+            stalled = await asyncio.to_thread(http_ok, f"{url}/health", 0.5)
+            start = time.monotonic()
+            answer = await asyncio.to_thread(_answer, url, 10)  # waits out the stall, then is answered
+            await task
+            return stalled, time.monotonic() - start, answer
+        finally:
+            stack.stop()
+            await p.stop()
+            await d.stop()
+
+    stalled, waited, answer = asyncio.run(go())
+    assert not stalled and 0.5 < waited < 5 and answer["served_by"] == "d0"
+
+
+@pytest.mark.integration
+def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_path):
+    from mooncake.store import MooncakeDistributedStore
+
+    stack = Stack(members=adopt_pool(tmp_path / "pool"))
+    master, holder = stack.members["pool_master"], stack.members["pool_holder"]
+    address = parse_store_config(master.pool_extra).mooncake.master_server_address
+    try:
+        pids = (master.pid, holder.pid)
+        inject(master, "kill", 0.2, stack)
+        assert (master.restarts, holder.restarts) == (1, 1) and pids != (master.pid, holder.pid)
+        host, port = address.split(":")
+        assert port_open(host, int(port))
+        # The new pool has memory again: a client without a segment of its own can store and read.
+        client = MooncakeDistributedStore()
+        assert client.setup(host, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", address) == 0
+        assert client.put("chaos-key", b"x" * 4096) == 0 and client.get("chaos-key") == b"x" * 4096
+        client.close()
+    finally:
+        stack.stop()
+    assert not any(m._alive() for m in (master, holder))
+
+
+@pytest.mark.integration
+def test_clients_record_answers_wrong_answers_cancellations_errors_and_retry_a_restarting_proxy():
+    p, d = Stub("p0"), Stub("d0")
+    right = Prompt("the cache", tuple(WORDS), 2)
+    wrong = Prompt("another prompt", ("alpha", "beta", "delta"), 2)
+
+    async def go():
+        await p.start()
+        await d.start()
+        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=2, decode_read=2, probe=0.1))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        load = Load(url, "tiny", [right, wrong], clients=3, seed=1, think_s=0.01)
+        runner = proxy.runner()
+        try:
+            async def serve_later():  # the proxy comes up 1 s after the clients start: they retry
+                await asyncio.sleep(1)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                await asyncio.sleep(1.5)
+                d.mode = "fail"  # the decode breaks: requests go to the prefill alone
+                p.mode = "fail"  # and then nothing answers
+                await asyncio.sleep(0.5)
+                await load.stop()
+
+            await asyncio.gather(load.run(), serve_later())
+            return load
+        finally:
+            await runner.cleanup()
+            await p.stop()
+            await d.stop()
+
+    load = asyncio.run(go())
+    recs = load.records
+    by = {o: [r for r in recs if r.outcome == o] for o in ("answered", "wrong", "cancelled", "error")}
+    assert sum(map(len, by.values())) == len(recs) > 20 and load.in_flight == 0
+    assert {r.prompt for r in by["answered"]} == {0} and {r.prompt for r in by["wrong"]} == {1}
+    assert all(r.mode == "cancel" for r in by["cancelled"]) and by["cancelled"]
+    assert recs[0].retries >= 1 and recs[0].outcome != "error"  # connection refused, retried, then served
+    assert {r.path for r in by["answered"]} >= {"pd"}
+    assert by["error"] and all(r.status == 502 and "no backend could serve" in r.error for r in by["error"])
+    assert load.summary()["requests"] == len(recs)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_cancel_probe_leaves_and_the_decode_sees_it(stream):
+    p, d = Stub("p0"), Stub("d0", mode="endless_stream" if stream else "hang")
+
+    async def go(session, url, proxy):
+        left = await cancel_probe(url, "tiny", "the cache", stream, lambda: bool(d.requests))
+        while not d.cancelled and time.monotonic() - left < 5:
+            await asyncio.sleep(0.05)
+        return left
+
+    left = asyncio.run(_with([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
+    assert d.requests[0]["body"]["max_tokens"] == 600 and d.requests[0]["body"]["ignore_eos"] is True
+    assert d.cancelled and d.cancelled[0] - left < 2

@@ -1,0 +1,83 @@
+"""`kvpp chaos`, short schedule: the whole P/D + pool stack under concurrent clients while every fault
+kind is injected once. One stack serves every fault; its report is checked, not just its exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from deploy.harness.chaos import SHORT_SCHEDULE
+from deploy.services.processes import run_in_group
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("chaos")
+    path = workdir / "report.json"
+    proc = run_in_group([sys.executable, "-m", "deploy.cli.main", "chaos", "--clients", "3", "--workdir", str(workdir),
+                         "--report", str(path)], timeout=1500)
+    assert path.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(path.read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def report(run) -> dict:
+    return run[0]
+
+
+def test_every_fault_of_the_short_schedule_was_injected(run):
+    report, proc = run
+    assert [f["fault"] for f in report["faults"]] == [f.label for f in SHORT_SCHEDULE if f.kind != "cancel"]
+    assert all(f["affected"] > 0 for f in report["faults"]), "a fault no request overlapped tests nothing"
+
+
+def test_no_answer_differs_from_a_colocated_engine(report):
+    totals = report["totals"]
+    # The count varies: clients pause between requests and while a killed engine restarts.
+    assert totals["wrong"] == 0 and totals["answered"] >= 50
+    assert all(r["outcome"] in ("answered", "error", "cancelled") for r in report["requests"])
+
+
+def test_no_client_visible_error_while_a_role_has_a_healthy_instance(report):
+    for row in report["faults"]:
+        assert row["errors_unexcused"] == 0, row
+    assert report["without_fault"]["errors"] == 0
+
+
+def test_the_proxy_degraded_instead_of_failing(report):
+    """While the prefill was down the decode computed prompts itself; while the decode was down the
+    prefill served whole requests."""
+    rows = {f["fault"]: f for f in report["faults"]}
+    assert rows["kill prefill"]["paths"].get("decode_only", 0) > 0
+    assert rows["kill decode"]["paths"].get("prefill_only", 0) > 0
+
+
+def test_clients_that_leave_end_their_request_on_every_engine(report):
+    probes = report["cancel_probes"]
+    assert [p["label"] for p in probes] == ["cancel stream", "cancel plain"]
+    for p in probes:
+        assert p["idle"] and p["idle_after_s"] <= 5 and p["tokens_generated"] < 600, p
+
+
+def test_nothing_running_waiting_or_held_after_the_run(report):
+    drain = report["drain"]
+    assert drain["idle"], drain
+    for state in drain["engines"].values():
+        assert state == {"running": 0, "waiting": 0, "kv_cache_usage": 0}
+
+
+def test_pd_counters_match_the_requests(report):
+    counters = report["counters"]
+    assert counters["consistent"], counters
+    assert counters["pulls"] == counters["proxy_pd"] == counters["requests"]
+
+
+def test_verdict_summary_and_progress(run):
+    report, proc = run
+    assert report["ok"] and not report["problems"] and proc.returncode == 0
+    assert "verdict            PASS" in proc.stdout
+    assert "[kvpp chaos] 4/4" in proc.stderr and "in flight" in proc.stderr

@@ -1,0 +1,172 @@
+"""A rendered deployment run unchanged across five hosts (network namespaces on a bridge, as root).
+
+The spec puts a prefill (TP=2, KVPP, MooncakeConnectorV2 + pool) on host "prefill", a decode on
+"decode", the Mooncake pool (`kvpp pool serve`: master + segment holder) on "pool", `kvpp proxy` on
+"proxy", and a second KVPP prefill (TP=2) on "prefill2". `kvpp check` must accept it, `kvpp render --format shell
+--launcher api-server` writes the scripts, and each script runs as written inside its host. Answers
+through the proxy must equal the decode engine computing the prompts itself; the ports each host
+listens on must be the ones `kvpp ports` predicts; a prefix pooled by the first prefill must be hit by
+the second after the first is restarted; and a host whose link goes down costs a bounded recompute,
+never a wrong answer, with traffic resuming when the link returns.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from connectors.store.lookup import lookup_path
+from deploy.harness.demo import engine_metrics, metric_total
+from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
+    RenderedStack, cpu_spec
+from deploy.harness.testbed import Testbed, unavailable_reason
+from deploy.harness.tiny_model import sample_prompt
+
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
+
+from tests.helpers.paths import REPO
+KVPP = [sys.executable, "-m", "deploy.cli.main"]
+MAX_TOKENS = 6
+
+
+def post(url: str, body: dict, timeout: float = 180) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def metric(base_url: str, name: str) -> float:
+    return metric_total(engine_metrics(base_url), name)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout}s")
+        time.sleep(0.5)
+
+
+def answer(resp: dict) -> tuple[list[str], list[float]]:
+    lp = resp["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+def same_answer(got: dict, ref: dict) -> bool:
+    (tokens, lps), (ref_tokens, ref_lps) = answer(got), answer(ref)
+    return tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+
+
+def listening_ports(bed: Testbed, host: str) -> set[int]:
+    out = bed.run(host, ["ss", "-ltnH"]).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost")
+    with Testbed(list(HOSTS)) as bed:
+        spec = cpu_spec(bed, tiny_model)
+        stack = RenderedStack(bed, spec, tmp)
+        # What an operator runs: the CLI accepts the spec that was rendered.
+        check = subprocess.run([*KVPP, "check", tmp / "spec.yaml"], capture_output=True, text=True, cwd=REPO)
+        assert check.returncode == 0 and "error" not in check.stdout, check.stdout + check.stderr
+        stack.start_all()
+        yield {"bed": bed, "stack": stack, "proxy": stack.url("proxy"), "model": tiny_model}
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """The decode engine computing each prompt itself (no connector involved)."""
+    decode = stack["stack"].url("decode")
+    return {n: post(f"{decode}/v1/completions", completion_body(stack, n)) for n in (40, 130, 200)}
+
+
+def completion_body(stack, n: int, **extra) -> dict:
+    return {"model": stack["model"], "prompt": sample_prompt(n, seed=n), "max_tokens": MAX_TOKENS,
+            "temperature": 0, "logprobs": 1, **extra}
+
+
+def test_hosts_listen_on_the_ports_kvpp_ports_predicted(stack):
+    bed = stack["bed"]
+    for name, tp in (("prefill", 2), ("decode", 1), ("prefill2", 2)):
+        predicted = json.loads(subprocess.run([*KVPP, "ports", "--kv-port", str(KV_PORT[name]), "--tp", str(tp),
+                                               "--json"], capture_output=True, text=True, cwd=REPO).stdout)
+        handshake = {w["port"] for w in predicted["workers"]}
+        listening = listening_ports(bed, name)
+        assert handshake <= listening, f"{name}: handshake ports {sorted(handshake)} not all in {sorted(listening)}"
+        assert HTTP_PORT[name] in listening
+    assert POOL_PORT in listening_ports(bed, "pool")
+    assert PROXY_PORT in listening_ports(bed, "proxy")
+    # Each prefill's pool lookup channel is its own, at the lookup_rpc_port the spec gave it.
+    for port in LOOKUP_PORT.values():
+        assert Path(lookup_path(port, 0).removeprefix("ipc://")).is_socket(), f"no lookup socket for {port}"
+
+
+def test_answers_through_the_proxy_equal_the_decode_computing_them(stack, reference):
+    decode = stack["stack"].url("decode")
+    pulls = metric(decode, "vllm:mooncake_v2_pulls_total")
+    pulled = metric(decode, "vllm:mooncake_v2_pulled_bytes_total")
+    read_s = metric(decode, "vllm:mooncake_v2_transfer_seconds_total")
+    seconds = []
+    for n, ref in reference.items():
+        for _ in range(2):  # the proxy alternates the two prefill instances
+            started = time.monotonic()
+            got = post(f"{stack['proxy']}/v1/completions", completion_body(stack, n))
+            seconds.append(time.monotonic() - started)
+            assert same_answer(got, ref), f"{n}-token prompt through the proxy"
+    assert metric(decode, "vllm:mooncake_v2_pulls_total") - pulls >= 2 * len(reference) - 1
+    assert metric(decode, "vllm:mooncake_v2_failed_pulls_total") == 0
+    moved = metric(decode, "vllm:mooncake_v2_pulled_bytes_total") - pulled
+    took = metric(decode, "vllm:mooncake_v2_transfer_seconds_total") - read_s
+    print(f"multi-host: {len(seconds)} requests through the proxy, {min(seconds):.2f}-{max(seconds):.2f} s each; "
+          f"pulls across the bridge {moved / 1e6:.1f} MB in {took:.3f} s ({moved / max(took, 1e-9) / 1e6:.0f} MB/s)")
+
+
+def test_a_prefix_pooled_on_one_host_is_hit_on_another_after_the_first_restarts(stack):
+    s, n = stack["stack"], 250
+    prefill, prefill2, decode = s.url("prefill"), s.url("prefill2"), s.url("decode")
+    body = {**completion_body(stack, n), "prompt": sample_prompt(n, seed=10 * n)}  # a prompt no earlier test sent
+    reference = post(f"{decode}/v1/completions", body)
+    saved = metric(prefill, "vllm:kv_pool_saved_blocks_total")
+    post(f"{prefill}/v1/completions", {**body, "max_tokens": 1})
+    wait_for(lambda: metric(prefill, "vllm:kv_pool_saved_blocks_total") - saved >= n // 16, 60,
+             "the prefix saved to the pool")
+    s.stop("prefill")  # the writer is gone: the segment holder on the pool host keeps the data
+    s.start("prefill")
+    hits = metric(prefill2, "vllm:kv_pool_hit_tokens_total")
+    got = post(f"{prefill2}/v1/completions", body)
+    assert metric(prefill2, "vllm:kv_pool_hit_tokens_total") - hits == (n // 16) * 16
+    assert same_answer(got, reference)
+    s.wait_ready(["prefill"])
+
+
+def test_a_downed_link_costs_a_bounded_recompute_and_traffic_resumes(stack, reference):
+    bed, s, n = stack["bed"], stack["stack"], 130
+    prefill, decode = s.url("prefill"), s.url("decode")
+    first = post(f"{prefill}/v1/completions", completion_body(stack, n, max_tokens=1,
+                                                             kv_transfer_params={"do_remote_decode": True}))
+    failed = metric(decode, "vllm:mooncake_v2_failed_pulls_total")
+    bed.set_link("prefill", up=False)
+    try:
+        started = time.monotonic()
+        got = post(f"{decode}/v1/completions",
+                   completion_body(stack, n, kv_transfer_params=first["kv_transfer_params"]))
+        elapsed = time.monotonic() - started
+    finally:
+        bed.set_link("prefill", up=True)
+    assert same_answer(got, reference[n]), "the decode's recompute after a failed pull"
+    assert metric(decode, "vllm:mooncake_v2_failed_pulls_total") == failed + 1
+    assert elapsed < 3 * TRANSFER_TIMEOUT_S + 30, f"recompute took {elapsed:.0f}s"
+    # With the link back, the same path works again end to end.
+    for m, ref in reference.items():
+        assert same_answer(post(f"{stack['proxy']}/v1/completions", completion_body(stack, m)), ref)
+    for name in ("prefill", "decode", "prefill2"):
+        wait_for(lambda: metric(s.url(name), "vllm:kv_cache_usage_perc") == 0, 60, f"{name} KV usage back to 0")

@@ -1,0 +1,151 @@
+"""`kvpp pool serve`, the pool that rendered deployments start: mooncake_master plus a segment holder,
+supervised in the foreground. Real processes on loopback: what an engine pooled outlives the engine,
+the pool stops as a whole when one of its processes dies, and SIGTERM leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.services.processes import free_port
+
+pytestmark = pytest.mark.integration
+
+from tests.helpers.paths import REPO
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+# An engine-like client: it contributes no segment (global_segment_size 0), as the pool connector's default.
+CLIENT = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", sys.argv[1]) == 0
+if sys.argv[2] == "put":
+    assert store.put("prefix-block-0", b"kv" * 4096) == 0
+else:
+    print(len(store.get("prefix-block-0")))
+store.close()
+"""
+
+
+def client(address: str, op: str) -> str:
+    out = subprocess.run([sys.executable, "-c", CLIENT, address, op], env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+@pytest.fixture
+def pool():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "pool", "serve", "--host", "127.0.0.1", "--port",
+                             str(port), "--segment-size", "64MB"], env=ENV, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    line = proc.stdout.readline()
+    assert "mooncake pool on 127.0.0.1" in line, line
+    yield proc, f"127.0.0.1:{port}"
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_what_an_engine_pooled_outlives_the_engine(pool):
+    _, address = pool
+    client(address, "put")  # the writer exits here, as a restarted engine would
+    assert client(address, "get") == str(2 * 4096)
+
+
+def test_the_pool_stops_as_a_whole_when_a_process_dies_and_on_sigterm(pool):
+    proc, address = pool
+    master, holder = sorted(children(proc.pid))
+    os.kill(holder, signal.SIGKILL)
+    assert proc.wait(timeout=30) == 1, "the pool kept serving without its memory"
+    deadline = time.monotonic() + 15
+    while alive(master) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(master), "mooncake_master outlived its pool"
+
+
+def test_sigterm_stops_master_and_holder(pool):
+    proc, _ = pool
+    kids = children(proc.pid)
+    assert len(kids) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not any(alive(pid) for pid in kids)
+
+
+def test_killing_the_supervisor_alone_takes_its_processes_with_it(pool):
+    proc, _ = pool
+    kids = children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the process only, not its group: no cleanup code runs
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in kids), "master or holder outlived a SIGKILLed pool"
+
+
+# The pool connector's own backend (typed settings, Mooncake put in IPv6 mode for its IPv6 host).
+BACKEND_CLIENT = """
+import sys, torch
+from connectors.store.backends import Status, open_backend
+from connectors.store.config import parse_store_config
+cfg = parse_store_config({"backend": "mooncake", "lookup_rpc_port": 1,
+                          "mooncake": {"master_server_address": sys.argv[1], "local_hostname": "::1"}})
+b = open_backend(cfg, call_timeout_s=10)
+t = torch.arange(4096, dtype=torch.float32) if sys.argv[2] == "put" else torch.zeros(4096)
+b.register(t.data_ptr(), t.numel() * 4)
+op = b.put if sys.argv[2] == "put" else b.get
+print(op(["ipv6-block"], [[t.data_ptr()]], [[t.numel() * 4]]) == [Status.OK], float(t.sum()))
+b.close()
+"""
+
+
+def test_an_ipv6_pool_serves_engines_on_bracketed_addresses():
+    """`kvpp pool serve --host ::1` (as a spec with an IPv6 pool address renders it): master, holder and
+    the pool connector's backend in other processes meet at [::1]:port, Mooncake in IPv6 mode."""
+    port = free_port("::1")
+    env = {k: v for k, v in ENV.items() if k != "MC_USE_IPV6"}
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "pool", "serve", "--host", "::1", "--port", str(port),
+                             "--segment-size", "64MB"], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"mooncake pool on [::1]:{port}" in line, line
+        results = []
+        for op in ("put", "get"):  # two processes: the reader finds what the writer pooled in the holder
+            out = subprocess.run([sys.executable, "-c", BACKEND_CLIENT, f"[::1]:{port}", op], env=env,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            results.append(out.stdout.split())
+        assert results == [["True", str(float(sum(range(4096))))]] * 2
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

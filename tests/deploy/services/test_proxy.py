@@ -1,0 +1,555 @@
+"""`kvpp proxy` against real aiohttp backends on loopback: protocol shape, streaming, round-robin,
+degradation when instances fail in each way, client disconnects, hostile request bodies."""
+
+import asyncio
+import json
+import logging
+import random
+import re
+import sys
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from deploy.services.processes import ManagedProcess, free_port
+from deploy.services.proxy import Limits, PDProxy, Timeouts, decode_body, plain_body, prefill_body, start_proxy
+
+LOOP = "127.0.0.1"
+WORDS = ["alpha", "beta", "gamma"]
+FAST = Timeouts(connect=1, prefill=0.5, decode_read=0.5, probe=0.1)
+
+
+class Stub:
+    """A backend that serves like a vLLM engine and records what it receives; `mode` selects a failure.
+
+    A request with `kv_transfer_params.do_remote_decode` gets a prefill answer; any other gets a full
+    answer, streamed when asked (every instance is a full engine). Handlers are cancelled when the
+    proxy drops the connection, as vLLM aborts a request whose client left; `cancelled` records that.
+    """
+
+    def __init__(self, name, mode="ok"):
+        self.name, self.mode = name, mode
+        self.requests, self.cancelled = [], []
+        self.port = free_port()
+        self.url = f"http://{LOOP}:{self.port}"
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, LOOP, self.port).start()
+        return self
+
+    async def health(self, request):
+        return web.json_response({}, status=200 if self.mode == "ok" else 503)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.requests.append({"body": body, "request_id": request.headers.get("X-Request-Id"),
+                              "auth": request.headers.get("Authorization")})
+        try:
+            return await self._answer(request, body)
+        except asyncio.CancelledError:
+            self.cancelled.append(time.monotonic())
+            raise
+
+    async def _answer(self, request, body):
+        if self.mode == "fail":
+            return web.json_response({"error": {"message": "secret internal trace"}}, status=500)
+        if self.mode == "reject":
+            return web.json_response({"error": {"message": "prompt too long", "type": "BadRequestError",
+                                                "code": 400}}, status=400)
+        if self.mode == "reset":
+            request.transport.close()  # the process vanished before answering
+            await asyncio.sleep(1)
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            params = None if self.mode == "no_params" else {
+                "remote_host": LOOP, "remote_port": 37000, "remote_engine_id": self.name,
+                "remote_block_ids": [3, 4, 5], "remote_request_id": request.headers.get("X-Request-Id")}
+            return web.json_response({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": " ".join(WORDS), "index": 0, "logprobs": {"tokens": WORDS}}],
+                                      "served_by": self.name, "got_kv_transfer_params": body.get("kv_transfer_params")})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i, word in enumerate(WORDS * (1000 if self.mode == "endless_stream" else 1)):
+            event = {"choices": [{"text": word, "index": 0, "logprobs": {"tokens": [word]}}], "served_by": self.name}
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            if self.mode == "die_mid_stream" and i == 0:
+                request.transport.close()  # the decode process vanishes after one token
+                return out
+            if self.mode == "stall_mid_stream" and i == 0:
+                await asyncio.sleep(2)
+            if self.mode == "endless_stream":
+                await asyncio.sleep(0.1)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+def dead_url():
+    return f"http://{LOOP}:{free_port()}"
+
+
+async def _serve_proxy(proxy):
+    runner = proxy.runner()
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, LOOP, port).start()
+    return runner, f"http://{LOOP}:{port}"
+
+
+async def _with(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Limits()):
+    """Run `body_fn(session, proxy_url, proxy)` against a proxy in front of the given stubs / URLs."""
+    stubs = [s for s in prefills + decodes if isinstance(s, Stub)]
+    for s in stubs:
+        await s.start()
+    proxy = PDProxy([getattr(s, "url", s) for s in prefills], [getattr(s, "url", s) for s in decodes],
+                    timeouts, limits)
+    runner, url = await _serve_proxy(proxy)
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await body_fn(session, url, proxy)
+    finally:
+        await runner.cleanup()
+        for s in stubs:
+            await s.stop()
+
+
+async def metrics(session, url) -> dict[str, float]:
+    async with session.get(f"{url}/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M) if not m[0].startswith("#")}
+
+
+REQUEST = {"model": "tiny", "prompt": "the cache", "max_tokens": 16, "temperature": 0}
+
+
+def _events(text):
+    return [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
+
+
+def _post(body=REQUEST):
+    """Send one completion; returns (status, answer: parsed JSON or the event texts, seconds, metrics)."""
+    async def go(session, url, proxy):
+        start = time.monotonic()
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            answer = _events(await r.text()) if body.get("stream") and r.status == 200 else await r.json()
+            status = r.status
+        return status, answer, time.monotonic() - start, await metrics(session, url)
+    return go
+
+
+@pytest.mark.unit
+def test_prefill_and_decode_bodies():
+    body = {**REQUEST, "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    pre = prefill_body(body)
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert pre["max_tokens"] == 1 and pre["max_completion_tokens"] == 1 and pre["stream"] is False
+    assert "stream_options" not in pre and body["max_tokens"] == 16  # the client's body is not mutated
+    params = {"remote_block_ids": [1], "remote_host": "h"}
+    assert decode_body(body, params) == {**body, "kv_transfer_params": params}
+    # Transfer parameters are the proxy's: a client cannot point an engine at someone's blocks.
+    assert plain_body({**body, "kv_transfer_params": params}) == body
+
+
+@pytest.mark.integration
+def test_protocol_shape_non_streaming():
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go(session, url, proxy):
+        async with session.post(f"{url}/v1/completions", json=REQUEST,
+                                headers={"Authorization": "Bearer k", "X-Request-Id": "req-1"}) as r:
+            return r.status, await r.json(), r.headers["X-Kvpp-Path"], await metrics(session, url)
+
+    status, answer, path, m = asyncio.run(_with([p], [d], go))
+    assert status == 200 and answer["choices"][0]["text"] == "alpha beta gamma"
+    assert path == "pd"
+    pre, dec = p.requests[0], d.requests[0]
+    assert pre["body"] == {**REQUEST, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    # The decode gets the client's request plus the prefill's kv_transfer_params, unchanged.
+    assert dec["body"] == {**REQUEST, "kv_transfer_params": {
+        "remote_host": LOOP, "remote_port": 37000, "remote_engine_id": "p0", "remote_block_ids": [3, 4, 5],
+        "remote_request_id": "req-1"}}
+    assert pre["request_id"] == dec["request_id"] == "req-1" and pre["auth"] == dec["auth"] == "Bearer k"
+    assert m['kvpp_proxy_requests_total{path="pd"}'] == 1 and m["kvpp_proxy_requests_in_flight"] == 0
+
+
+@pytest.mark.integration
+def test_streaming_relays_every_event():
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go(session, url, proxy):
+        async with session.post(f"{url}/v1/completions", json={**REQUEST, "stream": True}) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            return r.status, (await r.read()).decode()
+
+    status, text = asyncio.run(_with([p], [d], go))
+    events = _events(text)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == WORDS
+    assert p.requests[0]["body"]["stream"] is False and d.requests[0]["body"]["stream"] is True
+
+
+@pytest.mark.integration
+def test_round_robin_over_prefills_and_decodes():
+    ps = [Stub(f"p{i}") for i in range(2)]
+    ds = [Stub(f"d{i}") for i in range(3)]
+
+    async def go(session, url, proxy):
+        served = []
+        for _ in range(6):
+            async with session.post(f"{url}/v1/completions", json=REQUEST) as r:
+                answer = await r.json()
+                served.append((answer["got_kv_transfer_params"]["remote_engine_id"], answer["served_by"]))
+        return served
+
+    served = asyncio.run(_with(ps, ds, go))
+    assert served == [("p0", "d0"), ("p1", "d1"), ("p0", "d2"), ("p1", "d0"), ("p0", "d1"), ("p1", "d2")]
+    assert [len(s.requests) for s in ps + ds] == [3, 3, 2, 2, 2]
+
+
+# -- degradation -------------------------------------------------------------------------------------
+PREFILL_FAULTS = ["refused", "reset", "fail", "hang", "no_params"]
+
+
+def _instance(name, fault):
+    return dead_url() if fault == "refused" else Stub(name, mode=fault)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("fault", PREFILL_FAULTS)
+def test_no_prefill_answering_means_the_decode_computes_the_prompt(fault, stream):
+    p, d = _instance("p0", fault), Stub("d0")
+    status, answer, elapsed, m = asyncio.run(_with([p], [d], _post({**REQUEST, "stream": stream}), FAST))
+    assert status == 200 and elapsed < 3
+    texts = [json.loads(e)["choices"][0]["text"] for e in answer[:-1]] if stream else [answer["choices"][0]["text"]]
+    assert " ".join(texts) == "alpha beta gamma"
+    # A plain request: the decode must not try to pull from a prefill that failed its leg.
+    assert d.requests[0]["body"] == {**REQUEST, "stream": stream}
+    assert m['kvpp_proxy_requests_total{path="decode_only"}'] == 1
+    assert m[f'kvpp_proxy_backend_up{{role="prefill",backend="{getattr(p, "url", p)}"}}'] == 0
+
+
+DECODE_FAULTS = ["refused", "reset", "fail", "hang"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("fault", DECODE_FAULTS)
+def test_decode_failing_before_the_first_byte_moves_to_another_decode(fault, stream):
+    p, bad, good = Stub("p0"), _instance("d0", fault), Stub("d1")
+    status, answer, elapsed, m = asyncio.run(_with([p], [bad, good], _post({**REQUEST, "stream": stream}), FAST))
+    assert status == 200 and elapsed < 3
+    served = json.loads(answer[0]) if stream else answer
+    assert served["served_by"] == "d1"
+    got = good.requests[0]["body"].get("kv_transfer_params")
+    if fault == "refused":  # d0 never saw the request: d1 pulls the prefill's blocks instead
+        assert got["remote_engine_id"] == "p0" and m['kvpp_proxy_requests_total{path="pd"}'] == 1
+    else:  # d0 may have pulled and released them already: d1 computes the prompt itself
+        assert got is None and m['kvpp_proxy_requests_total{path="decode_only"}'] == 1
+    assert m[f'kvpp_proxy_backend_up{{role="decode",backend="{getattr(bad, "url", bad)}"}}'] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("fault", DECODE_FAULTS)
+def test_no_decode_answering_means_a_prefill_serves_the_whole_request(fault, stream):
+    p, d = Stub("p0"), _instance("d0", fault)
+    status, answer, elapsed, m = asyncio.run(_with([p], [d], _post({**REQUEST, "stream": stream}), FAST))
+    assert status == 200 and elapsed < 3
+    served = json.loads(answer[0]) if stream else answer
+    assert served["served_by"] == "p0"
+    # First the prefill leg, then the whole request, plain, with the client's max_tokens and stream flag.
+    assert [r["body"] for r in p.requests][-1] == {**REQUEST, "stream": stream}
+    assert m['kvpp_proxy_requests_total{path="prefill_only"}'] == 1
+
+
+@pytest.mark.integration
+def test_failed_instance_leaves_rotation_and_is_probed_back():
+    p0, p1, d = Stub("p0", mode="fail"), Stub("p1"), Stub("d0")
+
+    async def go(session, url, proxy):
+        served = []
+
+        async def one():
+            async with session.post(f"{url}/v1/completions", json=REQUEST) as r:
+                assert r.status == 200
+                served.append((await r.json())["got_kv_transfer_params"]["remote_engine_id"])
+
+        for _ in range(4):
+            await one()
+        out_of_rotation = await metrics(session, url)
+        p0.mode = "ok"  # recovered: its /health answers 200 again
+        await asyncio.sleep(0.5)
+        for _ in range(4):
+            await one()
+        return served, out_of_rotation, await metrics(session, url)
+
+    served, before, after = asyncio.run(_with([p0, p1], [d], go, FAST))
+    # p0 failed once (that request went on to p1), then stayed out until probed back in.
+    assert served[:4] == ["p1"] * 4 and sorted(served[4:]) == ["p0", "p0", "p1", "p1"]
+    assert len(p0.requests) == 3
+    assert before[f'kvpp_proxy_backend_up{{role="prefill",backend="{p0.url}"}}'] == 0
+    assert before[f'kvpp_proxy_backend_failures_total{{role="prefill",backend="{p0.url}"}}'] == 1
+    assert after[f'kvpp_proxy_backend_up{{role="prefill",backend="{p0.url}"}}'] == 1
+    assert after['kvpp_proxy_requests_total{path="pd"}'] == 8
+
+
+@pytest.mark.integration
+def test_nothing_answering_is_a_502_naming_each_backend_without_their_bodies():
+    p, d = Stub("p0", mode="fail"), dead_url()
+    status, answer, _, m = asyncio.run(_with([p], [d], _post(), FAST))
+    message = answer["error"]["message"]
+    assert status == 502 and answer["error"]["code"] == 502 and answer["error"]["type"] == "upstream_error"
+    assert f"prefill {p.url}: answered HTTP 500" in message and f"decode {d}: unreachable" in message
+    assert "secret" not in message
+    assert m['kvpp_proxy_requests_total{path="failed"}'] == 1
+
+
+@pytest.mark.integration
+def test_a_backend_refusing_the_request_itself_is_relayed():
+    p, d = Stub("p0", mode="reject"), Stub("d0")
+    status, answer, _, m = asyncio.run(_with([p], [d], _post(), FAST))
+    assert status == 400 and answer["error"]["message"] == "prompt too long"
+    assert d.requests == [] and m['kvpp_proxy_requests_total{path="rejected"}'] == 1
+    assert m[f'kvpp_proxy_backend_up{{role="prefill",backend="{p.url}"}}'] == 1  # not the instance's fault
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode,reason", [("die_mid_stream", "failed mid-stream"), ("stall_mid_stream", "went silent")])
+def test_decode_failing_mid_stream_ends_with_an_error_event(mode, reason):
+    status, events, elapsed, m = asyncio.run(_with([Stub("p0")], [Stub("d0", mode=mode)],
+                                                   _post({**REQUEST, "stream": True}), FAST))
+    assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "alpha"
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == 502 and reason in error["message"] and elapsed < 3
+    assert m['kvpp_proxy_requests_total{path="failed"}'] == 1
+
+
+# -- client disconnects --------------------------------------------------------------------------
+async def _leave(url, body, after_first_chunk):
+    """A client that sends `body`, then drops the connection (after the first chunk of the answer, or
+    after 0.3 s of waiting for it): a closed browser tab, a killed client. Returns when it left."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = json.dumps(body).encode()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    if after_first_chunk:
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and await reader.read(1)
+    else:
+        await asyncio.sleep(0.3)
+    left = time.monotonic()
+    writer.transport.abort()
+    return left
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("leg", ["prefill", "decode_plain", "decode_stream"])
+def test_client_disconnect_cancels_the_upstream_request(leg):
+    p = Stub("p0", mode="hang" if leg == "prefill" else "ok")
+    d = Stub("d0", mode={"prefill": "ok", "decode_plain": "hang", "decode_stream": "endless_stream"}[leg])
+    body = {**REQUEST, "stream": leg == "decode_stream"}
+
+    async def go(session, url, proxy):
+        left = await _leave(url, body, after_first_chunk=leg == "decode_stream")
+        waited = p if leg == "prefill" else d
+        while not waited.cancelled and time.monotonic() - left < 5:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        return left, await metrics(session, url)
+
+    left, m = asyncio.run(_with([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
+    waited = p if leg == "prefill" else d
+    assert waited.cancelled and waited.cancelled[0] - left < 2, f"{leg} upstream not cancelled"
+    if leg == "prefill":
+        assert d.requests == []
+    assert m['kvpp_proxy_requests_total{path="cancelled"}'] == 1 and m["kvpp_proxy_requests_in_flight"] == 0
+    # The client left: no instance is blamed for it.
+    assert all(v == 1 for k, v in m.items() if k.startswith("kvpp_proxy_backend_up"))
+    assert all(v == 0 for k, v in m.items() if k.startswith("kvpp_proxy_backend_failures_total"))
+
+
+# -- hostile bodies --------------------------------------------------------------------------------
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def _hostile_bodies(n_fuzz: int) -> list[bytes]:
+    valid = json.dumps({**REQUEST, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    crafted = [b"", b"not json", b"\xff\xfe\x00garbage", b"[1, 2, 3]", b'"a string"', b"42", b"null",
+               b'{"prompt": "unterminated', b"{" * 100_000, b"[" * 100_000, b"[" * 50 + b"]" * 50,
+               json.dumps({"prompt": "x", "a": _nested(40)}).encode()]
+    rng = random.Random(11)
+    fuzz = []
+    for _ in range(n_fuzz):
+        data = bytearray(valid.encode())
+        for _ in range(rng.randint(1, 4)):
+            op, i = rng.randrange(3), rng.randrange(len(data))
+            if op == 0:
+                data[i] = rng.randrange(256)
+            elif op == 1:
+                del data[i:i + rng.randint(1, 8)]
+            else:
+                data[i:i] = bytes(rng.choice(b'{}[]":,\\') for _ in range(rng.randint(1, 4)))
+        fuzz.append(bytes(data))
+    return crafted + fuzz
+
+
+@pytest.mark.integration
+def test_hostile_bodies_get_openai_errors_and_one_short_log_line_each(caplog):
+    bodies = _hostile_bodies(300)
+    oversized = json.dumps({**REQUEST, "prompt": "x" * 5000}).encode()
+    p, d = Stub("p0"), Stub("d0")
+
+    async def go(session, url, proxy):
+        results = []
+        for data in [*bodies, oversized]:
+            async with session.post(f"{url}/v1/completions", data=data,
+                                    headers={"Content-Type": "application/json"}) as r:
+                results.append((r.status, r.headers.get("Content-Type", ""), await r.read()))
+        async with session.post(f"{url}/v1/completions", json=REQUEST) as r:  # still serving
+            results.append((r.status, "", b""))
+        return results
+
+    with caplog.at_level(logging.INFO, logger="kvpp.proxy"):
+        results = asyncio.run(_with([p], [d], go, FAST, Limits(max_body_bytes=4096)))
+    *hostile, (status_big, type_big, big), (status_ok, _, _) = results
+    assert status_big == 413 and json.loads(big)["error"]["code"] == 413 and status_ok == 200
+    rejected = 0
+    for data, (status, ctype, raw) in zip(bodies, hostile):
+        assert status in (200, 400, 413), (data[:80], status)  # a mutation may still be a valid request
+        if status != 200:
+            rejected += 1
+            error = json.loads(raw)["error"]
+            assert ctype.startswith("application/json") and error["type"] == "invalid_request_error"
+            assert error["code"] == status and len(error["message"]) < 100
+    assert rejected >= 12 + 250, f"of {len(bodies)} hostile bodies only {rejected} were refused"
+    # Every refused body reached no backend, and cost one log line under 200 characters.
+    assert len(p.requests) == len(bodies) - rejected + 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected")]
+    assert len(lines) == rejected + 1 and max(map(len, lines)) < 200
+    print(f"{len(bodies) + 1} hostile bodies tried, {rejected + 1} refused with JSON errors")
+
+
+@pytest.mark.integration
+def test_deep_nesting_and_non_objects_are_named():
+    async def go(session, url, proxy):
+        out = []
+        for data in (b"[1]", b"[" * 100_000, json.dumps({"a": _nested(40)}).encode()):
+            async with session.post(f"{url}/v1/completions", data=data) as r:
+                out.append((await r.json())["error"]["message"])
+        return out
+
+    messages = asyncio.run(_with([Stub("p0")], [Stub("d0")], go))
+    assert messages[0] == "request body must be a JSON object"
+    assert messages[1] == "request body nests deeper than 32 levels"
+    assert messages[2] == "request body nests deeper than 32 levels"
+
+
+@pytest.mark.integration
+def test_health_shallow_and_with_backends():
+    dead = dead_url()
+
+    async def go(session, url, proxy):
+        async with session.get(f"{url}/health") as r:
+            shallow = r.status
+        async with session.get(f"{url}/health?backends=1") as r:
+            return shallow, r.status, await r.json()
+
+    p = Stub("p0")
+    shallow, deep, info = asyncio.run(_with([p], [dead], go))
+    assert shallow == 200 and deep == 503 and info["status"] == "degraded"
+    assert info["backends"][p.url] == "ok" and info["backends"][dead].startswith("unreachable")
+
+
+@pytest.mark.integration
+def test_kvpp_proxy_command_serves_and_stops_by_pid(tmp_path):
+    p, d = Stub("p0"), Stub("d0")
+    port = free_port()
+    proc = ManagedProcess("kvpp-proxy", [sys.executable, "-m", "deploy.cli.main", "proxy", "--prefill", p.url,
+                                         "--decode", d.url, "--port", str(port)], tmp_path / "proxy.log")
+
+    async def go():
+        await p.start()
+        await d.start()
+        try:
+            proc.start()
+            await asyncio.get_running_loop().run_in_executor(None, proc.wait_http, f"http://{LOOP}:{port}/health", 30)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://{LOOP}:{port}/v1/completions", json=REQUEST) as r:
+                    return r.status, await r.json()
+        finally:
+            assert proc.stop(timeout=10) == 0  # SIGTERM ends aiohttp cleanly
+            await p.stop()
+            await d.stop()
+
+    status, answer = asyncio.run(go())
+    assert status == 200 and answer["got_kv_transfer_params"]["remote_block_ids"] == [3, 4, 5]
+
+
+@pytest.mark.integration
+def test_a_write_to_a_departed_client_is_not_blamed_on_the_decode():
+    """Served without handler cancellation, the proxy learns of the disconnect from a failed write:
+    the request still counts as cancelled, its upstream is closed, and the decode stays in rotation."""
+    p, d = Stub("p0"), Stub("d0", mode="endless_stream")
+
+    async def go():
+        for s in (p, d):
+            await s.start()
+        proxy = PDProxy([p.url], [d.url], Timeouts(connect=1, prefill=30, decode_read=30))
+        runner = web.AppRunner(proxy.app())  # no handler_cancellation
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, LOOP, port).start()
+        try:
+            left = await _leave(f"http://{LOOP}:{port}", {**REQUEST, "stream": True}, after_first_chunk=True)
+            while not d.cancelled and time.monotonic() - left < 5:
+                await asyncio.sleep(0.05)
+            return left, proxy
+        finally:
+            await runner.cleanup()
+            for s in (p, d):
+                await s.stop()
+
+    left, proxy = asyncio.run(go())
+    assert d.cancelled and d.cancelled[0] - left < 2
+    assert proxy.outcomes["cancelled"] == 1 and proxy.outcomes["failed"] == 0
+    assert proxy.decode.backends[0].up and proxy.decode.backends[0].failures == 0
+
+
+def test_a_proxy_on_the_ipv6_wildcard_serves_both_families(tmp_path):
+    """`--host ::` (what kvpp render gives a proxy on an IPv6 host): asyncio alone would listen on IPv6
+    only; IPv6 backends are dialled at their bracketed URLs."""
+    import urllib.error
+    import urllib.request
+
+    proc, url = start_proxy(["http://[::1]:1"], ["http://[::1]:2"], tmp_path / "proxy.log",
+                            extra_args=["--host", "::"])  # start_proxy waits for it on 127.0.0.1
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://[::1]:{port}/health", timeout=10) as resp:
+            assert json.loads(resp.read())["prefill"] == ["http://[::1]:1"]
+        with pytest.raises(urllib.error.HTTPError) as err:  # 503: no backend listens there
+            urllib.request.urlopen(f"http://[::1]:{port}/health?backends=1", timeout=10)
+        backends = json.loads(err.value.read())["backends"]
+        assert backends["http://[::1]:2"].startswith("unreachable (Cannot connect to host ::1:2"), backends
+    finally:
+        proc.stop()

