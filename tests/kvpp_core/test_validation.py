@@ -6,6 +6,7 @@ from kvpp_core.config import KvppConfig, KvppConfigError
 from kvpp_core.model import PRESETS, ModelSpec
 from kvpp_core.topology import Topology
 from kvpp_core.validation import KV_UPDATE_OP, KvppSetup, Problem, raise_for_errors, validate
+from tests.helpers.store_config import pool_config
 
 pytestmark = pytest.mark.unit
 
@@ -259,3 +260,50 @@ def test_speculative_decoding_with_pp_is_refused_naming_both_fixes(method):
     assert p.option == "speculative_config" and f"({method})" in p.message and "PP 2" in p.message
     assert "drop --speculative-config" in p.message and "--pipeline-parallel-size 1" in p.message
     assert validate(setup(topology=Topology(tp=8, pp=2))) == []
+
+
+@pytest.mark.parametrize("extra, role, events, option", [
+    ({"load_async": True, "use_layerwise": True}, "kv_both", False, "use_layerwise"),
+    ({}, "kv_both", False, "load_async"),
+    ({"load_async": True, "discard_partial_chunks": False}, "kv_both", False, "discard_partial_chunks"),
+    ({"load_async": True, "consumer_is_to_put": True}, "kv_both", False, "consumer_is_to_put"),
+    ({"load_async": True}, "kv_consumer", False, "kv_role"),
+    ({"load_async": True}, "kv_both", True, "kv_events_config"),
+])
+def test_kvpp_refuses_unsupported_pool_settings(store_engine_config, extra, role, events, option):
+    from kvpp_core.config import KvppConfigError
+    from kvpp_core.validation import validate_vllm_config
+
+    with pytest.raises(KvppConfigError, match=option):
+        validate_vllm_config(pool_config(store_engine_config, extra, role, events))
+
+
+def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_kvpp_rules(store_engine_config, caplog):
+    from kvpp_core.validation import validate_vllm_config
+
+    assert validate_vllm_config(pool_config(store_engine_config, {"load_async": True})) == []
+    assert validate_vllm_config(pool_config(store_engine_config, {"consumer_is_to_put": True}, "kv_consumer", kvpp=False)) == []
+
+
+def test_warnings_are_logged_once_per_process(store_engine_config):
+    import logging
+
+    from kvpp_core import validation
+
+    cfg = pool_config(store_engine_config, {"load_async": True})
+    cfg.parallel_config.tensor_parallel_size = 1  # KVPP inert: a warning, not an error
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("vllm.kvpp_core.validation").addHandler(handler)
+    validation._logged.clear()
+    try:
+        for _ in range(3):  # engine, then each connector of the process
+            assert [p.option for p in validation.validate_vllm_config(cfg)] == ["tensor_parallel_size"]
+    finally:
+        logging.getLogger("vllm.kvpp_core.validation").removeHandler(handler)
+    assert len([r for r in records if "tensor_parallel_size" in r]) == 1
