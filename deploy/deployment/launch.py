@@ -119,9 +119,9 @@ def environment(spec: Spec, inst: Instance) -> dict[str, str]:
 
 def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
     """`vllm serve` argv (after `vllm serve`) for one node of the instance."""
-    args = [spec.model_path, "--host", wildcard(inst.hosts), "--port", str(inst.port)]
-    if spec.served_name:
-        args += ["--served-model-name", spec.served_name]
+    args = [spec.model.path, "--host", wildcard(inst.hosts), "--port", str(inst.port)]
+    if spec.model.served_name:
+        args += ["--served-model-name", spec.model.served_name]
     args += ["--tensor-parallel-size", str(inst.tp)]
     for flag, value in (("--pipeline-parallel-size", inst.pp), ("--prefill-context-parallel-size", inst.pcp),
                         ("--decode-context-parallel-size", inst.dcp), ("--data-parallel-size", inst.dp)):
@@ -131,7 +131,7 @@ def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
         args.append("--enable-expert-parallel")
     if inst.enforce_eager:
         args.append("--enforce-eager")
-    for key, value in inst.memory.items():
+    for key, value in inst.memory.given().items():
         args += ["--" + key.replace("_", "-"), str(value)]
     if inst.kv_events:
         args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True})]
@@ -213,10 +213,10 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
 
 def proxy_host(spec: Spec) -> str:
     """The host the P/D proxy runs on: proxy.host, else the first prefill's."""
-    return spec.proxy_host or spec.prefill[0].hosts[0]
+    return spec.proxy.host or spec.prefill[0].hosts[0]
 
 
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
     """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
     return ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
-            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy_port)]
+            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy.port)]

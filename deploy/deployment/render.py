@@ -51,7 +51,7 @@ def _config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
     if spec.pool is None:
         return {}
     if spec.pool.backend == "mooncake":
-        master = f"{POOL_SERVICE}.{spec.kubernetes['namespace']}.svc:{spec.pool.port}" if bind_any else None
+        master = f"{POOL_SERVICE}.{spec.kubernetes.namespace}.svc:{spec.pool.port}" if bind_any else None
         return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec, master), indent=2,
                                                    sort_keys=True) + "\n"}
     return {launch.MEMCACHE_CONFIG: launch.memcache_local_config(spec),
@@ -181,8 +181,8 @@ def _instance_pod(spec: Spec, inst: Instance, node_rank: str | int, master: str 
     devices = inst.tp * inst.pp * inst.pcp * inst.dp // len(inst.hosts)
     is_leader = node_rank == 0
     container = _container(
-        "vllm", k8s["image"], ["vllm", "serve", *args], launch.environment(spec, inst),
-        inst.port if is_leader else None, {k8s["device_resource"]: str(max(devices, 1))},
+        "vllm", k8s.image, ["vllm", "serve", *args], launch.environment(spec, inst),
+        inst.port if is_leader else None, {k8s.device_resource: str(max(devices, 1))},
         mounts=spec.pool is not None, probe_delay=60)
     return _pod_spec(container, spec, host_network=True)
 
@@ -194,7 +194,7 @@ def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def _meta(name: str, spec: Spec, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": spec.kubernetes["namespace"], "labels": _labels(component)}
+    return {"name": name, "namespace": spec.kubernetes.namespace, "labels": _labels(component)}
 
 
 def _deployment(name: str, spec: Spec, component: str, pod: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +250,7 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         argv, env = launch.pool_command(spec)
         if spec.pool.backend == "mooncake":  # listen on, and advertise the segment at, the pod's address
             argv = _replace_flag(argv, "--host", POD_IP)
-        container = _container("pool", k8s["image"], argv, env, None, None, mounts=True, probe_delay=5)
+        container = _container("pool", k8s.image, argv, env, None, None, mounts=True, probe_delay=5)
         if spec.pool.backend == "mooncake":
             container["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                                 *container.get("env", [])]
@@ -264,11 +264,11 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         files[f"{inst.name}.yaml"] = _dump(_instance_objects(spec, inst))
     if spec.disaggregated:
         urls = {role: [f"http://{i.name}:{i.port}" for i in getattr(spec, role)] for role in ("prefill", "decode")}
-        container = _container("proxy", k8s["proxy_image"] or k8s["image"], launch.proxy_args(spec, urls), {},
-                               spec.proxy_port, None, mounts=False, probe_delay=5)
+        container = _container("proxy", k8s.proxy_image or k8s.image, launch.proxy_args(spec, urls), {},
+                               spec.proxy.port, None, mounts=False, probe_delay=5)
         pod = {"containers": [container]}
         files["proxy.yaml"] = _dump([_deployment("kvpp-proxy", spec, "proxy", pod),
-                                     _service("kvpp-proxy", spec, "proxy", spec.proxy_port,
+                                     _service("kvpp-proxy", spec, "proxy", spec.proxy.port,
                                               {**_labels("proxy"), "kvpp.io/name": "kvpp-proxy"})])
     return files
 
