@@ -59,8 +59,8 @@ Text = Annotated[str, msgspec.Meta(min_length=1)]
 Json = dict[str, Any]
 
 
-class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One mapping of the spec; unknown keys are refused."""
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One mapping of the spec; unknown keys are refused (and defaults left out when one is written back)."""
 
 
 class Memory(_Section):
