@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 

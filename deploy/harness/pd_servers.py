@@ -29,7 +29,7 @@ def pd_server(name: str, model: str, log_dir: Path, tp: int, cores: list[int], r
               policy: str = "fail", extra_args: tuple[str, ...] = (), server: dict | None = None,
               env: dict[str, str] | None = None, **extra) -> Engine:
     """An engine running the connector, with stats on so its counters reach /metrics; `server` holds
-    further cpu_instance options (KV budget, max model length)."""
+    further cpu_instance options (KV budget, max model length, instance keys such as enable_kvpp)."""
     inst = cpu_instance(name, LOOPBACK, free_port(), tp, cores, log_stats=True, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
                         extra_args=extra_args, kv_transfer_config=mooncake_config(role, kv_port, policy, **extra),
                         **(server or {}))

@@ -393,6 +393,7 @@ class Engine(ManagedProcess):
 
     def __init__(self, spec: Spec, inst: Instance, log_path: str | os.PathLike,
                  config_dir: str | os.PathLike | None = None):
+        self.spec, self.inst = spec, inst
         self.host, self.port, self.model = inst.hosts[0], inst.port, spec.model.path
         config_dir = Path(config_dir or Path(log_path).parent)
         env = launch.node_environment(spec, inst, 0)
