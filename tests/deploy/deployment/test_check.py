@@ -342,10 +342,6 @@ def test_speculative_decoding_with_pp_is_refused_from_extra_args(tmp_path):
 
 @pytest.mark.parametrize("kvpp", [True, False])
 def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, kvpp):
-    import yaml
-
-    from deploy.deployment.check import run_check
-
     spec = {"model": {"path": "/models/x", "preset": "glm-5.2"},
             "prefill": [{"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": kvpp, "enforce_eager": True}],
             "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
@@ -390,8 +386,6 @@ def test_one_host_written_two_ways_shares_its_ports():
 
 
 def test_spec_yaml_with_ipv6_round_trips(tmp_path):
-    from deploy.deployment.check import run_check
-
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(ipv6_spec()))
     findings, code = run_check(str(path))
