@@ -271,7 +271,6 @@ def test_speculative_decoding_with_pp_is_refused_naming_both_fixes(method):
     ({"load_async": True}, "kv_both", True, "kv_events_config"),
 ])
 def test_kvpp_refuses_unsupported_pool_settings(store_engine_config, extra, role, events, option):
-    from kvpp_core.config import KvppConfigError
     from kvpp_core.validation import validate_vllm_config
 
     with pytest.raises(KvppConfigError, match=option):

@@ -12,8 +12,6 @@ pytestmark = pytest.mark.unit
 
 
 def test_hold_released_only_when_every_decode_worker_is_done():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=30, clock=clock)
     table.hold("r", 30, TOKEN)
@@ -26,8 +24,6 @@ def test_hold_released_only_when_every_decode_worker_is_done():
 
 
 def test_initial_lease_lapses_and_early_notice_is_kept():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=5, clock=clock)
     table.hold("orphan", 5, TOKEN)
@@ -45,8 +41,6 @@ def test_initial_lease_lapses_and_early_notice_is_kept():
 
 
 def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=30, lease_s=4, clock=clock)
     for rid in ("dead", "slow", "unclaimed"):
@@ -73,8 +67,6 @@ def _renew(table, *request_ids, token=TOKEN):
 
 
 def test_early_renewal_is_honoured_when_the_hold_is_announced():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
     assert _renew(table, "early") == [5]
@@ -87,8 +79,6 @@ def test_early_renewal_is_honoured_when_the_hold_is_announced():
 
 
 def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
     assert _renew(table, "r", token=OTHER) == [5]  # unchecked until the hold (and its token) arrives
@@ -99,8 +89,6 @@ def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
 
 
 def test_table_of_unknown_notices_is_bounded_and_forgotten():
-    from connectors.mooncake.holds import HoldTable
-
     clock = Clock()
     table = HoldTable(timeout_s=5, clock=clock, max_unknown=100)
     for i in range(10_000):

@@ -224,3 +224,18 @@ def test_worker_meta_from_a_peer_is_bounded():
         with pytest.raises(m.MessageError):
             m.decode(msgspec.msgpack.encode(good | over))
     print(f"hostile WorkerMeta replies tried: {len(hostile)}, all refused")
+
+
+def test_side_channel_addresses_bracket_ipv6():
+    from connectors.mooncake.channel import endpoint
+    from connectors.mooncake.messages import WorkerMeta, check_host
+
+    assert endpoint("fd00::1", 37000) == "tcp://[fd00::1]:37000"
+    meta = WorkerMeta(version=2, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, te_host="fd00::1",
+                      te_rpc_port=15000, model="m", dtype="bfloat16", block_size=16, kvpp=False, layers=[])
+    assert meta.te_session == "[fd00::1]:15000"
+    check_host("fd00::1", "remote_host")
+    with pytest.raises(ValueError, match="scoped IPv6 address"):
+        check_host("fe80::1%eth0", "remote_host")
+    with pytest.raises(ValueError, match="neither an IP address nor a DNS name"):
+        check_host("[fd00::1]", "remote_host")

@@ -14,10 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_hold_table_answers_notices_and_renewals():
-    from connectors.mooncake.holds import HoldTable
-
     from connectors.mooncake.channel import Refused
-    from connectors.mooncake.responder import PrefillResponder
 
     table = HoldTable(timeout_s=30, lease_s=3, clock=Clock())
     table.hold("r", 30, TOKEN)

@@ -12,8 +12,6 @@ pytestmark = pytest.mark.unit
 
 
 def test_stats_aggregate_reduce_and_pickle():
-    from connectors.mooncake.stats import MooncakeV2Stats
-
     a = MooncakeV2Stats()
     assert a.is_empty()
     a.record_transfer(1_000_000, 0.5, 3)

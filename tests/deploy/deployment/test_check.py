@@ -5,9 +5,12 @@ import json
 import pytest
 import yaml
 
-from deploy.deployment.check import run_check
+from connectors.hosts import MOONCAKE_IPV6
+from deploy.deployment.check import check_spec, run_check
 from deploy.cli.main import main
+from deploy.deployment.render import render
 from deploy.deployment.spec import SpecError, parse_spec
+from tests.helpers.ipv6_spec import ipv6_spec
 
 pytestmark = pytest.mark.unit
 
@@ -339,10 +342,6 @@ def test_speculative_decoding_with_pp_is_refused_from_extra_args(tmp_path):
 
 @pytest.mark.parametrize("kvpp", [True, False])
 def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, kvpp):
-    import yaml
-
-    from deploy.deployment.check import run_check
-
     spec = {"model": {"path": "/models/x", "preset": "glm-5.2"},
             "prefill": [{"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": kvpp, "enforce_eager": True}],
             "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
@@ -355,3 +354,39 @@ def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, 
         "error: prefill[0] (p): kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async? "
         "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async, "
         "discard_partial_chunks, consumer_is_to_put, lookup_timeout_ms, backend_timeout_ms, stats_file"]
+
+
+@pytest.mark.parametrize("change, where, message", [
+    ({"decode_host": "10.0.0.21"}, "decode[0] (d): hosts", "10.0.0.21 is IPv4 but fd00::11 (prefill[0] (p)) is IPv6"),
+    ({"pool": "10.0.0.9:50051"}, "pool: pool.address", "10.0.0.9 is IPv4 but fd00::11 (prefill[0] (p)) is IPv6"),
+])
+def test_mooncake_peers_of_both_families_are_refused(change, where, message):
+    errors = [str(f) for f in check_spec(parse_spec(ipv6_spec(**change))) if f.severity == "error"]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"error: {where}: {message}: Mooncake runs in one family per deployment "
+                                f"({MOONCAKE_IPV6}=1 for IPv6, in which mode it cannot reach IPv4 peers)")
+
+
+def test_mixed_families_are_fine_where_no_mooncake_traffic_joins_them():
+    spec = ipv6_spec("memcache", decode_host="10.0.0.21", pool="10.0.0.9:5000")
+    spec["decode"] = []  # no P/D: the pool's memcache traffic is the only one joining the instances
+    del spec["prefill"][0]["kv_port"]
+    spec["prefill"].append({**spec["prefill"][0], "name": "q", "hosts": ["10.0.0.31"]})
+    assert [str(f) for f in check_spec(parse_spec(spec)) if f.severity == "error"] == []
+    assert MOONCAKE_IPV6 not in render(parse_spec(spec), "shell")["p-node0.sh"]  # memcache: Mooncake not used
+
+
+def test_one_host_written_two_ways_shares_its_ports():
+    spec = ipv6_spec()
+    spec["decode"][0]["hosts"] = ["FD00:0::11"]
+    spec["decode"][0]["kv_port"] = 37001
+    errors = [str(f) for f in check_spec(parse_spec(spec)) if f.severity == "error"]
+    assert any(e.startswith("error: decode[0] (d): kv_port: on host fd00::11 its handshake/control ports overlap")
+               for e in errors), errors
+
+
+def test_spec_yaml_with_ipv6_round_trips(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(ipv6_spec()))
+    findings, code = run_check(str(path))
+    assert code == 0, [str(f) for f in findings]

@@ -12,11 +12,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from connectors.hosts import host_url, join_host_port
+from connectors.hosts import MOONCAKE_IPV6, host_url, join_host_port
 
 from deploy.cli.main import main
+from deploy.deployment.check import check_spec
 from deploy.deployment.render import MARKER, render
-from deploy.deployment.spec import load_spec
+from deploy.deployment.spec import load_spec, parse_spec
+from tests.helpers.ipv6_spec import ipv6_spec
 
 pytestmark = pytest.mark.unit
 
@@ -197,3 +199,49 @@ def test_rendered_pool_script_starts_the_real_service(backend, host, tmp_path):
                 raise
             time.sleep(1)
     assert not proc.alive()
+
+
+def _argv(script: str) -> list[str]:
+    return shlex.split(script.split("\nexec ", 1)[1].replace("\\\n", " "))
+
+
+def _exports(script: str) -> dict[str, str]:
+    return dict(shlex.split(line[len("export "):])[0].split("=", 1) for line in script.splitlines()
+                if line.startswith("export "))
+
+
+def test_an_ipv6_spec_checks_clean_and_renders_bracketed_addresses():
+    spec = parse_spec(ipv6_spec())
+    assert [str(f) for f in check_spec(spec) if f.severity == "error"] == []
+    files = render(spec, "shell")
+    proxy = _argv(files["proxy.sh"])
+    assert proxy[proxy.index("--prefill") + 1] == "http://[fd00::11]:8100"
+    assert proxy[proxy.index("--decode") + 1] == "http://[fd00::21]:8200"
+    assert proxy[proxy.index("--host") + 1] == "::"
+    worker = _argv(files["p-node1.sh"])
+    assert _exports(files["p-node1.sh"])["VLLM_HOST_IP"] == "fd00::12"  # hosts travel bare
+    assert all(_exports(files[f"{name}.sh"])[MOONCAKE_IPV6] == "1" for name in ("p-node0", "p-node1", "d-node0"))
+    assert worker[worker.index("--master-addr") + 1] == "fd00::11"  # vLLM brackets it itself
+    assert worker[worker.index("--host") + 1] == "::"
+    assert json.loads(files["mooncake.json"])["master_server_address"] == "[fd00::9]:50051"
+    pool = _argv(files["pool.sh"])
+    assert pool[pool.index("--host") + 1:pool.index("--host") + 4] == ["fd00::9", "--port", "50051"]
+
+
+def test_memcache_urls_bracket_the_pool_host():
+    files = render(parse_spec(ipv6_spec("memcache")), "shell")
+    assert "ock.mmc.meta_service_url = tcp://[fd00::9]:50051\n" in files["mmc-local.conf"]
+    assert "ock.mmc.meta_service_url = tcp://[fd00::9]:50051\n" in files["mmc-meta.conf"]
+    configmap = next(yaml.safe_load_all(render(parse_spec(ipv6_spec("memcache", decode_host="n")), "k8s")["pool.yaml"]))
+    assert "ock.mmc.meta_service_url = tcp://[::]:50051\n" in configmap["data"]["mmc-meta.conf"]  # the pod's addresses
+
+
+def test_kubernetes_names_nodes_not_addresses():
+    """A single-node instance is pinned by kubernetes.io/hostname, a label value, which cannot hold ':'."""
+    spec = parse_spec(ipv6_spec())
+    with pytest.raises(ValueError, match=r"decode\[0\] \(d\): host 'fd00::21' is not a Kubernetes label value .*"
+                                         "an IPv6 address cannot be one: give the node's name"):
+        render(spec, "k8s")
+    files = render(parse_spec(ipv6_spec(decode_host="decode-node")), "k8s")  # the LeaderWorkerSet needs no node name
+    configmap = next(yaml.safe_load_all(files["pool.yaml"]))
+    assert json.loads(configmap["data"]["mooncake.json"])["master_server_address"] == "kvpp-pool.default.svc:50051"

@@ -1,15 +1,16 @@
-"""The deployment spec: settings read through the connectors' own structs."""
+"""The deployment spec: settings read through the connectors' own structs, hosts no component can use."""
 
 from __future__ import annotations
 
 import pytest
 
+from deploy.deployment.spec import SpecError, parse_spec
+from tests.helpers.ipv6_spec import ipv6_spec
+
 pytestmark = pytest.mark.unit
 
 
 def test_kvpp_check_reads_the_spec_pool_settings_as_the_same_struct():
-    from deploy.deployment.spec import SpecError, parse_spec
-
     spec = {"model": {"path": "/m"}, "prefill": [{"name": "p", "hosts": ["h1"], "tp": 1}],
             "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
                      "settings": {"protocol": "rdma", "rdma_device": "mlx5_0"}}}
@@ -20,3 +21,12 @@ def test_kvpp_check_reads_the_spec_pool_settings_as_the_same_struct():
 
     assert mooncake_store_config(parse_spec(spec)) == {"master_server_address": "h9:50051", "metadata_server":
                                                        "P2PHANDSHAKE", "protocol": "rdma", "rdma_devices": "mlx5_0"}
+
+
+@pytest.mark.parametrize("host, message", [
+    ("fe80::1%eth0", "a scoped IPv6 address (%zone) names an interface of one host"),
+    ("[fd00::1]", "write a host without brackets"),
+])
+def test_hosts_no_component_can_use_are_refused(host, message):
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_spec(ipv6_spec(decode_host=host))

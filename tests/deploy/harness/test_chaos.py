@@ -18,7 +18,7 @@ from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.harness.chaos_stack import Member, Stack, adopt_pool, inject
 from deploy.services.processes import free_port, http_ok, port_open
 from deploy.services.proxy import PDProxy, Timeouts, start_proxy
-from tests.deploy.services.test_proxy import REQUEST, WORDS, Stub, _with
+from tests.helpers.stub_engine import REQUEST, WORDS, Stub, with_proxy
 
 
 def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, seconds=1.0):
@@ -227,6 +227,6 @@ def test_cancel_probe_leaves_and_the_decode_sees_it(stream):
             await asyncio.sleep(0.05)
         return left
 
-    left = asyncio.run(_with([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
+    left = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
     assert d.requests[0]["body"]["max_tokens"] == 600 and d.requests[0]["body"]["ignore_eos"] is True
     assert d.cancelled and d.cancelled[0] - left < 2

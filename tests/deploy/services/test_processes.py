@@ -104,3 +104,14 @@ def test_stop_kills_grandchildren_and_escalates_to_sigkill(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail(f"grandchild {child} survived stop()")
+
+
+@pytest.mark.unit
+def test_free_ports_on_an_ipv6_host():
+    import socket
+
+    from deploy.services.processes import free_port
+
+    port = free_port("::1")
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", port))

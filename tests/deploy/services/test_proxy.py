@@ -15,114 +15,13 @@ from aiohttp import web
 
 from deploy.services.processes import ManagedProcess, free_port
 from deploy.services.proxy import Limits, PDProxy, Timeouts, decode_body, plain_body, prefill_body, start_proxy
+from tests.helpers.stub_engine import LOOP, REQUEST, WORDS, Stub, with_proxy
 
-LOOP = "127.0.0.1"
-WORDS = ["alpha", "beta", "gamma"]
 FAST = Timeouts(connect=1, prefill=0.5, decode_read=0.5, probe=0.1)
-
-
-class Stub:
-    """A backend that serves like a vLLM engine and records what it receives; `mode` selects a failure.
-
-    A request with `kv_transfer_params.do_remote_decode` gets a prefill answer; any other gets a full
-    answer, streamed when asked (every instance is a full engine). Handlers are cancelled when the
-    proxy drops the connection, as vLLM aborts a request whose client left; `cancelled` records that.
-    """
-
-    def __init__(self, name, mode="ok"):
-        self.name, self.mode = name, mode
-        self.requests, self.cancelled = [], []
-        self.port = free_port()
-        self.url = f"http://{LOOP}:{self.port}"
-
-    async def start(self):
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_get("/health", self.health)
-        self.runner = web.AppRunner(app, handler_cancellation=True)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, LOOP, self.port).start()
-        return self
-
-    async def health(self, request):
-        return web.json_response({}, status=200 if self.mode == "ok" else 503)
-
-    async def complete(self, request):
-        body = await request.json()
-        self.requests.append({"body": body, "request_id": request.headers.get("X-Request-Id"),
-                              "auth": request.headers.get("Authorization")})
-        try:
-            return await self._answer(request, body)
-        except asyncio.CancelledError:
-            self.cancelled.append(time.monotonic())
-            raise
-
-    async def _answer(self, request, body):
-        if self.mode == "fail":
-            return web.json_response({"error": {"message": "secret internal trace"}}, status=500)
-        if self.mode == "reject":
-            return web.json_response({"error": {"message": "prompt too long", "type": "BadRequestError",
-                                                "code": 400}}, status=400)
-        if self.mode == "reset":
-            request.transport.close()  # the process vanished before answering
-            await asyncio.sleep(1)
-        if self.mode == "hang":
-            await asyncio.sleep(30)
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            params = None if self.mode == "no_params" else {
-                "remote_host": LOOP, "remote_port": 37000, "remote_engine_id": self.name,
-                "remote_block_ids": [3, 4, 5], "remote_request_id": request.headers.get("X-Request-Id")}
-            return web.json_response({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
-        if not body.get("stream"):
-            return web.json_response({"choices": [{"text": " ".join(WORDS), "index": 0, "logprobs": {"tokens": WORDS}}],
-                                      "served_by": self.name, "got_kv_transfer_params": body.get("kv_transfer_params")})
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        for i, word in enumerate(WORDS * (1000 if self.mode == "endless_stream" else 1)):
-            event = {"choices": [{"text": word, "index": 0, "logprobs": {"tokens": [word]}}], "served_by": self.name}
-            await out.write(f"data: {json.dumps(event)}\n\n".encode())
-            if self.mode == "die_mid_stream" and i == 0:
-                request.transport.close()  # the decode process vanishes after one token
-                return out
-            if self.mode == "stall_mid_stream" and i == 0:
-                await asyncio.sleep(2)
-            if self.mode == "endless_stream":
-                await asyncio.sleep(0.1)
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
-
-    async def stop(self):
-        await self.runner.cleanup()
 
 
 def dead_url():
     return f"http://{LOOP}:{free_port()}"
-
-
-async def _serve_proxy(proxy):
-    runner = proxy.runner()
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, LOOP, port).start()
-    return runner, f"http://{LOOP}:{port}"
-
-
-async def _with(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Limits()):
-    """Run `body_fn(session, proxy_url, proxy)` against a proxy in front of the given stubs / URLs."""
-    stubs = [s for s in prefills + decodes if isinstance(s, Stub)]
-    for s in stubs:
-        await s.start()
-    proxy = PDProxy([getattr(s, "url", s) for s in prefills], [getattr(s, "url", s) for s in decodes],
-                    timeouts, limits)
-    runner, url = await _serve_proxy(proxy)
-    try:
-        async with aiohttp.ClientSession() as session:
-            return await body_fn(session, url, proxy)
-    finally:
-        await runner.cleanup()
-        for s in stubs:
-            await s.stop()
 
 
 async def metrics(session, url) -> dict[str, float]:
@@ -130,9 +29,6 @@ async def metrics(session, url) -> dict[str, float]:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()
     return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M) if not m[0].startswith("#")}
-
-
-REQUEST = {"model": "tiny", "prompt": "the cache", "max_tokens": 16, "temperature": 0}
 
 
 def _events(text):
@@ -172,7 +68,7 @@ def test_protocol_shape_non_streaming():
                                 headers={"Authorization": "Bearer k", "X-Request-Id": "req-1"}) as r:
             return r.status, await r.json(), r.headers["X-Kvpp-Path"], await metrics(session, url)
 
-    status, answer, path, m = asyncio.run(_with([p], [d], go))
+    status, answer, path, m = asyncio.run(with_proxy([p], [d], go))
     assert status == 200 and answer["choices"][0]["text"] == "alpha beta gamma"
     assert path == "pd"
     pre, dec = p.requests[0], d.requests[0]
@@ -194,7 +90,7 @@ def test_streaming_relays_every_event():
             assert r.headers["Content-Type"].startswith("text/event-stream")
             return r.status, (await r.read()).decode()
 
-    status, text = asyncio.run(_with([p], [d], go))
+    status, text = asyncio.run(with_proxy([p], [d], go))
     events = _events(text)
     assert status == 200 and events[-1] == "[DONE]"
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == WORDS
@@ -214,7 +110,7 @@ def test_round_robin_over_prefills_and_decodes():
                 served.append((answer["got_kv_transfer_params"]["remote_engine_id"], answer["served_by"]))
         return served
 
-    served = asyncio.run(_with(ps, ds, go))
+    served = asyncio.run(with_proxy(ps, ds, go))
     assert served == [("p0", "d0"), ("p1", "d1"), ("p0", "d2"), ("p1", "d0"), ("p0", "d1"), ("p1", "d2")]
     assert [len(s.requests) for s in ps + ds] == [3, 3, 2, 2, 2]
 
@@ -232,7 +128,7 @@ def _instance(name, fault):
 @pytest.mark.parametrize("fault", PREFILL_FAULTS)
 def test_no_prefill_answering_means_the_decode_computes_the_prompt(fault, stream):
     p, d = _instance("p0", fault), Stub("d0")
-    status, answer, elapsed, m = asyncio.run(_with([p], [d], _post({**REQUEST, "stream": stream}), FAST))
+    status, answer, elapsed, m = asyncio.run(with_proxy([p], [d], _post({**REQUEST, "stream": stream}), FAST))
     assert status == 200 and elapsed < 3
     texts = [json.loads(e)["choices"][0]["text"] for e in answer[:-1]] if stream else [answer["choices"][0]["text"]]
     assert " ".join(texts) == "alpha beta gamma"
@@ -250,7 +146,7 @@ DECODE_FAULTS = ["refused", "reset", "fail", "hang"]
 @pytest.mark.parametrize("fault", DECODE_FAULTS)
 def test_decode_failing_before_the_first_byte_moves_to_another_decode(fault, stream):
     p, bad, good = Stub("p0"), _instance("d0", fault), Stub("d1")
-    status, answer, elapsed, m = asyncio.run(_with([p], [bad, good], _post({**REQUEST, "stream": stream}), FAST))
+    status, answer, elapsed, m = asyncio.run(with_proxy([p], [bad, good], _post({**REQUEST, "stream": stream}), FAST))
     assert status == 200 and elapsed < 3
     served = json.loads(answer[0]) if stream else answer
     assert served["served_by"] == "d1"
@@ -267,7 +163,7 @@ def test_decode_failing_before_the_first_byte_moves_to_another_decode(fault, str
 @pytest.mark.parametrize("fault", DECODE_FAULTS)
 def test_no_decode_answering_means_a_prefill_serves_the_whole_request(fault, stream):
     p, d = Stub("p0"), _instance("d0", fault)
-    status, answer, elapsed, m = asyncio.run(_with([p], [d], _post({**REQUEST, "stream": stream}), FAST))
+    status, answer, elapsed, m = asyncio.run(with_proxy([p], [d], _post({**REQUEST, "stream": stream}), FAST))
     assert status == 200 and elapsed < 3
     served = json.loads(answer[0]) if stream else answer
     assert served["served_by"] == "p0"
@@ -297,7 +193,7 @@ def test_failed_instance_leaves_rotation_and_is_probed_back():
             await one()
         return served, out_of_rotation, await metrics(session, url)
 
-    served, before, after = asyncio.run(_with([p0, p1], [d], go, FAST))
+    served, before, after = asyncio.run(with_proxy([p0, p1], [d], go, FAST))
     # p0 failed once (that request went on to p1), then stayed out until probed back in.
     assert served[:4] == ["p1"] * 4 and sorted(served[4:]) == ["p0", "p0", "p1", "p1"]
     assert len(p0.requests) == 3
@@ -310,7 +206,7 @@ def test_failed_instance_leaves_rotation_and_is_probed_back():
 @pytest.mark.integration
 def test_nothing_answering_is_a_502_naming_each_backend_without_their_bodies():
     p, d = Stub("p0", mode="fail"), dead_url()
-    status, answer, _, m = asyncio.run(_with([p], [d], _post(), FAST))
+    status, answer, _, m = asyncio.run(with_proxy([p], [d], _post(), FAST))
     message = answer["error"]["message"]
     assert status == 502 and answer["error"]["code"] == 502 and answer["error"]["type"] == "upstream_error"
     assert f"prefill {p.url}: answered HTTP 500" in message and f"decode {d}: unreachable" in message
@@ -321,7 +217,7 @@ def test_nothing_answering_is_a_502_naming_each_backend_without_their_bodies():
 @pytest.mark.integration
 def test_a_backend_refusing_the_request_itself_is_relayed():
     p, d = Stub("p0", mode="reject"), Stub("d0")
-    status, answer, _, m = asyncio.run(_with([p], [d], _post(), FAST))
+    status, answer, _, m = asyncio.run(with_proxy([p], [d], _post(), FAST))
     assert status == 400 and answer["error"]["message"] == "prompt too long"
     assert d.requests == [] and m['kvpp_proxy_requests_total{path="rejected"}'] == 1
     assert m[f'kvpp_proxy_backend_up{{role="prefill",backend="{p.url}"}}'] == 1  # not the instance's fault
@@ -330,7 +226,7 @@ def test_a_backend_refusing_the_request_itself_is_relayed():
 @pytest.mark.integration
 @pytest.mark.parametrize("mode,reason", [("die_mid_stream", "failed mid-stream"), ("stall_mid_stream", "went silent")])
 def test_decode_failing_mid_stream_ends_with_an_error_event(mode, reason):
-    status, events, elapsed, m = asyncio.run(_with([Stub("p0")], [Stub("d0", mode=mode)],
+    status, events, elapsed, m = asyncio.run(with_proxy([Stub("p0")], [Stub("d0", mode=mode)],
                                                    _post({**REQUEST, "stream": True}), FAST))
     assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "alpha"
     error = json.loads(events[-1])["error"]
@@ -373,7 +269,7 @@ def test_client_disconnect_cancels_the_upstream_request(leg):
         await asyncio.sleep(0.2)
         return left, await metrics(session, url)
 
-    left, m = asyncio.run(_with([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
+    left, m = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
     waited = p if leg == "prefill" else d
     assert waited.cancelled and waited.cancelled[0] - left < 2, f"{leg} upstream not cancelled"
     if leg == "prefill":
@@ -430,7 +326,7 @@ def test_hostile_bodies_get_openai_errors_and_one_short_log_line_each(caplog):
         return results
 
     with caplog.at_level(logging.INFO, logger="kvpp.proxy"):
-        results = asyncio.run(_with([p], [d], go, FAST, Limits(max_body_bytes=4096)))
+        results = asyncio.run(with_proxy([p], [d], go, FAST, Limits(max_body_bytes=4096)))
     *hostile, (status_big, type_big, big), (status_ok, _, _) = results
     assert status_big == 413 and json.loads(big)["error"]["code"] == 413 and status_ok == 200
     rejected = 0
@@ -458,7 +354,7 @@ def test_deep_nesting_and_non_objects_are_named():
                 out.append((await r.json())["error"]["message"])
         return out
 
-    messages = asyncio.run(_with([Stub("p0")], [Stub("d0")], go))
+    messages = asyncio.run(with_proxy([Stub("p0")], [Stub("d0")], go))
     assert messages[0] == "request body must be a JSON object"
     assert messages[1] == "request body nests deeper than 32 levels"
     assert messages[2] == "request body nests deeper than 32 levels"
@@ -475,7 +371,7 @@ def test_health_shallow_and_with_backends():
             return shallow, r.status, await r.json()
 
     p = Stub("p0")
-    shallow, deep, info = asyncio.run(_with([p], [dead], go))
+    shallow, deep, info = asyncio.run(with_proxy([p], [dead], go))
     assert shallow == 200 and deep == 503 and info["status"] == "degraded"
     assert info["backends"][p.url] == "ok" and info["backends"][dead].startswith("unreachable")
 

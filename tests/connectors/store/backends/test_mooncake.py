@@ -327,8 +327,6 @@ def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
 
 @pytest.mark.unit
 def test_the_mooncake_config_file_is_read_as_the_same_struct(tmp_path, monkeypatch):
-    import json
-
     from connectors.store.backends import BackendError
     from connectors.store.backends.mooncake import resolve_settings
     from connectors.store.config import MooncakeSettings

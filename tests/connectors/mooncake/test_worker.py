@@ -1,0 +1,151 @@
+"""MooncakeV2Worker without an engine: prefill and decode workers in this process, each with a real
+Mooncake transfer engine and side channel on loopback; only vLLM's process groups are stood in for
+(TP=1, PP=1), and the scheduler's step metadata is written by hand."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connectors.mooncake import messages as m
+from connectors.mooncake import worker as worker_module
+from connectors.mooncake.channel import ChannelError, call
+from connectors.mooncake.messages import PrefillHandle
+from connectors.mooncake.settings import Settings
+from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
+from connectors.mooncake.worker import MooncakeV2Worker
+from deploy.services.processes import free_port
+from tests.helpers.mooncake_wire import OTHER, TOKEN, V, names
+
+pytestmark = pytest.mark.integration
+
+LAYERS = names(2)
+BLOCK_SHAPE = (16, 576)  # one MLA page of the tiny model: block_size 16, latent + rope 576
+
+
+def vllm_config(kv_port: int) -> SimpleNamespace:
+    """The parts of a VllmConfig the worker reads."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        prefill_context_parallel_size=1, data_parallel_size=1, data_parallel_rank=0),
+        kv_transfer_config=SimpleNamespace(kv_port=kv_port),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(use_mla=True, hf_config=SimpleNamespace(architectures=["DeepseekV2ForCausalLM"],
+                                                                             num_hidden_layers=2)),
+    )
+
+
+def caches(blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """One cache per layer; random pages when seeded, zeros otherwise."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return {name: torch.rand((blocks, *BLOCK_SHAPE), generator=gen) if gen else torch.zeros((blocks, *BLOCK_SHAPE))
+            for name in LAYERS}
+
+
+@pytest.fixture
+def start_worker(monkeypatch):
+    """Starts a worker on its own kv_port: `start_worker(engine_id, **settings)`; all are shut down after."""
+    rank0 = SimpleNamespace(rank_in_group=0)
+    monkeypatch.setattr(worker_module, "get_tp_group", lambda: rank0)
+    monkeypatch.setattr(worker_module, "get_pp_group", lambda: rank0)
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    started: list[MooncakeV2Worker] = []
+
+    def start(engine_id: str, **settings) -> MooncakeV2Worker:
+        started.append(MooncakeV2Worker(vllm_config(free_port()), engine_id, Settings(**settings)))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.shutdown()
+
+
+def handle(prefill: MooncakeV2Worker, request_id: str, blocks: list[int]) -> PrefillHandle:
+    return PrefillHandle(remote_engine_id=prefill.engine_id, remote_request_id=request_id, remote_token=TOKEN,
+                         remote_host="127.0.0.1", remote_kv_port=prefill.port, remote_tp_size=1,
+                         remote_block_ids=blocks, remote_num_tokens=16 * len(blocks))
+
+
+def finished_until(worker: MooncakeV2Worker, done, timeout_s: float = 20.0) -> tuple[set[str], set[str]]:
+    """Step `get_finished` as the engine does until `done(sending, recving)` holds; the union of what it reported."""
+    sending, recving = set(), set()
+    deadline = time.monotonic() + timeout_s
+    while not done(sending, recving):
+        assert time.monotonic() < deadline, (sending, recving)
+        s, r = worker.get_finished()
+        sending |= s
+        recving |= r
+        time.sleep(0.01)
+    return sending, recving
+
+
+def test_a_pull_between_two_workers_moves_the_blocks_and_frees_them_on_the_prefill(start_worker):
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    source, target = caches(16, seed=3), caches(8)
+    prefill.register_kv_caches(source)
+    decode.register_kv_caches(target)
+    prefill.start_load_kv(MooncakeV2Metadata(holds={"p-req": 30.0}, tokens={"p-req": TOKEN}))
+    decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec("d-req", handle(prefill, "p-req", [9, 4, 5]),
+                                                            (0, 1, 2), (9, 4, 5), time.time())]))
+
+    assert finished_until(decode, lambda s, r: "d-req" in r) == (set(), {"d-req"})
+    assert decode.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(target[name][:3], source[name][[9, 4, 5]]) and not target[name][3:].any()
+    pulled = decode.get_stats().reduce()
+    assert (pulled["pulled_requests"], pulled["failed_pulls"]) == (1, 0)
+    assert pulled["pulled_bytes"] == 3 * len(LAYERS) * source[LAYERS[0]][0].nbytes
+    assert decode.get_stats() is None  # reported once, then reset
+    # the done-notice reaches the prefill after the decode reported the request
+    assert finished_until(prefill, lambda s, r: "p-req" in s) == ({"p-req"}, set())
+
+
+def test_the_prefill_publishes_its_caches_to_token_holders_only_and_frees_a_lapsed_hold(start_worker):
+    prefill = start_worker("prefill", hold_timeout_s=1.0, lease_s=1.0)
+    source = caches(4, seed=1)
+    prefill.register_kv_caches(source)
+    prefill.start_load_kv(MooncakeV2Metadata(holds={"r": 0.5}, tokens={"r": TOKEN}))
+
+    meta = call("127.0.0.1", prefill.port, m.MetaRequest(version=V, request_id="r", token=TOKEN), 2.0, m.WorkerMeta)
+    assert [(layer.name, layer.base_addr, layer.num_blocks) for layer in meta.layers] == \
+        [(name, t.data_ptr(), 4) for name, t in source.items()]
+    assert (meta.engine_id, meta.model, meta.dtype, meta.kvpp) == ("prefill", "DeepseekV2ForCausalLM/layers=2",
+                                                                  "float32", False)
+    with pytest.raises(ChannelError, match="unauthorized"):
+        call("127.0.0.1", prefill.port, m.MetaRequest(version=V, request_id="r", token=OTHER), 2.0, m.WorkerMeta)
+
+    started = time.monotonic()
+    assert finished_until(prefill, lambda s, r: "r" in s) == ({"r"}, set())  # nobody claimed it: the lease lapses
+    assert time.monotonic() - started < 5
+    counted = prefill.get_stats().reduce()
+    assert (counted["lapsed_holds"], counted["refused_requests"]) == (1, 1)
+
+
+def test_a_failed_pull_is_reported_once_as_load_errors_of_its_blocks(start_worker, caplog):
+    decode = start_worker("decode", handshake_timeout_s=0.5)
+    decode.register_kv_caches(caches(8))
+    nobody = SimpleNamespace(engine_id="gone", port=free_port())  # no prefill listens there
+    decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec("d-req", handle(nobody, "p-req", [1, 2]),
+                                                            (6, 7), (1, 2), time.time())]))
+
+    assert finished_until(decode, lambda s, r: "d-req" in r) == (set(), {"d-req"})
+    assert decode.get_block_ids_with_load_errors() == {6, 7}  # vLLM's kv_load_failure_policy decides
+    assert decode.get_block_ids_with_load_errors() == set()
+    assert decode.get_stats().reduce()["failed_pulls"] == 1
+    assert "request d-req: pulling KV from prefill gone failed" in caplog.text
+
+
+def test_a_load_with_no_blocks_only_tells_the_prefill_to_free(start_worker):
+    """A decode request aborted before it was scheduled: nothing is read, the prefill frees at once."""
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    prefill.register_kv_caches(caches(4, seed=2))
+    decode.register_kv_caches(caches(4))
+    prefill.start_load_kv(MooncakeV2Metadata(holds={"p-req": 30.0}, tokens={"p-req": TOKEN}))
+    decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec("d-req", handle(prefill, "p-req", [1]), (), ())]))
+
+    assert finished_until(prefill, lambda s, r: "p-req" in s) == ({"p-req"}, set())
+    assert decode.get_finished() == (set(), set())  # never a pull to report
+    assert decode.get_stats() is None

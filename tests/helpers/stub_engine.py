@@ -1,0 +1,122 @@
+"""Stub vLLM engines (aiohttp on loopback) and a `kvpp proxy` in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from deploy.services.processes import free_port
+from deploy.services.proxy import Limits, PDProxy, Timeouts
+
+
+LOOP = "127.0.0.1"
+
+
+WORDS = ["alpha", "beta", "gamma"]
+
+
+REQUEST = {"model": "tiny", "prompt": "the cache", "max_tokens": 16, "temperature": 0}
+
+
+class Stub:
+    """A backend that serves like a vLLM engine and records what it receives; `mode` selects a failure.
+
+    A request with `kv_transfer_params.do_remote_decode` gets a prefill answer; any other gets a full
+    answer, streamed when asked (every instance is a full engine). Handlers are cancelled when the
+    proxy drops the connection, as vLLM aborts a request whose client left; `cancelled` records that.
+    """
+
+    def __init__(self, name, mode="ok"):
+        self.name, self.mode = name, mode
+        self.requests, self.cancelled = [], []
+        self.port = free_port()
+        self.url = f"http://{LOOP}:{self.port}"
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, LOOP, self.port).start()
+        return self
+
+    async def health(self, request):
+        return web.json_response({}, status=200 if self.mode == "ok" else 503)
+
+    async def complete(self, request):
+        body = await request.json()
+        self.requests.append({"body": body, "request_id": request.headers.get("X-Request-Id"),
+                              "auth": request.headers.get("Authorization")})
+        try:
+            return await self._answer(request, body)
+        except asyncio.CancelledError:
+            self.cancelled.append(time.monotonic())
+            raise
+
+    async def _answer(self, request, body):
+        if self.mode == "fail":
+            return web.json_response({"error": {"message": "secret internal trace"}}, status=500)
+        if self.mode == "reject":
+            return web.json_response({"error": {"message": "prompt too long", "type": "BadRequestError",
+                                                "code": 400}}, status=400)
+        if self.mode == "reset":
+            request.transport.close()  # the process vanished before answering
+            await asyncio.sleep(1)
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            params = None if self.mode == "no_params" else {
+                "remote_host": LOOP, "remote_port": 37000, "remote_engine_id": self.name,
+                "remote_block_ids": [3, 4, 5], "remote_request_id": request.headers.get("X-Request-Id")}
+            return web.json_response({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": params})
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": " ".join(WORDS), "index": 0, "logprobs": {"tokens": WORDS}}],
+                                      "served_by": self.name, "got_kv_transfer_params": body.get("kv_transfer_params")})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i, word in enumerate(WORDS * (1000 if self.mode == "endless_stream" else 1)):
+            event = {"choices": [{"text": word, "index": 0, "logprobs": {"tokens": [word]}}], "served_by": self.name}
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            if self.mode == "die_mid_stream" and i == 0:
+                request.transport.close()  # the decode process vanishes after one token
+                return out
+            if self.mode == "stall_mid_stream" and i == 0:
+                await asyncio.sleep(2)
+            if self.mode == "endless_stream":
+                await asyncio.sleep(0.1)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def serve_proxy(proxy):
+    runner = proxy.runner()
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, LOOP, port).start()
+    return runner, f"http://{LOOP}:{port}"
+
+
+async def with_proxy(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Limits()):
+    """Run `body_fn(session, proxy_url, proxy)` against a proxy in front of the given stubs / URLs."""
+    stubs = [s for s in prefills + decodes if isinstance(s, Stub)]
+    for s in stubs:
+        await s.start()
+    proxy = PDProxy([getattr(s, "url", s) for s in prefills], [getattr(s, "url", s) for s in decodes],
+                    timeouts, limits)
+    runner, url = await serve_proxy(proxy)
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await body_fn(session, url, proxy)
+    finally:
+        await runner.cleanup()
+        for s in stubs:
+            await s.stop()
