@@ -1,21 +1,22 @@
 """The pool connector's settings: `kv_connector_extra_config` read once into a typed struct.
 
 Unknown keys are refused (a typo such as `load_asnyc` would otherwise silently keep the default),
-and every problem comes back at once. `kvpp_core.validation` applies the same reading to the engine's
+and every problem comes back at once. `connectors.store.rules` applies the same reading to the engine's
 config and to `kvpp check`'s rendered configs, so all three refuse the same settings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
 from kvpp_core.config import Parsed, parse_struct
 
-from connectors.store.backends import BackendName
-
+BackendName = Literal["mooncake", "memcache"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+"""The pool backends (`connectors.store.backends` holds their clients)."""
 PREFIX = "kv_connector_extra_config"
 
 
@@ -146,7 +147,7 @@ def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
 def read_store_config(extra: Mapping[str, Any] | None) -> Parsed[StoreConfig]:
     """The struct and every problem of `extra`, including settings this connector does not implement."""
     parsed = parse_struct(extra, StoreConfig, PREFIX, _HINTS)
-    # Capabilities of this connector, independent of KVPP (KVPP's own rules live in kvpp_core.validation).
+    # Capabilities of this connector, independent of KVPP (what KVPP needs lives in connectors.store.rules).
     if parsed.given.get("use_layerwise"):
         parsed.problems.append((f"{PREFIX}.use_layerwise", "true is not implemented by this connector; set it to "
                                 "false (whole blocks are saved after prefill and loaded before the request runs)"))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.logger import init_logger
 
-from kvpp_core.ownership import layer_index
+from kvpp_core.ownership import target_layer
 from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
@@ -133,11 +133,7 @@ class StoreWorker:
         if layout is not None:
             names = list(layout.persistent_layer_names)
             return names, {n: layout.layer_ids[n] for n in names}
-        layer_of = {}
-        for name in kv_caches:
-            idx = layer_index(name)
-            layer_of[name] = idx if idx < self._num_hidden else None
-        return list(kv_caches), layer_of
+        return list(kv_caches), {name: target_layer(name, self._num_hidden) for name in kv_caches}
 
     def _stages(self, own: StageLayers) -> list[StageLayers]:
         """Every PP stage's layers; other stages derived the way vLLM splits layers."""

@@ -1,5 +1,5 @@
 """AscendStoreConnector pieces that need no services: settings, wire messages, the hit rule, save planning,
-bounded backend calls and the KVPP startup refusals (which come from kvpp_core.validation)."""
+bounded backend calls and the KVPP startup refusals (which come from the launch check, connectors.launch)."""
 
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def test_a_consumer_saves_only_with_write_back():
     assert role_actions("kv_both", cfg) == (True, True)
 
 
-# ---- KVPP refusals come from kvpp_core.validation ---------------------------------------------------
+# ---- KVPP refusals come from the launch check -----------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_config(tiny_model):
     """A real VllmConfig (no engine) for the tiny MLA model, TP=2, pool kv_both, KVPP off."""
@@ -258,10 +258,10 @@ def _with(cfg, extra=None, role="kv_both", events=False, kvpp=True):
 ])
 def test_kvpp_refuses_unsupported_pool_settings(engine_config, extra, role, events, option):
     from kvpp_core.config import KvppConfigError
-    from kvpp_core.validation import validate_vllm_config
+    from connectors.launch import check_launch
 
     with pytest.raises(KvppConfigError, match=option):
-        validate_vllm_config(_with(engine_config, extra, role, events))
+        check_launch(_with(engine_config, extra, role, events))
 
 
 def test_the_connector_refuses_a_mistyped_key_through_the_one_entry_point(engine_config):
@@ -280,16 +280,18 @@ def test_the_connector_refuses_a_mistyped_key_through_the_one_entry_point(engine
 
 
 def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_kvpp_rules(engine_config, caplog):
-    from kvpp_core.validation import validate_vllm_config
+    from connectors.launch import check_launch
 
-    assert validate_vllm_config(_with(engine_config, {"load_async": True})) == []
-    assert validate_vllm_config(_with(engine_config, {"consumer_is_to_put": True}, "kv_consumer", kvpp=False)) == []
+    assert check_launch(_with(engine_config, {"load_async": True})).warnings == []
+    assert check_launch(_with(engine_config, {"consumer_is_to_put": True}, "kv_consumer", kvpp=False)).warnings == []
 
 
 def test_warnings_are_logged_once_per_process(engine_config):
     import logging
 
-    from kvpp_core import validation
+    from kvpp_core import startup
+
+    from connectors.launch import check_launch
 
     cfg = _with(engine_config, {"load_async": True})
     cfg.parallel_config.tensor_parallel_size = 1  # KVPP inert: a warning, not an error
@@ -300,13 +302,13 @@ def test_warnings_are_logged_once_per_process(engine_config):
             records.append(record.getMessage())
 
     handler = Keep()
-    logging.getLogger("vllm.kvpp_core.validation").addHandler(handler)
-    validation._logged.clear()
+    logging.getLogger("vllm.kvpp_core.startup").addHandler(handler)
+    startup._logged.clear()
     try:
         for _ in range(3):  # engine, then each connector of the process
-            assert [p.option for p in validation.validate_vllm_config(cfg)] == ["tensor_parallel_size"]
+            assert [p.option for p in check_launch(cfg).warnings] == ["tensor_parallel_size"]
     finally:
-        logging.getLogger("vllm.kvpp_core.validation").removeHandler(handler)
+        logging.getLogger("vllm.kvpp_core.startup").removeHandler(handler)
     assert len([r for r in records if "tensor_parallel_size" in r]) == 1
 
 
