@@ -120,3 +120,80 @@ def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.lookup_rpc_port"]
     assert "transfer_timeout" in problems[0].message
     assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message
+
+# ---- parse once: a worker's start-up in one process -----------------------------------------------
+def _count_calls(monkeypatch, fn) -> list:
+    """Replace `fn` wherever the project's loaded modules hold it; returns the list its calls fill."""
+    import sys
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in ("kvpp_core", "connectors") and getattr(module, fn.__name__, None) is fn:
+            monkeypatch.setattr(module, fn.__name__, counted)
+    return calls
+
+
+def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
+    """Engine config check, scheduler connector, worker context and worker connector of one process, for
+    a prefill node with P/D plus the pool (vLLM's MultiConnector builds each child from a copy of the
+    config): enable_kvpp is parsed once, and each connector's extra config once."""
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.engine.arg_utils import EngineArgs
+
+    import connectors.mooncake.worker
+    import connectors.store.worker
+    from connectors import plugin
+    from kvpp_core import config, vllm_adapter
+    from connectors.mooncake import settings
+    from connectors.store import config as store_config
+
+    plugin.register()  # what vLLM's plugin loader does in every process (idempotent)
+    kvpp_parses = _count_calls(monkeypatch, config.parse_additional_config)
+    mooncake_parses = _count_calls(monkeypatch, settings.parse_settings)
+    store_parses = _count_calls(monkeypatch, store_config.read_store_config)
+    built = {}
+
+    def worker_side(name):
+        def build(vllm_config, *args):
+            built[name] = args[-1]  # the settings the connector hands its worker side
+        return build
+
+    # The worker sides connect to a transfer engine and a pool; what they are handed is what counts here.
+    monkeypatch.setattr(connectors.mooncake.worker, "MooncakeV2Worker", worker_side("mooncake"))
+    monkeypatch.setattr(connectors.store.worker, "StoreWorker", worker_side("store"))
+    pool = {**POOL, "load_async": True}
+    vllm_config = EngineArgs(
+        model=tiny_model, dtype="float32", enforce_eager=True, block_size=16, tensor_parallel_size=2,
+        additional_config={"enable_kvpp": True},
+        kv_transfer_config={"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer"},
+                           {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": pool}]}},
+    ).create_engine_config()
+    assert (len(kvpp_parses), len(mooncake_parses), len(store_parses)) == (1, 1, 1)
+
+    scheduler = MultiConnector(vllm_config, KVConnectorRole.SCHEDULER, None)
+    group = SimpleNamespace(rank_in_group=0)
+    for getter in ("get_pcp_group", "get_pp_group", "get_tp_group"):
+        monkeypatch.setattr(parallel_state, getter, lambda: group)
+    monkeypatch.setattr(vllm_adapter, "_kvpp_group", lambda topology, timeout_s: (None, (0, 1)))
+    caches = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(page_size_bytes=1024) for i in range(16)}
+    worker = SimpleNamespace(vllm_config=vllm_config,
+                             model_runner=SimpleNamespace(get_kv_cache_spec=lambda: caches))
+    try:
+        context = vllm_adapter.worker_context(worker)
+        MultiConnector(vllm_config, KVConnectorRole.WORKER, None)
+    finally:
+        scheduler.shutdown()
+    assert (len(kvpp_parses), len(mooncake_parses), len(store_parses)) == (1, 1, 1)
+    assert context.config.enabled and context.topology.tp == 2 and context.layout.group_size == 2
+    assert built["mooncake"] == settings.Settings() and built["store"].load_async
