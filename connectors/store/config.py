@@ -7,12 +7,14 @@ config and to `kvpp check`'s rendered configs, so all three refuse the same sett
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal, get_args
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 
 from kvpp_core.config import Parsed, parse_struct
+
+from connectors.hosts import address_problem
 
 BackendName = Literal["mooncake", "memcache"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
@@ -28,8 +30,6 @@ Millis = Annotated[float, msgspec.Meta(gt=0)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Text = Annotated[str, msgspec.Meta(min_length=1)]
-HostPort = Annotated[str, msgspec.Meta(pattern=r"\A(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):[0-9]{1,5}\Z")]
-"""`host:port`, an IPv6 literal in brackets (`[fd00::1]:50051`)."""
 
 
 class _Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -43,8 +43,8 @@ class _Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 class MooncakeSettings(_Settings):
     """`kv_connector_extra_config.mooncake`, and the JSON file it (or $MOONCAKE_CONFIG_PATH) names."""
 
-    master_server_address: HostPort | None = None
-    """Where mooncake_master listens, e.g. "10.0.0.9:50051" or "[fd00::9]:50051"."""
+    master_server_address: Text | None = None
+    """Where mooncake_master listens, e.g. "10.0.0.9:50051" or "[fd00::9]:50051" (see `field_checks`)."""
     config_path: Text | None = None
     """A JSON file of these same settings; the ones given here win over it."""
     local_hostname: Text | None = None
@@ -56,6 +56,9 @@ class MooncakeSettings(_Settings):
     global_segment_size: NonNeg | None = None
     """Bytes this client contributes to the pool (engines: 0, the pool's holder owns the memory)."""
     local_buffer_size: NonNeg | None = None
+
+    field_checks: ClassVar[dict[str, Callable[[str], str | None]]] = {"master_server_address": address_problem}
+    """Applied by `parse_struct` wherever these settings are read (extra config, config file, deployment spec)."""
 
 
 class MemcacheSettings(_Settings):

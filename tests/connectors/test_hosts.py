@@ -9,8 +9,8 @@ import shlex
 import pytest
 import yaml
 
-from connectors.hosts import (MOONCAKE_IPV6, canonical_host, host_url, join_host_port, mooncake_family,
-                             split_host_port, wildcard)
+from connectors.hosts import (MOONCAKE_IPV6, address_problem, canonical_host, host_url, join_host_port,
+                             mooncake_family, split_host_port, wildcard)
 
 from deploy.deployment.check import check_spec
 from deploy.deployment.render import render
@@ -190,3 +190,15 @@ def test_side_channel_addresses_bracket_ipv6():
         check_host("fe80::1%eth0", "remote_host")
     with pytest.raises(ValueError, match="neither an IP address nor a DNS name"):
         check_host("[fd00::1]", "remote_host")
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("10.0.0.9:50051", None), ("[fd00::9]:50051", None), ("pool-0.kvpp.svc:50051", None),
+    ("fd00::9", "an IPv6 address takes brackets and a port: [fd00::9]:PORT"),
+    ("::1:50051", "an IPv6 address takes brackets before the port: [::1]:50051"),
+    ("10.0.0.9", "must be host:port"), ("[::1]", "must be host:port"),
+    ("h 1:5", "host 'h 1' is neither an IP address nor a DNS name"),
+])
+def test_address_problem_checks_the_port_and_then_the_host(address, problem):
+    found = address_problem(address)
+    assert found == problem if problem is None else problem in found
