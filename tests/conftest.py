@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.helpers.store_config import BASE
+
 ENGINE_LOCK = "/tmp/kvpp-engine.lock"
 _engine_lock_fd: int | None = None
 
@@ -63,3 +65,15 @@ def mtp_model(tmp_path_factory) -> str:
     from deploy.harness.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny16-mtp1", layers=16, mtp=1))
+
+
+@pytest.fixture(scope="session")
+def store_engine_config(tiny_model):
+    """A real VllmConfig (no engine) for the tiny MLA model, TP=2, pool kv_both, KVPP off."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=tiny_model, dtype="float32", enforce_eager=True, block_size=16, tensor_parallel_size=2,
+        kv_transfer_config={"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {**BASE, "load_async": True}},
+    ).create_engine_config()

@@ -6,7 +6,10 @@ import pytest
 from kvpp_core.config import KvppConfig
 from kvpp_core.topology import Topology
 
+from connectors.launch import check_launch
+
 from tests.helpers.setups import GOOD_STORE_EXTRA, POOL, only, setup, validate
+from tests.helpers.store_config import pool_config
 
 pytestmark = pytest.mark.unit
 
@@ -120,6 +123,52 @@ def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.lookup_rpc_port"]
     assert "transfer_timeout" in problems[0].message
     assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message
+
+# ---- the launch check of a real vLLM config ----------------------------------------------------------
+@pytest.mark.parametrize("extra, role, events, option", [
+    ({"load_async": True, "use_layerwise": True}, "kv_both", False, "use_layerwise"),
+    ({}, "kv_both", False, "load_async"),
+    ({"load_async": True, "discard_partial_chunks": False}, "kv_both", False, "discard_partial_chunks"),
+    ({"load_async": True, "consumer_is_to_put": True}, "kv_both", False, "consumer_is_to_put"),
+    ({"load_async": True}, "kv_consumer", False, "kv_role"),
+    ({"load_async": True}, "kv_both", True, "kv_events_config"),
+])
+def test_kvpp_refuses_unsupported_pool_settings(store_engine_config, extra, role, events, option):
+    from kvpp_core.config import KvppConfigError
+
+    with pytest.raises(KvppConfigError, match=option):
+        check_launch(pool_config(store_engine_config, extra, role, events))
+
+
+def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_kvpp_rules(store_engine_config, caplog):
+    assert check_launch(pool_config(store_engine_config, {"load_async": True})).warnings == []
+    assert check_launch(pool_config(store_engine_config, {"consumer_is_to_put": True}, "kv_consumer",
+                                    kvpp=False)).warnings == []
+
+
+def test_warnings_are_logged_once_per_process(store_engine_config):
+    import logging
+
+    from kvpp_core import startup
+
+    cfg = pool_config(store_engine_config, {"load_async": True})
+    cfg.parallel_config.tensor_parallel_size = 1  # KVPP inert: a warning, not an error
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("vllm.kvpp_core.startup").addHandler(handler)
+    startup._logged.clear()
+    try:
+        for _ in range(3):  # engine, then each connector of the process
+            assert [p.option for p in check_launch(cfg).warnings] == ["tensor_parallel_size"]
+    finally:
+        logging.getLogger("vllm.kvpp_core.startup").removeHandler(handler)
+    assert len([r for r in records if "tensor_parallel_size" in r]) == 1
+
 
 # ---- parse once: a worker's start-up in one process -----------------------------------------------
 def _count_calls(monkeypatch, fn) -> list:

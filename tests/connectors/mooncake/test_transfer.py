@@ -5,95 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import zmq
 
-from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, layer_name, local_meta, pages
+from deploy.harness.mooncake_peer import TOKEN, layer_name, pages
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
-from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, PrefillHandle, WorkerMeta, decode
-from connectors.mooncake.puller import Puller
-from connectors.mooncake.transfer import MooncakeTransfer, TransferError
-
-pytestmark = pytest.mark.integration
-
+from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
+from connectors.mooncake.transfer import Desc, MooncakeTransfer, TransferError, coalesce, cut_entries, split_batches
+from tests.helpers.mooncake_peers import free_port_pair, handle, make_puller
 from tests.helpers.paths import REPO
-PEER = REPO / "deploy" / "harness" / "mooncake_peer.py"
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (a TP=2 prefill's handshake range)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return base
-    raise RuntimeError("no free port pair")
-
-
-class Peer:
-    def __init__(self, port: int, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), "--port", str(port), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        self.port = port
-        ready = self.line(timeout=60)
-        assert ready.get("ready"), ready
-
-    def line(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        os.set_blocking(self.proc.stdout.fileno(), False)
-        buf = ""
-        while time.monotonic() < deadline:
-            chunk = self.proc.stdout.readline()
-            if chunk:
-                buf += chunk
-                if buf.endswith("\n"):
-                    return json.loads(buf)
-            elif self.proc.poll() is not None:
-                raise RuntimeError(f"peer exited with {self.proc.returncode}")
-            else:
-                time.sleep(0.02)
-        raise TimeoutError(f"peer printed nothing within {timeout}s")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-@pytest.fixture
-def peers():
-    started: list[Peer] = []
-
-    def start(port: int, *args: str) -> Peer:
-        started.append(Peer(port, *args))
-        return started[-1]
-
-    yield start
-    for peer in started:
-        peer.stop()
 
 
 @pytest.fixture
@@ -103,20 +28,7 @@ def decode_side():
     te.close()
 
 
-def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float = 3.0):
-    kv = torch.zeros((layers, blocks, *BLOCK_SHAPE))
-    te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
-    return kv, Puller(te, local_meta(kv, "decode", 0, 1, te), mla=True, timeout_s=timeout,
-                      consumer_id="decode/pp0/tp0", num_consumers=1)
-
-
-def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer", token: str = TOKEN,
-           **extra) -> PrefillHandle:
-    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_token=token, remote_host="127.0.0.1",
-                         remote_kv_port=port, remote_tp_size=tp, remote_block_ids=blocks,
-                         remote_num_tokens=16 * len(blocks), **extra)
-
-
+@pytest.mark.integration
 def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "4", "--blocks", "32", "--seed", "7", "--hold", "r1")
     kv, puller = make_puller(decode_side, layers=4, blocks=16)
@@ -132,6 +44,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
     assert peer.line(timeout=5) == {"released": "r1"}
 
 
+@pytest.mark.integration
 def test_batches_beyond_transport_limit_are_split(peers, free_port):
     # 2100 entries in one tcp batch fail (rc -1, pages half-written) in some runs and not in others
     # here; split into batches of <= 1024 they always arrive intact.
@@ -146,6 +59,7 @@ def test_batches_beyond_transport_limit_are_split(peers, free_port):
         te.close()
 
 
+@pytest.mark.integration
 def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
     base = free_port_pair()
     # A TP=2 KVPP prefill: rank 0 owns layers 0-1, rank 1 layers 2-3; different content per rank
@@ -162,6 +76,7 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
         assert torch.equal(kv[layer, blocks], source[layer, blocks]), layer_name(layer)
 
 
+@pytest.mark.integration
 def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "1", "--hold", "r")
     kv, puller = make_puller(decode_side, layers=2, blocks=8, timeout=1.0)
@@ -180,6 +95,7 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     assert held is None and len(errors) == 1 and time.monotonic() - start < 4
 
 
+@pytest.mark.integration
 def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, free_port):
     peers(free_port, "--layers", "1", "--blocks", "4", "--engine-id", "new-engine", "--hold", "r")
     _, puller = make_puller(decode_side, layers=1, blocks=4)
@@ -187,6 +103,7 @@ def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, f
         puller.read(handle(free_port, "r", [0], engine="old-engine"), [0], [0])
 
 
+@pytest.mark.integration
 def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_port):
     peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r")
     sock = zmq.Context.instance().socket(zmq.REQ)
@@ -202,6 +119,7 @@ def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_p
     assert meta.layers[0].name == layer_name(0)
 
 
+@pytest.mark.integration
 def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "orphan", "--hold-timeout", "1")
     start = time.monotonic()
@@ -215,6 +133,7 @@ def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode
     assert puller.notify(h, ok=True) == (False, [])
 
 
+@pytest.mark.integration
 def test_taken_handshake_port_is_a_clear_error(free_port):
     first = SideChannelServer("127.0.0.1", free_port, lambda m: m, what="first")
     try:
@@ -224,6 +143,7 @@ def test_taken_handshake_port_is_a_clear_error(free_port):
         first.close()
 
 
+@pytest.mark.integration
 def test_call_to_nobody_is_bounded(free_port):
     start = time.monotonic()
     with pytest.raises(ChannelError):
@@ -234,6 +154,7 @@ def test_call_to_nobody_is_bounded(free_port):
         decode(b"")
 
 
+@pytest.mark.integration
 def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "4", "--hold", "r", "--hold", "orphan",
                  "--hold-timeout", "1", "--lease", "1")
@@ -252,6 +173,7 @@ def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_
     assert puller.notify(late, ok=True) == (False, [])
 
 
+@pytest.mark.integration
 def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers, free_port):
     from connectors.mooncake.leases import LeaseKeeper
 
@@ -269,6 +191,7 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
     assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout
 
 
+@pytest.mark.integration
 def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(peers, free_port):
     from connectors.mooncake.leases import LeaseKeeper
 
@@ -286,6 +209,7 @@ def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(pe
     assert time.monotonic() - start < 4.5  # the forged renewals did not extend the 3 s initial lease
 
 
+@pytest.mark.integration
 def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_side, free_port):
     peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9", "--hold", "r")
     kv, puller = make_puller(decode_side, layers=3, blocks=8)
@@ -295,6 +219,7 @@ def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_si
     assert torch.equal(kv[:, local], pages(3, 16, 9)[:, remote]) and not kv[:, :4].any()
 
 
+@pytest.mark.integration
 def test_a_raw_transfer_between_ipv6_engines(tmp_path):
     """Two transfer engines on ::1 (separate processes, no MC_USE_IPV6 exported): MooncakeTransfer puts
     Mooncake in IPv6 mode for its IPv6 host and publishes a bracketed session that the reader dials."""
@@ -313,3 +238,37 @@ def test_a_raw_transfer_between_ipv6_engines(tmp_path):
     finally:
         server.stdin.close()
         server.wait(timeout=30)
+
+
+@pytest.mark.unit
+def test_coalesce_merges_runs_adjacent_on_both_sides_only():
+    descs = [Desc(0, 1000, 10), Desc(10, 1010, 10), Desc(20, 1020, 10),  # one run
+             Desc(30, 2000, 10),  # local adjacent, remote not
+             Desc(50, 2010, 10),  # remote adjacent, local not
+             Desc(60, 2020, 5)]
+    assert coalesce(descs) == [Desc(0, 1000, 30), Desc(30, 2000, 10), Desc(50, 2010, 15)]
+
+
+@pytest.mark.unit
+def test_coalesce_keeps_order_and_rejects_empty_copies():
+    assert coalesce([Desc(10, 10, 5), Desc(0, 0, 5)]) == [Desc(10, 10, 5), Desc(0, 0, 5)]
+    with pytest.raises(ValueError, match="positive"):
+        coalesce([Desc(0, 0, 0)])
+
+
+@pytest.mark.unit
+def test_split_batches_respects_limit():
+    descs = [Desc(i * 20, i * 20, 10) for i in range(2500)]
+    batches = split_batches(descs, 1024)
+    assert [len(b) for b in batches] == [1024, 1024, 452]
+    assert [d for b in batches for d in b] == descs
+    with pytest.raises(ValueError):
+        split_batches(descs, 0)
+
+
+@pytest.mark.unit
+def test_cut_entries_bounds_each_copy():
+    cut = cut_entries([Desc(0, 1000, 25), Desc(100, 2000, 10)], max_bytes=10)
+    assert cut == [Desc(0, 1000, 10), Desc(10, 1010, 10), Desc(20, 1020, 5), Desc(100, 2000, 10)]
+    with pytest.raises(ValueError):
+        cut_entries([], 0)

@@ -18,9 +18,8 @@ import zmq
 
 from connectors.store.keys import block_hashes
 from connectors.store.ipc import IpcPathError, SocketInUse, private_dir
-from connectors.store.lookup import LookupChannel, LookupClient, LookupReply, LookupServer, lookup_path
-
-pytestmark = pytest.mark.integration
+from connectors.store.lookup import (InvalidMessage, LookupChannel, LookupClient, LookupReply, LookupRequest, LookupServer,
+                                     lookup_path, validate_reply, validate_request)
 
 HASHES = block_hashes(list(range(16 * 6)), 16)
 
@@ -41,6 +40,7 @@ def endpoint(channel):
     return channel
 
 
+@pytest.mark.integration
 def test_sockets_live_in_a_private_directory_per_port_and_dp_rank(channel, runtime_dir):
     assert channel.path.startswith(f"{runtime_dir}/kvpp/") and channel.path.endswith("-dp1.sock")
     assert LookupChannel(5000, 0).path != LookupChannel(5000, 1).path != LookupChannel(5001, 1).path
@@ -54,6 +54,7 @@ def test_sockets_live_in_a_private_directory_per_port_and_dp_rank(channel, runti
         server.close()
 
 
+@pytest.mark.integration
 def test_without_xdg_runtime_dir_the_directory_is_per_user_in_tmp(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -64,6 +65,7 @@ def test_without_xdg_runtime_dir_the_directory_is_per_user_in_tmp(monkeypatch, t
     assert stat.S_IMODE(os.stat(private_dir()).st_mode) == 0o700
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("plant", ["open-mode", "symlink", "file"])
 def test_an_unsafe_socket_directory_is_refused(runtime_dir, plant):
     target = runtime_dir / "kvpp"
@@ -79,6 +81,7 @@ def test_an_unsafe_socket_directory_is_refused(runtime_dir, plant):
         LookupChannel(6000).path
 
 
+@pytest.mark.integration
 def test_a_second_engine_on_the_same_port_fails_and_cannot_remove_the_first_ones_socket(channel):
     first = LookupServer(channel, lambda hashes: 3)
     client = LookupClient(channel, timeout_s=2)
@@ -103,6 +106,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.integration
 def test_a_port_held_by_another_process_fails_and_a_killed_owners_socket_is_reclaimed(channel):
     root = str(REPO)
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(channel.lookup_rpc_port)], stdout=subprocess.PIPE,
@@ -127,6 +131,7 @@ def test_a_port_held_by_another_process_fails_and_a_killed_owners_socket_is_recl
         server.close()
 
 
+@pytest.mark.integration
 def test_answer_comes_from_the_worker(endpoint):
     server = LookupServer(endpoint, lambda hashes: 4 if hashes == HASHES else 0)
     client = LookupClient(endpoint, timeout_s=2)
@@ -140,6 +145,7 @@ def test_answer_comes_from_the_worker(endpoint):
     assert not os.path.exists(endpoint.path), "the socket file is removed on close"
 
 
+@pytest.mark.integration
 def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):
     def boom(_hashes):
         raise RuntimeError("store unreachable")
@@ -154,6 +160,7 @@ def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):
         server.close()
 
 
+@pytest.mark.integration
 def test_malformed_requests_are_answered_with_an_error(endpoint):
     server = LookupServer(endpoint, lambda hashes: len(hashes))
     sock = zmq.Context.instance().socket(zmq.REQ)
@@ -171,6 +178,7 @@ def test_malformed_requests_are_answered_with_an_error(endpoint):
         server.close()
 
 
+@pytest.mark.integration
 def test_no_worker_means_a_bounded_miss(endpoint):
     client = LookupClient(endpoint, timeout_s=0.3)
     start = time.monotonic()
@@ -180,6 +188,7 @@ def test_no_worker_means_a_bounded_miss(endpoint):
     client.close()
 
 
+@pytest.mark.integration
 def test_a_late_reply_is_not_taken_for_the_next_answer(endpoint):
     slow = threading.Event()
 
@@ -198,3 +207,22 @@ def test_a_late_reply_is_not_taken_for_the_next_answer(endpoint):
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.unit
+def test_lookup_messages_round_trip_and_validate():
+    hashes = block_hashes(list(range(64)), 16)
+    raw = msgspec.msgpack.encode(LookupRequest(block_hashes=hashes, request_id="r1"))
+    assert validate_request(msgspec.msgpack.decode(raw, type=LookupRequest)).block_hashes == hashes
+    with pytest.raises(InvalidMessage, match="hex"):
+        validate_request(LookupRequest(block_hashes=["../../etc/passwd"]))
+    with pytest.raises(InvalidMessage, match="hex"):
+        validate_request(LookupRequest(block_hashes=[hashes[0].upper()]))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"block_hashes": [1, 2]}), type=LookupRequest)
+    with pytest.raises(msgspec.ValidationError):  # unknown fields are refused, not ignored
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"block_hashes": [], "x": 1}), type=LookupRequest)
+    with pytest.raises(InvalidMessage, match="claims 5"):
+        validate_reply(LookupReply(hit_blocks=5), asked=4)
+    with pytest.raises(InvalidMessage):
+        validate_reply(LookupReply(hit_blocks=-1), asked=4)

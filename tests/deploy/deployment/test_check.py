@@ -1,7 +1,6 @@
 """`kvpp check`: one spec per rule that breaks it, plus schema errors reported with their paths."""
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -336,3 +335,23 @@ def test_speculative_decoding_with_pp_is_refused_from_extra_args(tmp_path):
                                              model="deepseek-v3"))
     assert code == 1 and errors == ["error: prefill[0] (p): extra_args --speculative-config: 'mtp' is not a JSON "
                                     "object; write it as '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"]
+
+
+@pytest.mark.parametrize("kvpp", [True, False])
+def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, kvpp):
+    import yaml
+
+    from deploy.deployment.check import run_check
+
+    spec = {"model": {"path": "/models/x", "preset": "glm-5.2"},
+            "prefill": [{"name": "p", "hosts": ["h1"], "tp": 8, "enable_kvpp": kvpp, "enforce_eager": True}],
+            "pool": {"backend": "mooncake", "address": "h9:50051", "lookup_rpc_port": 5600,
+                     "extra_config": {"load_async": True, "load_asnyc": True}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    findings, code = run_check(str(path))
+    assert code == 1
+    assert [str(f) for f in findings if f.severity == "error"] == [
+        "error: prefill[0] (p): kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async? "
+        "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async, "
+        "discard_partial_chunks, consumer_is_to_put, lookup_timeout_ms, backend_timeout_ms, stats_file"]

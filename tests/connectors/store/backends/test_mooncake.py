@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +24,6 @@ from connectors.store.shards import StageLayers, all_shards, count_pooled, shard
 from connectors.store.transfer import BlockPages, ShardIO
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.processes import running
-
-pytestmark = pytest.mark.integration
 
 from tests.helpers.paths import REPO as ROOT
 FAST_TIMERS = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
@@ -70,6 +67,7 @@ def _objects(pages, block_ids):
     return [pages.ptrs(b) for b in block_ids], [pages.sizes()] * len(block_ids)
 
 
+@pytest.mark.integration
 def test_multi_page_objects_round_trip_bytes_intact(backend):
     src, dst = _caches(1), [torch.zeros(BLOCKS, *PAGE) for _ in range(LAYERS)]
     src_pages, dst_pages = _register(backend, src), _register(backend, dst)
@@ -83,6 +81,7 @@ def test_multi_page_objects_round_trip_bytes_intact(backend):
         assert torch.count_nonzero(d[:4]) == 0, "nothing outside the target blocks was written"
 
 
+@pytest.mark.integration
 def test_missing_and_wrong_size_objects_are_refused(backend):
     caches = _caches(2)
     pages = _register(backend, caches)
@@ -117,6 +116,7 @@ b.close()
 """
 
 
+@pytest.mark.integration
 def test_pooled_objects_outlive_the_process_that_wrote_them(pool, backend):
     address = pool.store_config.mooncake.master_server_address
     out = subprocess.run([sys.executable, "-c", _WRITER, address], cwd=ROOT, env={**os.environ, **FAST_TIMERS},
@@ -130,6 +130,7 @@ def test_pooled_objects_outlive_the_process_that_wrote_them(pool, backend):
     assert torch.equal(dst, torch.arange(4096, dtype=torch.float32))
 
 
+@pytest.mark.integration
 def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
     caches = _caches(3)
     pages = _register(backend, caches)
@@ -144,6 +145,7 @@ def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
     assert count_pooled(backend, shards[:1], hashes) == 5, "the other owner's shard is still whole"
 
 
+@pytest.mark.integration
 def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
     info = pool_up("mooncake", tmp_path / "doomed", 16 << 20, lease_ttl_ms=500, client_ttl_s=2)
     try:
@@ -209,6 +211,7 @@ def _big_caches(fill=None):
     return [torch.randn(shape, generator=gen) if fill is None else torch.full(shape, fill) for _ in range(BIG_LAYERS)]
 
 
+@pytest.mark.integration
 def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(pool, monkeypatch):
     src = _big_caches()
     hashes = tuple(block_hashes(list(range(16 * BIG_BLOCKS)), 16))
@@ -230,6 +233,7 @@ def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(p
     reader.close()
 
 
+@pytest.mark.integration
 def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, monkeypatch):
     """The segment holder stops answering mid-get: the get misses its 1 s bound and the load is
     reported failed only when the native call gives up: held past the bound, but not forever.
@@ -263,6 +267,7 @@ def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, mon
         pool_down(tmp_path / "stalled")
 
 
+@pytest.mark.integration
 def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(pool, monkeypatch):
     """vLLM reuses a request's blocks once its saves are reported: a put still reading them would pool
     another request's KV under this prompt's keys."""
@@ -296,6 +301,7 @@ def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(p
     pytest.fail("no save ran late in 5 attempts: the 16 MiB put returned within 5 ms")
 
 
+@pytest.mark.integration
 def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
     env = {**os.environ, **FAST_TIMERS}
     kvpp = [sys.executable, "-m", "deploy.cli.main", "pool"]
@@ -317,3 +323,30 @@ def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
     assert down.returncode == 0, down.stderr
     for pid in out["pids"]:  # exited: gone, or a zombie until its new parent (init) reaps it
         assert not running(pid)
+
+
+@pytest.mark.unit
+def test_the_mooncake_config_file_is_read_as_the_same_struct(tmp_path, monkeypatch):
+    import json
+
+    from connectors.store.backends import BackendError
+    from connectors.store.backends.mooncake import resolve_settings
+    from connectors.store.config import MooncakeSettings
+
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    good = tmp_path / "mooncake.json"
+    good.write_text(json.dumps({"master_server_address": "10.0.0.9:50051", "protocol": "rdma"}))
+    resolved = resolve_settings(MooncakeSettings(config_path=str(good), protocol="tcp"))
+    # explicit settings win over the file, which wins over the defaults
+    assert (resolved.master_server_address, resolved.protocol, resolved.local_buffer_size) == \
+        ("10.0.0.9:50051", "tcp", 16 << 20)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"master_server_address": "10.0.0.9:50051", "protcol": "tcp", "local_buffer_size": -1}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(bad))
+    with pytest.raises(BackendError) as err:
+        resolve_settings(MooncakeSettings())
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{bad} (MOONCAKE_CONFIG_PATH") for line in lines)
+    assert "kv_connector_extra_config.mooncake.protcol: unknown option; did you mean protocol?" in lines[0]
+    assert "kv_connector_extra_config.mooncake.local_buffer_size: Expected `int` >= 0" in lines[1]

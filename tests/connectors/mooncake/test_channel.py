@@ -12,8 +12,6 @@ import pytest
 import torch
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
-from tests.connectors.mooncake.test_transfer import handle, make_puller, peers  # noqa: F401 (peers: fixture)
-from tests.connectors.mooncake.test_sidechannel_unit import OTHER, TOKEN, keys, load, worker_meta  # noqa: F401 (keys: fixture)
 
 from deploy.harness.mooncake_peer import TOKEN as PEER_TOKEN, pages
 from connectors.mooncake import messages as m
@@ -23,8 +21,9 @@ from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.transfer import MooncakeTransfer
-
-pytestmark = pytest.mark.integration
+from tests.helpers.curve_keys import load
+from tests.helpers.mooncake_peers import handle, make_puller
+from tests.helpers.mooncake_wire import OTHER, TOKEN, worker_meta
 
 V = m.PROTOCOL_VERSION
 
@@ -86,6 +85,7 @@ def ask(token: str, request_id: str = "r") -> m.MetaRequest:
     return m.MetaRequest(version=V, request_id=request_id, token=token)
 
 
+@pytest.mark.integration
 def test_done_notice_with_wrong_or_absent_token_leaves_blocks_held(prefill):
     p = prefill()
     p.holds.hold("r", 30, TOKEN)
@@ -101,6 +101,7 @@ def test_done_notice_with_wrong_or_absent_token_leaves_blocks_held(prefill):
     print("hostile done-notices tried: 2, refused and counted; the blocks stayed held")
 
 
+@pytest.mark.integration
 def test_meta_request_without_the_token_gets_no_addresses(prefill):
     p = prefill(defer_s=0.3)
     p.holds.hold("r", 30, TOKEN)
@@ -118,6 +119,7 @@ def test_meta_request_without_the_token_gets_no_addresses(prefill):
     print(f"hostile metadata requests tried: {len(hostile)}, none got addresses, all counted")
 
 
+@pytest.mark.integration
 def test_meta_request_before_the_hold_is_answered_once_it_arrives(prefill):
     p = prefill(defer_s=3.0)
     threading.Timer(0.3, lambda: p.holds.hold("r", 30, TOKEN)).start()
@@ -127,6 +129,7 @@ def test_meta_request_before_the_hold_is_answered_once_it_arrives(prefill):
     assert p.counts() == (0, 0)
 
 
+@pytest.mark.integration
 def test_oversize_message_is_dropped_and_the_server_keeps_serving(prefill):
     p = prefill()
     p.holds.hold("r", 30, TOKEN)
@@ -137,6 +140,7 @@ def test_oversize_message_is_dropped_and_the_server_keeps_serving(prefill):
     print("oversize frames tried: 3, all dropped without an answer")
 
 
+@pytest.mark.integration
 def test_replies_over_the_decode_limit_are_dropped(free_port):
     """A hostile 'prefill' answering with a huge frame: the decode's socket drops it (MAXMSGSIZE)."""
     ctx = zmq.Context.instance()
@@ -176,6 +180,7 @@ GARBAGE = st.one_of(
 )
 
 
+@pytest.mark.integration
 def test_fuzzed_frames_never_crash_the_server_and_are_counted(prefill):
     p = prefill()
     p.holds.hold("r", 30, TOKEN)
@@ -220,6 +225,7 @@ def test_fuzzed_frames_never_crash_the_server_and_are_counted(prefill):
           f"{malformed + 4}, early notices kept for unknown ids {answered_ok}, server alive")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 def test_curve_admits_only_trusted_keys(prefill, keys):
     p = prefill(curve=load(keys, "p"))
@@ -253,6 +259,7 @@ def test_curve_admits_only_trusted_keys(prefill, keys):
     print(f"peers without a trusted CURVE key tried: {len(attempts)}, none got an answer")
 
 
+@pytest.mark.integration
 def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_port):
     """A stand-in prefill process with a real transfer engine: an attacker's notices (wrong token,
     or a live token for another request) are refused and counted; the decode's read is intact and
@@ -281,6 +288,7 @@ def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_por
     print(f"forged done-notices sent to a real prefill: {len(forged)}, refused; its blocks stayed held")
 
 
+@pytest.mark.integration
 def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
     """What the threat model says about Mooncake's own ports, checked: a stranger's transfer engine
     learns a prefill's first registered buffer from the engine's handshake (no side channel, no
@@ -312,6 +320,7 @@ def _decode_puller(timeout_s: float):
                   num_consumers=1)
 
 
+@pytest.mark.integration
 def test_handle_claiming_more_workers_than_the_prefill_advertises_is_refused(prefill):
     p = prefill()
     p.holds.hold("r", 30, TOKEN)
@@ -326,6 +335,7 @@ def test_handle_claiming_more_workers_than_the_prefill_advertises_is_refused(pre
     print("handles with an inflated fan-out tried: 3, refused after one metadata request each")
 
 
+@pytest.mark.integration
 def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
     puller = _decode_puller(0.5)
     h = m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
@@ -337,6 +347,7 @@ def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
     assert time.monotonic() - start < 1.5  # not 32 x 0.5 s
 
 
+@pytest.mark.integration
 def test_the_side_channel_over_ipv6():
     """A prefill on an IPv6 host binds tcp://[::1]:port and a decode dials it from the bare host a
     handle carries (remote_host "::1")."""
@@ -355,3 +366,19 @@ def test_the_side_channel_over_ipv6():
     finally:
         server.close()
     assert reply.ok and [s.request_id for s in seen] == ["r1"]
+
+
+@pytest.mark.unit
+def test_refusal_log_lines_are_rate_limited(caplog):
+    from connectors.mooncake.channel import _LogLimiter
+
+    limiter = _LogLimiter()
+    for i in range(1000):
+        limiter.warn("malformed", "test prefill", f"frame {i}")
+    limiter.warn("unauthorized", "test prefill", "wrong token")
+    lines = [r.getMessage() for r in caplog.records if "refused a side-channel request" in r.getMessage()]
+    assert len(lines) == 2 and "frame 0" in lines[0] and "(unauthorized)" in lines[1]
+    limiter._last["malformed"] -= 2  # a second later the next line says how many were left out
+    limiter.warn("malformed", "test prefill", "frame 1000")
+    assert "(+999 more since the last line)" in caplog.records[-1].getMessage()
+    print("refusals logged: 1001 malformed, 1 unauthorized -> 3 log lines")

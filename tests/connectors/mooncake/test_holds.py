@@ -1,0 +1,148 @@
+"""The prefill's hold table: releases, leases, renewals and tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.mooncake.holds import HoldTable
+from tests.helpers.clock import Clock
+from tests.helpers.mooncake_wire import OTHER, TOKEN
+
+pytestmark = pytest.mark.unit
+
+
+def test_hold_released_only_when_every_decode_worker_is_done():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=30, clock=clock)
+    table.hold("r", 30, TOKEN)
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)
+    assert table.pop_finished() == (set(), set()) and len(table) == 1
+    table.release("r", "decode/pp0/tp0", num_consumers=2, token=TOKEN)  # a repeated notice does not count twice
+    assert table.pop_finished() == (set(), set())
+    table.release("r", "decode/pp0/tp1", num_consumers=2, token=TOKEN)
+    assert table.pop_finished() == ({"r"}, set()) and len(table) == 0
+
+
+def test_initial_lease_lapses_and_early_notice_is_kept():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=5, clock=clock)
+    table.hold("orphan", 5, TOKEN)
+    table.release("fast", "d", 1, TOKEN)  # notice before the scheduler announced the hold
+    clock.now += 1
+    table.hold("fast", 5, TOKEN)
+    assert table.pop_finished() == ({"fast"}, set())
+    clock.now += 3.5
+    assert table.pop_finished() == (set(), set())
+    clock.now += 0.5
+    assert table.pop_finished() == (set(), {"orphan"})
+    assert table.release("orphan", "d", 1, TOKEN) == "expired"  # too late: the blocks may be reused
+    assert table.renew([("orphan", TOKEN)]) == [(0.0, "expired")]
+    assert table.release("fresh", "d", 1, TOKEN) == "unknown"  # kept until its hold arrives
+
+
+def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=30, lease_s=4, clock=clock)
+    for rid in ("dead", "slow", "unclaimed"):
+        table.hold(rid, 30, TOKEN)
+    assert _renew(table, "dead", "slow") == [4, 4]
+    for _ in range(30):  # the slow decode renews every 2 s for a minute, twice the initial lease
+        clock.now += 2
+        assert _renew(table, "slow") == [4]
+        released, lapsed = table.pop_finished()
+        assert "slow" not in lapsed
+        if clock.now - 100 < 4:
+            assert lapsed == set()
+        elif clock.now - 100 < 6:
+            assert lapsed == {"dead"}  # 4 s after its last renewal, not after the 30 s initial lease
+        if 30 <= clock.now - 100 < 32:
+            assert lapsed == {"unclaimed"}  # never claimed: the initial lease applies
+    assert table.release("slow", "d", 1, TOKEN) == "ok"
+    assert table.pop_finished() == ({"slow"}, set())
+    assert _renew(table, "slow") == [0.0]  # released: nothing to keep any more
+
+
+def _renew(table, *request_ids, token=TOKEN):
+    return [seconds for seconds, _ in table.renew((rid, token) for rid in request_ids)]
+
+
+def test_early_renewal_is_honoured_when_the_hold_is_announced():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
+    assert _renew(table, "early") == [5]
+    clock.now += 1
+    assert table.hold("early", 2, TOKEN) == 0  # shorter than the lease already granted: the grant wins
+    clock.now += 4.9
+    assert table.pop_finished() == (set(), set())
+    clock.now += 0.2
+    assert table.pop_finished() == (set(), {"early"})
+
+
+def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
+    assert _renew(table, "r", token=OTHER) == [5]  # unchecked until the hold (and its token) arrives
+    clock.now += 1
+    assert table.hold("r", 2, TOKEN) == 1  # counted as refused; the forged grant does not extend the hold
+    clock.now += 2
+    assert table.pop_finished() == (set(), {"r"})
+
+
+def test_table_of_unknown_notices_is_bounded_and_forgotten():
+    from connectors.mooncake.holds import HoldTable
+
+    clock = Clock()
+    table = HoldTable(timeout_s=5, clock=clock, max_unknown=100)
+    for i in range(10_000):
+        table.release(f"stray-{i}", "d", 1, TOKEN)
+        _renew(table, f"claim-{i}")
+    assert len(table._unknown) == 100 and "claim-9999" in table._unknown  # newest kept
+    clock.now += 6
+    table.pop_finished()
+    assert not table._unknown and len(table) == 0
+    table.hold("stray-9999", 5, TOKEN)  # a late hold is not released by the forgotten notice
+    assert table.pop_finished() == (set(), set()) and len(table) == 1
+
+
+def test_done_notice_needs_the_live_token():
+    table = HoldTable(timeout_s=30)
+    table.hold("r", 30, TOKEN)
+    assert table.authorize("r", OTHER) == "unauthorized"
+    assert table.release("r", "attacker", 1, OTHER) == "unauthorized"
+    assert table.pop_finished() == (set(), set()) and len(table) == 1  # still held
+    assert table.authorize("r", TOKEN) == "ok" and table.authorize("nope", TOKEN) == "unknown"
+    assert table.release("r", "decode/pp0/tp0", 1, TOKEN) == "ok"
+    assert table.pop_finished() == ({"r"}, set())
+
+
+def test_early_notice_with_wrong_token_is_dropped_when_the_hold_arrives():
+    table = HoldTable(timeout_s=30)
+    assert table.release("r", "attacker", 1, OTHER) == "unknown"
+    assert table.release("r", "decode/pp0/tp0", 2, TOKEN) == "unknown"
+    assert table.hold("r", 30, TOKEN) == 1  # the attacker's notice, counted by the caller
+    assert table.pop_finished() == (set(), set())  # one genuine consumer of two so far
+    table.release("r", "decode/pp0/tp1", 2, TOKEN)
+    assert table.pop_finished() == ({"r"}, set())
+
+
+def test_ended_hold_is_not_revived_by_a_late_or_replayed_notice():
+    table = HoldTable(timeout_s=30)
+    table.hold("r", 30, TOKEN)
+    assert table.release("r", "d0", 1, TOKEN) == "ok"
+    assert table.pop_finished() == ({"r"}, set())
+    assert table.release("r", "d0", 1, TOKEN) == "ok"  # a repeated notice: the read was held
+    assert table.release("r", "d1", 1, TOKEN) == "expired"  # anyone else: the blocks are gone
+    assert table.release("r", "d0", 1, OTHER) == "unauthorized"
+    assert table.renew([("r", TOKEN)]) == [(0.0, "expired")]
+    assert table.authorize("r", TOKEN) == "expired"
+    assert not table._unknown and len(table) == 0 and table.pop_finished() == (set(), set())

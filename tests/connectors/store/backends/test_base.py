@@ -1,0 +1,32 @@
+"""Bounded backend calls: a stalled backend costs its bound once, then fails fast until it returns."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from connectors.store.backends.base import BoundedCalls
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_stalled_call_returns_within_its_bound_and_fails_fast_after():
+    calls = BoundedCalls(timeout_s=0.2, max_stuck=1)
+    release = threading.Event()
+    start = time.monotonic()
+    assert calls.run(lambda: release.wait(5) and "late", lambda: "timeout", lambda e: "error") == "timeout"
+    assert time.monotonic() - start < 1.0
+    (late,) = calls.late()
+    assert not late.done(), "the timed-out call is still running and is listed until it returns"
+    start = time.monotonic()
+    assert calls.run(lambda: "ok", lambda: "timeout", lambda e: "error") == "timeout", "stalled backend: fail fast"
+    assert time.monotonic() - start < 0.1
+    release.set()
+    assert late.result(timeout=1) == "late"
+    time.sleep(0.05)
+    assert calls.late() == []
+    assert calls.run(lambda: "ok", lambda: "timeout", lambda e: "error") == "ok", "recovers once the call returns"
+    assert calls.run(lambda: 1 / 0, lambda: "timeout", lambda e: type(e).__name__) == "ZeroDivisionError"
+    calls.close()

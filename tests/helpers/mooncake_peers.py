@@ -1,0 +1,90 @@
+"""Fake Mooncake prefill workers (deploy/harness/mooncake_peer.py) in their own processes, and a decode's puller."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from connectors.mooncake.messages import PrefillHandle
+from connectors.mooncake.puller import Puller
+from connectors.mooncake.transfer import MooncakeTransfer
+from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta
+from tests.helpers.paths import REPO
+
+PEER = REPO / "deploy" / "harness" / "mooncake_peer.py"
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free (a TP=2 prefill's handshake range)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return base
+    raise RuntimeError("no free port pair")
+
+
+class Peer:
+    def __init__(self, port: int, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen([sys.executable, str(PEER), "--port", str(port), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.port = port
+        ready = self.line(timeout=60)
+        assert ready.get("ready"), ready
+
+    def line(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        buf = ""
+        while time.monotonic() < deadline:
+            chunk = self.proc.stdout.readline()
+            if chunk:
+                buf += chunk
+                if buf.endswith("\n"):
+                    return json.loads(buf)
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"peer exited with {self.proc.returncode}")
+            else:
+                time.sleep(0.02)
+        raise TimeoutError(f"peer printed nothing within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float = 3.0):
+    kv = torch.zeros((layers, blocks, *BLOCK_SHAPE))
+    te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
+    return kv, Puller(te, local_meta(kv, "decode", 0, 1, te), mla=True, timeout_s=timeout,
+                      consumer_id="decode/pp0/tp0", num_consumers=1)
+
+
+def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer", token: str = TOKEN,
+           **extra) -> PrefillHandle:
+    return PrefillHandle(remote_engine_id=engine, remote_request_id=request_id, remote_token=token, remote_host="127.0.0.1",
+                         remote_kv_port=port, remote_tp_size=tp, remote_block_ids=blocks,
+                         remote_num_tokens=16 * len(blocks), **extra)
