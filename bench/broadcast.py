@@ -8,7 +8,7 @@ waited for in full); and KVPP off and on in compiled mode (torch.compile, no --e
 step times compare with the eager ones. Figures are ratios against the baseline of the same run,
 since this machine is noisy. Prints one JSON object.
 
-    .venv/bin/python bench/broadcast.py [--model DIR] [--prompt-tokens 900] [--decode-tokens 32]
+    .venv/bin/python -m bench.broadcast [--model DIR] [--prompt-tokens 900] [--decode-tokens 32]
         [--variants on,whole,sync,compiled]
 """
 
@@ -21,9 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from deploy.harness.engine_run import run, write_prompts  # noqa: E402
+from deploy.harness.engine_run import run, write_prompts
 
 VARIANTS = ("on", "whole", "sync", "compiled")
 

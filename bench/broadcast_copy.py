@@ -13,7 +13,7 @@ ratios.
 - with compute: a per-layer matmul on each rank, two staging slots (prefetch) against one (every
   copy waited for in full): how much of the transfer the prefetch hides.
 
-    .venv/bin/python bench/broadcast_copy.py [--layers 8] [--history-tokens 8192] [--steps 20]
+    .venv/bin/python -m bench.broadcast_copy [--layers 8] [--history-tokens 8192] [--steps 20]
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-from deploy.services.processes import free_port  # noqa: E402
+from deploy.services.processes import free_port
 
 BLOCK_TOKENS = 16
 ROW_BYTES = (512 + 64) * 2  # kv_lora_rank + rope dims, bf16

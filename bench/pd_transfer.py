@@ -1,6 +1,6 @@
 """MooncakeConnectorV2 pull throughput against the raw Mooncake transfer engine, and P/D TTFT.
 
-Transport part (always): a stand-in prefill worker process (bench/mooncake_peer.py: real TE, the
+Transport part (always): a stand-in prefill worker process (deploy/harness/mooncake_peer.py: real TE, the
 connector's side channel) holds a long prompt's KV pages; this process pulls them
 (a) through the connector's own pull path (Puller: metadata, read plan, coalescing, batch split),
 (b) raw `batch_transfer_sync_read` calls moving the same bytes: one entry per layer region, the
@@ -19,7 +19,7 @@ prompts, 4 concurrent clients) through `kvpp proxy` and against the decode serve
 --readers runs the engine part once per shared-memory reader mode of vLLM on CPU: `spin` (vLLM's
 own, `KVPP_SHM_READERS_SPIN=1`) and `poll` (the connectors' default there), for before/after in one run.
 
-    .venv/bin/python bench/pd_transfer.py [--tokens 8192] [--repeat 5] [--engine] [--lengths 256,1024,4096]
+    .venv/bin/python -m bench.pd_transfer [--tokens 8192] [--repeat 5] [--engine] [--lengths 256,1024,4096]
         [--readers spin,poll]
 """
 
@@ -40,13 +40,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as `python bench/pd_transfer.py` like the other benchmarks
-from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages  # noqa: E402
-from connectors.mooncake.messages import PrefillHandle  # noqa: E402
-from connectors.mooncake.puller import Puller  # noqa: E402
-from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries  # noqa: E402
-from deploy.services.processes import free_port  # noqa: E402
+from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages
+from connectors.mooncake.messages import PrefillHandle
+from connectors.mooncake.puller import Puller
+from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
+from deploy.services.processes import free_port
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
 
@@ -60,8 +58,8 @@ def _seconds(fn) -> float:
 def transport(tokens: int, repeat: int) -> dict:
     blocks = -(-tokens // BLOCK_TOKENS)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
-    peer = subprocess.Popen([sys.executable, str(REPO / "deploy" / "harness" / "mooncake_peer.py"), "--port", str(port),
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    peer = subprocess.Popen([sys.executable, "-m", "deploy.harness.mooncake_peer", "--port", str(port),
                              "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11", "--hold", "bench"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -265,8 +263,7 @@ def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int,
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                            extra_args=["--additional-config", json.dumps({"enable_kvpp": True})], server=server,
-                            env=env)
+                            server={**server, "enable_kvpp": True}, env=env)
         decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                            server=server, env=env)
         start_servers((prefill, decode), started, timeout=400)

@@ -1,8 +1,8 @@
 """KV-pool benchmark: the connector's save/load path against raw Mooncake batch calls moving the same
 bytes on the same pool, and time to first token of a long prompt with a pool hit vs without.
 
-    python bench/pool.py --json                 # throughput only (no engine)
-    flock /tmp/kvpp-engine.lock python bench/pool.py --ttft --model /path/to/tiny16 --json
+    python -m bench.pool --json                 # throughput only (no engine)
+    flock /tmp/kvpp-engine.lock python -m bench.pool --ttft --model /path/to/tiny16 --json
 
 Throughput: a real `mooncake_master` plus the pool's segment holder (`kvpp pool up`); caches shaped like
 the tiny MLA model's ([blocks, 16, 576] fp32 per layer). "connector" runs `ShardIO.save/load` (key
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
@@ -118,7 +117,7 @@ def ttft(model: str, prompt_tokens: int, suffix_tokens: int) -> dict:
             ktc = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "connectors.store.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
             (state / f"{tag}.json").write_text(json.dumps(actions))
-            cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "pool_engine.py"), "--model", model,
+            cmd = [sys.executable, "-m", "deploy.harness.pool_engine", "--model", model,
                    "--actions", str(state / f"{tag}.json"), "--max-tokens", "1", "--kv-transfer-config", json.dumps(ktc)]
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -70,15 +70,15 @@ def check_spec(spec: Spec) -> list[Finding]:
 def _model(spec: Spec, findings: list[Finding]) -> ModelSpec | None:
     needed = any(i.enable_kvpp or i.pp_layers for i in spec.instances)
     try:
-        model = resolve_model(spec.model_preset or spec.model_path)
+        model = resolve_model(spec.model.preset or spec.model.path)
     except ValueError as exc:
         if needed:
             findings.append(_error("model", "model.preset", (
                 f"{exc}; KVPP and layer-split checks need the model's layers: set model.preset or make "
                 "model.path readable where kvpp check runs")))
         return None
-    if spec.mtp_layers is not None:
-        model = model.with_overrides(mtp_layers=spec.mtp_layers)
+    if spec.model.mtp_layers is not None:
+        model = model.with_overrides(mtp_layers=spec.model.mtp_layers)
     return model
 
 
@@ -266,8 +266,8 @@ def _pool_member(spec: Spec, inst: Instance, model: ModelSpec | None) -> _PoolMe
     mtp = model.mtp_layers if _flag(inst.extra_args, "--speculative-config") is not None else 0
     stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
     kv_dtype = _flag(inst.extra_args, "--kv-cache-dtype", "auto")
-    block_size = inst.memory.get("block_size") or _flag(inst.extra_args, "--block-size")
-    layout = KeyLayout(model=spec.model_path,
+    block_size = inst.memory.block_size or _flag(inst.extra_args, "--block-size")
+    layout = KeyLayout(model=spec.model.path,
                        kv_dtype=kv_dtype if kv_dtype != "auto" else _flag(inst.extra_args, "--dtype", "auto"),
                        block_size=int(block_size) if str(block_size).isdigit() else None, kvpp=inst.enable_kvpp,
                        group_size=topo.group_size, stages=stages)

@@ -7,6 +7,7 @@ passes a configuration that differs from the one rendered.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import msgspec
@@ -23,6 +24,8 @@ CONFIG_DIR = "/etc/kvpp"
 MOONCAKE_CONFIG = "mooncake.json"
 MEMCACHE_CONFIG = "mmc-local.conf"
 MEMCACHE_META_CONFIG = "mmc-meta.conf"
+POOL_SERVICE = "kvpp-pool"
+"""The Kubernetes Service of the pool."""
 
 
 class ConfigFile(str):
@@ -117,11 +120,17 @@ def environment(spec: Spec, inst: Instance) -> dict[str, str]:
     return {**env, **inst.env}
 
 
-def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
-    """`vllm serve` argv (after `vllm serve`) for one node of the instance."""
-    args = [spec.model_path, "--host", wildcard(inst.hosts), "--port", str(inst.port)]
-    if spec.served_name:
-        args += ["--served-model-name", spec.served_name]
+def node_environment(spec: Spec, inst: Instance, node_rank: int) -> dict[str, str]:
+    """Environment of one node: the connectors advertise VLLM_HOST_IP to their peers."""
+    return {"VLLM_HOST_IP": inst.hosts[node_rank], **environment(spec, inst)}
+
+
+def serve_args(spec: Spec, inst: Instance, node_rank: int, listen: str | None = None) -> list[str]:
+    """`vllm serve` argv (after `vllm serve`) for one node of the instance; it listens on every address
+    of its hosts' family, or on `listen` alone (the harness's engines on loopback)."""
+    args = [spec.model.path, "--host", listen or wildcard(inst.hosts), "--port", str(inst.port)]
+    if spec.model.served_name:
+        args += ["--served-model-name", spec.model.served_name]
     args += ["--tensor-parallel-size", str(inst.tp)]
     for flag, value in (("--pipeline-parallel-size", inst.pp), ("--prefill-context-parallel-size", inst.pcp),
                         ("--decode-context-parallel-size", inst.dcp), ("--data-parallel-size", inst.dp)):
@@ -131,7 +140,7 @@ def serve_args(spec: Spec, inst: Instance, node_rank: int) -> list[str]:
         args.append("--enable-expert-parallel")
     if inst.enforce_eager:
         args.append("--enforce-eager")
-    for key, value in inst.memory.items():
+    for key, value in inst.memory.given().items():
         args += ["--" + key.replace("_", "-"), str(value)]
     if inst.kv_events:
         args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True})]
@@ -154,9 +163,10 @@ vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not sta
 looks up a distribution named "vllm" and fails); the flags are the same."""
 
 
-def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "vllm-serve") -> list[str]:
-    """The whole argv that starts one node of the instance."""
-    args = serve_args(spec, inst, node_rank)
+def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "vllm-serve",
+                  python: str = "python3", listen: str | None = None) -> list[str]:
+    """The whole argv that starts one node of the instance (`python`: the api-server's interpreter)."""
+    args = serve_args(spec, inst, node_rank, listen)
     if launcher == "vllm-serve":
         return ["vllm", "serve", *args]
     if launcher != "api-server":
@@ -164,7 +174,7 @@ def serve_command(spec: Spec, inst: Instance, node_rank: int, launcher: str = "v
     if len(inst.hosts) > 1:
         raise ValueError(f"--launcher api-server starts single-node instances only; {inst.name} spans "
                          f"{len(inst.hosts)} hosts (its worker nodes need `vllm serve --headless`)")
-    return ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", *args]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", *args]
 
 
 def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
@@ -191,6 +201,18 @@ def memcache_meta_config(spec: Spec, bind_host: str | None = None) -> str:
     return "".join(f"ock.mmc.{k} = {_conf_value(settings[k])}\n" for k in keys if k in settings)
 
 
+def config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
+    """Pool client/service config files; `bind_any` is the Kubernetes variant: the service listens on
+    its pod's addresses and engines reach the Mooncake master through the pool's Service."""
+    if spec.pool is None:
+        return {}
+    if spec.pool.backend == "mooncake":
+        master = f"{POOL_SERVICE}.{spec.kubernetes.namespace}.svc:{spec.pool.port}" if bind_any else None
+        return {MOONCAKE_CONFIG: json.dumps(mooncake_store_config(spec, master), indent=2, sort_keys=True) + "\n"}
+    return {MEMCACHE_CONFIG: memcache_local_config(spec),
+            MEMCACHE_META_CONFIG: memcache_meta_config(spec, wildcard([spec.pool.host]) if bind_any else None)}
+
+
 def _conf_value(value: Any) -> str:
     """One mmc config value (`kvpp check` has refused anything but one-line text and numbers)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -213,10 +235,10 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
 
 def proxy_host(spec: Spec) -> str:
     """The host the P/D proxy runs on: proxy.host, else the first prefill's."""
-    return spec.proxy_host or spec.prefill[0].hosts[0]
+    return spec.proxy.host or spec.prefill[0].hosts[0]
 
 
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
     """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
     return ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
-            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy_port)]
+            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy.port)]

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from connectors.hosts import host_url, wildcard
+from connectors.hosts import host_url
 
 from deploy import args as cli_args
 
@@ -38,25 +38,9 @@ from deploy.deployment.spec import Instance, Spec, load_spec
 
 FORMATS = ("shell", "k8s")
 POOL_CONFIGMAP = "kvpp-pool-config"
-POOL_SERVICE = "kvpp-pool"
 LABEL = "kvpp.io/component"
 MARKER = ".kvpp-render.json"
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-
-
-# ---- shared -------------------------------------------------------------------------------------
-def _config_files(spec: Spec, bind_any: bool = False) -> dict[str, str]:
-    """Pool client/service config files; `bind_any` is the Kubernetes variant: the service listens on
-    its pod's addresses and engines reach the Mooncake master through the pool's Service."""
-    if spec.pool is None:
-        return {}
-    if spec.pool.backend == "mooncake":
-        master = f"{POOL_SERVICE}.{spec.kubernetes['namespace']}.svc:{spec.pool.port}" if bind_any else None
-        return {launch.MOONCAKE_CONFIG: json.dumps(launch.mooncake_store_config(spec, master), indent=2,
-                                                   sort_keys=True) + "\n"}
-    return {launch.MEMCACHE_CONFIG: launch.memcache_local_config(spec),
-            launch.MEMCACHE_META_CONFIG: launch.memcache_meta_config(spec,
-                                                                     wildcard([spec.pool.host]) if bind_any else None)}
 
 
 # ---- shell --------------------------------------------------------------------------------------
@@ -92,13 +76,11 @@ def _script(title: str, env: dict[str, str], argv: list[str]) -> str:
 def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
     files: dict[str, str] = {}
     for inst in spec.instances:
-        env = launch.environment(spec, inst)
         for rank, host in enumerate(inst.hosts):
-            node_env = {"VLLM_HOST_IP": host, **env}
             title = (f"{inst.role} instance {inst.name}: node {rank} of {len(inst.hosts)} on host {host} "
                      f"(TP{inst.tp} PP{inst.pp} PCP{inst.pcp} DP{inst.dp}, KVPP {'on' if inst.enable_kvpp else 'off'})")
             files[f"{inst.name}-node{rank}.sh"] = _script(
-                title, node_env, launch.serve_command(spec, inst, rank, launcher))
+                title, launch.node_environment(spec, inst, rank), launch.serve_command(spec, inst, rank, launcher))
     if spec.pool is not None:
         argv, env = launch.pool_command(spec)
         files["pool.sh"] = _script(f"{spec.pool.backend} pool service on {spec.pool.host}", env, argv)
@@ -106,7 +88,7 @@ def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
         urls = {role: [host_url("http", i.hosts[0], i.port) for i in getattr(spec, role)]
                 for role in ("prefill", "decode")}
         files["proxy.sh"] = _script(f"P/D proxy on {launch.proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
-    files.update(_config_files(spec))
+    files.update(launch.config_files(spec))
     return files
 
 
@@ -181,8 +163,8 @@ def _instance_pod(spec: Spec, inst: Instance, node_rank: str | int, master: str 
     devices = inst.tp * inst.pp * inst.pcp * inst.dp // len(inst.hosts)
     is_leader = node_rank == 0
     container = _container(
-        "vllm", k8s["image"], ["vllm", "serve", *args], launch.environment(spec, inst),
-        inst.port if is_leader else None, {k8s["device_resource"]: str(max(devices, 1))},
+        "vllm", k8s.image, ["vllm", "serve", *args], launch.environment(spec, inst),
+        inst.port if is_leader else None, {k8s.device_resource: str(max(devices, 1))},
         mounts=spec.pool is not None, probe_delay=60)
     return _pod_spec(container, spec, host_network=True)
 
@@ -194,7 +176,7 @@ def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def _meta(name: str, spec: Spec, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": spec.kubernetes["namespace"], "labels": _labels(component)}
+    return {"name": name, "namespace": spec.kubernetes.namespace, "labels": _labels(component)}
 
 
 def _deployment(name: str, spec: Spec, component: str, pod: dict[str, Any]) -> dict[str, Any]:
@@ -246,29 +228,29 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         raise ValueError("\n".join(bad))
     if spec.pool is not None:
         configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(POOL_CONFIGMAP, spec, "pool"),
-                     "data": _config_files(spec, bind_any=True)}
+                     "data": launch.config_files(spec, bind_any=True)}
         argv, env = launch.pool_command(spec)
         if spec.pool.backend == "mooncake":  # listen on, and advertise the segment at, the pod's address
             argv = _replace_flag(argv, "--host", POD_IP)
-        container = _container("pool", k8s["image"], argv, env, None, None, mounts=True, probe_delay=5)
+        container = _container("pool", k8s.image, argv, env, None, None, mounts=True, probe_delay=5)
         if spec.pool.backend == "mooncake":
             container["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                                 *container.get("env", [])]
         container["ports"] = [{"name": "main", "containerPort": spec.pool.port}]
         container["readinessProbe"] = {"tcpSocket": {"port": spec.pool.port}, "periodSeconds": 5}
         pod = _pod_spec(container, spec, host_network=False)
-        files["pool.yaml"] = _dump([configmap, _deployment(POOL_SERVICE, spec, "pool", pod),
-                                    _service(POOL_SERVICE, spec, "pool", spec.pool.port,
-                                             {**_labels("pool"), "kvpp.io/name": POOL_SERVICE})])
+        files["pool.yaml"] = _dump([configmap, _deployment(launch.POOL_SERVICE, spec, "pool", pod),
+                                    _service(launch.POOL_SERVICE, spec, "pool", spec.pool.port,
+                                             {**_labels("pool"), "kvpp.io/name": launch.POOL_SERVICE})])
     for inst in spec.instances:
         files[f"{inst.name}.yaml"] = _dump(_instance_objects(spec, inst))
     if spec.disaggregated:
         urls = {role: [f"http://{i.name}:{i.port}" for i in getattr(spec, role)] for role in ("prefill", "decode")}
-        container = _container("proxy", k8s["proxy_image"] or k8s["image"], launch.proxy_args(spec, urls), {},
-                               spec.proxy_port, None, mounts=False, probe_delay=5)
+        container = _container("proxy", k8s.proxy_image or k8s.image, launch.proxy_args(spec, urls), {},
+                               spec.proxy.port, None, mounts=False, probe_delay=5)
         pod = {"containers": [container]}
         files["proxy.yaml"] = _dump([_deployment("kvpp-proxy", spec, "proxy", pod),
-                                     _service("kvpp-proxy", spec, "proxy", spec.proxy_port,
+                                     _service("kvpp-proxy", spec, "proxy", spec.proxy.port,
                                               {**_labels("proxy"), "kvpp.io/name": "kvpp-proxy"})])
     return files
 

@@ -1,8 +1,8 @@
 """Deployment specs: one YAML file describing a (possibly disaggregated) KVPP deployment.
 
-The schema is checked with JSON Schema and every violation is reported with its path
-(`prefill[0].tp: ...`), so a spec is fixed in one pass. Defaults are filled in here, once, so that
-`kvpp render` and `kvpp check` read the same values.
+The spec is declared once, as the typed structs below (with their defaults, so that `kvpp render` and
+`kvpp check` read the same values). A spec is first checked against their JSON Schema and every
+violation is reported with its path (`prefill[0].tp: ...`), so a spec is fixed in one pass.
 
 Every value ends up in a shell script, a config file or a manifest. What each target cannot carry
 safely is refused here (hosts that are not host names, env keys that are not identifiers, NUL,
@@ -16,10 +16,10 @@ import json
 import math
 import re
 import unicodedata
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import yaml
 
 from kvpp_core.config import parse_struct
@@ -38,11 +38,6 @@ MAX_DEPTH = 64
 INT64_MAX = (1 << 63) - 1
 MAX_INSTANCES = 1024  # per role; port checks compare instances pairwise per host
 
-PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
-POS_INT = {"type": "integer", "minimum": 1, "maximum": INT64_MAX}
-PARALLEL = {"type": "integer", "minimum": 1, "maximum": MAX_PARALLEL}
-NAME = {"type": "string", "maxLength": 40}  # a DNS label: checked by _label_problem
-STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
@@ -55,154 +50,68 @@ MANAGED_FLAGS = (
     "--port", "--host", "--kv-events-config", "--nnodes", "--node-rank", "--master-addr", "--headless",
 )
 
-MEMORY = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "gpu_memory_utilization": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "kv_cache_memory_bytes": POS_INT,
-        "max_model_len": POS_INT,
-        "max_num_batched_tokens": POS_INT,
-        "max_num_seqs": POS_INT,
-        "block_size": {"type": "integer", "minimum": 1, "maximum": 1 << 20},
-    },
-}
-
-INSTANCE = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["name", "hosts", "tp"],
-    "properties": {
-        "name": NAME,
-        "hosts": {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL, "items": {"type": "string"}},
-        "port": PORT,
-        "tp": PARALLEL,
-        "pp": PARALLEL,
-        "pp_layers": {"oneOf": [{"type": "null"}, {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL,
-                                                  "items": {**PARALLEL, "maximum": MAX_LAYERS}}]},
-        "pcp": PARALLEL,
-        "dcp": PARALLEL,
-        "dp": PARALLEL,
-        "ep": {"type": "boolean"},
-        "runner": {"enum": ["v1", "v2"]},
-        "kv_port": PORT,
-        "enable_kvpp": {"type": "boolean"},
-        "enforce_eager": {"type": "boolean"},
-        "kv_events": {"type": "boolean"},
-        "uses_pool": {"type": "boolean"},
-        "lookup_rpc_port": PORT,
-        "memory": MEMORY,
-        "additional_config": {"type": "object"},
-        "kv_transfer_config": {"type": "object"},
-        "extra_args": {"type": "array", "items": {"type": "string"}},
-        "env": STR_MAP,
-    },
-}
-
-SCHEMA = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["model", "prefill"],
-    "properties": {
-        "model": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["path"],
-            "properties": {
-                "path": {"type": "string", "minLength": 1},
-                "preset": {"type": "string", "minLength": 1},
-                "served_name": {"type": "string", "minLength": 1},
-                "mtp_layers": {"type": "integer", "minimum": 0, "maximum": 64},
-            },
-        },
-        "prefill": {"type": "array", "minItems": 1, "maxItems": MAX_INSTANCES, "items": INSTANCE},
-        "decode": {"type": "array", "maxItems": MAX_INSTANCES, "items": INSTANCE},
-        "pool": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["backend", "address", "lookup_rpc_port"],
-            "properties": {
-                "backend": {"enum": ["mooncake", "memcache"]},
-                "address": {"type": "string"},
-                "lookup_rpc_port": PORT,
-                "kv_role": {"enum": ["kv_producer", "kv_consumer", "kv_both"]},
-                "metrics_port": PORT,
-                "segment_size": {"type": "string", "pattern": r"^[0-9]+ ?([KMG]?B)?$"},
-                "extra_config": {"type": "object"},
-                "settings": {"type": "object"},
-            },
-        },
-        "proxy": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"host": {"type": "string"}, "port": PORT},
-        },
-        "kubernetes": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "namespace": NAME,
-                "image": {"type": "string", "minLength": 1},
-                "device_resource": {"type": "string", "minLength": 1},
-                "devices_per_node": PARALLEL,
-                "proxy_image": {"type": "string", "minLength": 1},
-            },
-        },
-    },
-}
-
-INSTANCE_DEFAULTS: dict[str, Any] = {
-    "port": 8000, "pp": 1, "pp_layers": None, "pcp": 1, "dcp": 1, "dp": 1, "ep": False, "runner": "v1",
-    "kv_port": None, "enable_kvpp": False, "enforce_eager": False, "kv_events": False, "uses_pool": None,
-    "lookup_rpc_port": None, "memory": {}, "additional_config": {}, "kv_transfer_config": {},
-    "extra_args": [], "env": {},
-}
-POOL_DEFAULTS: dict[str, Any] = {"kv_role": "kv_both", "metrics_port": None, "segment_size": "8GB",
-                                 "extra_config": {}, "settings": {}}
-PROXY_DEFAULTS: dict[str, Any] = {"host": None, "port": 8000}
-K8S_DEFAULTS: dict[str, Any] = {
-    "namespace": "default", "image": "vllm-ascend:latest", "device_resource": "huawei.com/ascend-1980",
-    "devices_per_node": 8, "proxy_image": None,
-}
+# A field typed `T = None` (not `T | None`) may be left out, and is None then, but is not written as null.
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+Parallel = Annotated[int, msgspec.Meta(ge=1, le=MAX_PARALLEL)]
+Name = Annotated[str, msgspec.Meta(max_length=40)]  # a DNS label: checked by _label_problem
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+Json = dict[str, Any]
 
 
-class SpecError(ValueError):
-    """A spec that does not match the schema; one line per problem, each with its path."""
-
-    def __init__(self, source: str, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One mapping of the spec; unknown keys are refused (and defaults left out when one is written back)."""
 
 
-@dataclass(frozen=True)
-class Instance:
-    """One vLLM serving instance (one or more nodes) after defaults."""
+class Memory(_Section):
+    """vLLM's memory flags (`--gpu-memory-utilization`, ...), each rendered only when given."""
 
-    role: str  # "prefill" or "decode"
-    index: int
-    name: str
-    hosts: tuple[str, ...]
-    port: int
-    tp: int
-    pp: int
-    pp_layers: tuple[int, ...] | None
-    pcp: int
-    dcp: int
-    dp: int
-    ep: bool
-    runner: str
-    kv_port: int | None
-    enable_kvpp: bool
-    enforce_eager: bool
-    kv_events: bool
-    uses_pool: bool
-    lookup_rpc_port: int | None
-    memory: dict[str, Any]
-    additional_config: dict[str, Any]
-    kv_transfer_config: dict[str, Any]
-    extra_args: tuple[str, ...]
-    env: dict[str, str]
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = None
+    kv_cache_memory_bytes: PosInt = None
+    max_model_len: PosInt = None
+    max_num_batched_tokens: PosInt = None
+    max_num_seqs: PosInt = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys set, in declaration order."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+class InstanceSettings(_Section):
+    """One vLLM serving instance (one or more nodes), as a `prefill` or `decode` item declares it."""
+
+    name: Name
+    hosts: Annotated[tuple[str, ...], msgspec.Meta(min_length=1, max_length=MAX_PARALLEL)]
+    tp: Parallel
+    port: Port = 8000
+    pp: Parallel = 1
+    pp_layers: Annotated[tuple[Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)], ...],
+                         msgspec.Meta(min_length=1, max_length=MAX_PARALLEL)] | None = None
+    pcp: Parallel = 1
+    dcp: Parallel = 1
+    dp: Parallel = 1
+    ep: bool = False
+    runner: Literal["v1", "v2"] = "v1"
+    kv_port: Port = None
+    enable_kvpp: bool = False
+    enforce_eager: bool = False
+    kv_events: bool = False
+    uses_pool: bool = None
+    """Left out: the pool serves the prefill side (see `placed`)."""
+    lookup_rpc_port: Port = None
+    memory: Memory = msgspec.field(default_factory=Memory)
+    additional_config: Json = {}
+    kv_transfer_config: Json = {}
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+
+
+class Instance(InstanceSettings, frozen=True, kw_only=True):
+    """An instance placed in its spec: its settings, its role and index, uses_pool decided."""
+
+    role: Literal["prefill", "decode"]
+    index: int = 0
 
     @property
     def where(self) -> str:
@@ -210,20 +119,32 @@ class Instance:
         return f"{self.role}[{self.index}] ({self.name})"
 
 
-@dataclass(frozen=True)
-class Pool:
-    backend: str
+class Model(_Section):
+    path: Text
+    preset: Text = None
+    served_name: Text = None
+    mtp_layers: Annotated[int, msgspec.Meta(ge=0, le=64)] = None
+
+
+class Pool(_Section):
+    backend: Literal["mooncake", "memcache"]
     address: str
-    lookup_rpc_port: int
-    kv_role: str
-    metrics_port: int | None
-    segment_size: str
+    lookup_rpc_port: Port
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    metrics_port: Port = None
+    segment_size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]+ ?([KMG]?B)?$")] = "8GB"
     """Memory the pool's segment holder contributes (mooncake), e.g. 64GB."""
-    extra_config: dict[str, Any]
-    settings: dict[str, Any]
+    extra_config: Json = {}
+    settings: Json = {}
     """memcache: mmc config keys (`local_service.protocol: host_tcp`); mooncake: read into `mooncake`."""
-    mooncake: MooncakeSettings | None = None
-    """The Mooncake store client settings of the rendered mooncake.json (pool.settings, typed)."""
+
+    @property
+    def mooncake(self) -> MooncakeSettings | None:
+        """The Mooncake store client settings of the rendered mooncake.json (pool.settings, typed;
+        parse_spec refuses settings that do not read)."""
+        if self.backend != "mooncake":
+            return None
+        return parse_struct(self.settings, MooncakeSettings, "pool.settings").value
 
     @property
     def host(self) -> str:
@@ -235,18 +156,29 @@ class Pool:
         return split_host_port(self.address)[1]
 
 
-@dataclass(frozen=True)
-class Spec:
-    model_path: str
-    model_preset: str | None
-    served_name: str | None
-    mtp_layers: int | None
-    prefill: tuple[Instance, ...]
-    decode: tuple[Instance, ...]
-    pool: Pool | None
-    proxy_host: str | None
-    proxy_port: int
-    kubernetes: dict[str, Any] = field(default_factory=dict)
+class Proxy(_Section):
+    host: str = None
+    """Default: the first prefill's host."""
+    port: Port = 8000
+
+
+class Kubernetes(_Section):
+    namespace: Name = "default"
+    image: Text = "vllm-ascend:latest"
+    device_resource: Text = "huawei.com/ascend-1980"
+    devices_per_node: Parallel = 8
+    proxy_image: Text = None
+
+
+class Spec(_Section):
+    """A deployment: the model, its prefill and decode instances, the pool and the proxy."""
+
+    model: Model
+    prefill: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(min_length=1, max_length=MAX_INSTANCES)]
+    decode: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(max_length=MAX_INSTANCES)] = ()
+    pool: Pool = None
+    proxy: Proxy = msgspec.field(default_factory=Proxy)
+    kubernetes: Kubernetes = msgspec.field(default_factory=Kubernetes)
 
     @property
     def instances(self) -> tuple[Instance, ...]:
@@ -255,6 +187,31 @@ class Spec:
     @property
     def disaggregated(self) -> bool:
         return bool(self.decode)
+
+
+SCHEMA = msgspec.json.schema(Spec)
+"""The JSON Schema of a spec file, derived from the structs above; parse_spec checks a spec against
+it first, because its messages name every problem's path."""
+
+
+def placed(spec: Spec) -> Spec:
+    """`spec` with every instance an Instance that knows its role and index, uses_pool decided (left
+    out, the pool serves the prefill side)."""
+    roles = {}
+    for role in ("prefill", "decode"):
+        roles[role] = tuple(
+            Instance(**{**msgspec.structs.asdict(inst), "role": role, "index": i, "uses_pool":
+                        (spec.pool is not None and role == "prefill") if inst.uses_pool is None else inst.uses_pool})
+            for i, inst in enumerate(getattr(spec, role)))
+    return msgspec.structs.replace(spec, **roles)
+
+
+class SpecError(ValueError):
+    """A spec that does not match the schema; one line per problem, each with its path."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
 
 
 def schema_problems(data: Any) -> list[str]:
@@ -456,38 +413,12 @@ def _managed_hint(flag: str) -> str:
 def parse_spec(data: Any, source: str = "spec") -> Spec:
     """Validate and fill defaults; raises SpecError with every problem."""
     problems = schema_problems(data)
-    mooncake = None
     if not problems and (data.get("pool") or {}).get("backend") == "mooncake":
         parsed = parse_struct(data["pool"].get("settings"), MooncakeSettings, "pool.settings")
         problems += [f"{option}: {message}" for option, message in parsed.problems]
-        mooncake = parsed.value
     if problems:
         raise SpecError(source, problems)
-    data = copy.deepcopy(data)
-    model = data["model"]
-    pool = None
-    if data.get("pool"):
-        pool = Pool(**{**POOL_DEFAULTS, **data["pool"]}, mooncake=mooncake)
-    instances = {}
-    for role in ("prefill", "decode"):
-        items = []
-        for i, raw in enumerate(data.get(role) or []):
-            values = {**copy.deepcopy(INSTANCE_DEFAULTS), **raw}
-            if values["uses_pool"] is None:  # by default the pool serves the prefill side
-                values["uses_pool"] = pool is not None and role == "prefill"
-            values["hosts"] = tuple(values["hosts"])
-            values["extra_args"] = tuple(values["extra_args"])
-            if values["pp_layers"] is not None:
-                values["pp_layers"] = tuple(values["pp_layers"])
-            items.append(Instance(role=role, index=i, **values))
-        instances[role] = tuple(items)
-    proxy = {**PROXY_DEFAULTS, **(data.get("proxy") or {})}
-    return Spec(
-        model_path=model["path"], model_preset=model.get("preset"), served_name=model.get("served_name"),
-        mtp_layers=model.get("mtp_layers"), prefill=instances["prefill"], decode=instances["decode"],
-        pool=pool, proxy_host=proxy["host"], proxy_port=proxy["port"],
-        kubernetes={**K8S_DEFAULTS, **(data.get("kubernetes") or {})},
-    )
+    return placed(msgspec.convert(copy.deepcopy(data), Spec))
 
 
 def read_spec_data(path: str | Path) -> Any:

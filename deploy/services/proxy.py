@@ -510,11 +510,6 @@ def register(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     prefill, decode = _urls(args.prefill, "--prefill"), _urls(args.decode, "--decode")
-    problems = [f"--{name.replace('_', '-')} must be > 0"
-                for name in ("connect_timeout", "prefill_timeout", "decode_timeout", "probe_interval",
-                             "max_body_bytes") if getattr(args, name) <= 0]
-    if problems:
-        raise ValueError("; ".join(problems))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvpp-proxy %(levelname)s %(message)s")
     timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval)
     proxy = PDProxy(prefill, decode, timeouts, Limits(max_body_bytes=args.max_body_bytes))
