@@ -1,8 +1,9 @@
 """`kvpp check SPEC`: every problem of a deployment spec before the cluster finds it.
 
 KVPP rules come from kvpp_core.validation (the connectors' from connectors.launch), port ranges from
-connectors.mooncake.ports and layer splits from kvpp_core.topology, applied to exactly the configs `kvpp render` emits (deploy.deployment.launch); this module
-adds only what spans instances (shared hosts, P/D wiring, the pool).
+connectors.mooncake.ports and layer splits from kvpp_core.topology, applied to exactly the configs
+`kvpp render` emits (deploy.deployment.launch); this module adds only what spans instances (shared
+hosts, P/D wiring, the pool).
 """
 
 from __future__ import annotations
