@@ -77,6 +77,18 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def address_problem(address: str) -> str | None:
+    """Why `address` is not a `host:port` (an IPv6 literal in brackets) whose host peers can reach, or None."""
+    try:
+        host, _ = split_host_port(address)
+    except ValueError as exc:
+        if is_ipv6(address) and not is_ipv6(address.rpartition(":")[0]):  # `fd00::9`: no port at all
+            return f"an IPv6 address takes brackets and a port: [{address}]:PORT"
+        return str(exc)
+    problem = host_problem(host)
+    return f"host {problem}" if problem else None
+
+
 def canonical_host(host: str) -> str:
     """One spelling per host, to compare hosts written differently (`FD00:0::1` is `fd00::1`)."""
     try:

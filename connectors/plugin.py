@@ -1,15 +1,18 @@
 """vLLM general-plugin entry point (`vllm.general_plugins: kvpp`).
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers), before
-configs are built; it must be cheap and idempotent. It installs the KVPP adapter, whose patches
-stay inert unless `enable_kvpp` is set, and makes the connectors reachable by name.
+configs are built; it must be cheap and idempotent. It installs the KVPP adapter (whose patches
+stay inert unless `enable_kvpp` is set) with the connectors' launch rules, and makes the connectors
+reachable by name.
 """
 
 from __future__ import annotations
 
+from connectors.names import MOONCAKE, STORE
+
 CONNECTORS = {
-    "MooncakeConnectorV2": ("connectors.mooncake.connector", "MooncakeConnectorV2"),
-    "AscendStoreConnector": ("connectors.store.connector", "AscendStoreConnector"),
+    MOONCAKE: ("connectors.mooncake.connector", "MooncakeConnectorV2"),
+    STORE: ("connectors.store.connector", "AscendStoreConnector"),
 }
 
 
@@ -26,5 +29,7 @@ def _register_connectors() -> None:
 def register() -> None:
     from kvpp_core import vllm_adapter
 
-    vllm_adapter.install()
+    from connectors.launch import connector_rules
+
+    vllm_adapter.install(connector_rules)
     _register_connectors()

@@ -120,6 +120,9 @@ class LayerBroadcaster:
         """Called when a target layer is about to write its new KV: its history must be in place."""
         if not self._active or layer_id in self._delivered or layer_id not in self._position:
             return
+        if callable(self._ranges):  # the step's first broadcast: the batch is known by now
+            found = self._ranges()
+            self._ranges = None if found is None else list(found)
         pos = self._position[layer_id]
         if layer_id not in self._pending:
             self._issue(layer_id)
@@ -142,9 +145,6 @@ class LayerBroadcaster:
             raise errors[0]
 
     def _issue(self, layer_id: int) -> None:
-        if callable(self._ranges):
-            found = self._ranges()
-            self._ranges = None if found is None else list(found)
         src = self.group_ranks[self.layout.owner_of(layer_id)]
         works = []
         for blocks in self._blocks[layer_id]:

@@ -56,8 +56,10 @@ def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
     one and the full list, flags go through `parse_bool`, a field typed as a struct (a settings group
     such as the pool's `mooncake: {...}`) by this same reading under `<where>.<field>`, every other
     field through msgspec's own typed conversion (constraints included); `hints[key]` is appended to
-    that key's problem (`hints["group.key"]` for a key of a group)."""
+    that key's problem (`hints["group.key"]` for a key of a group). A struct's `field_checks` (a class
+    attribute: field name -> problem of a value, or None) run on the values that converted."""
     raw, hints = dict(raw or {}), hints or {}
+    checks = getattr(cls, "field_checks", {})
     info = msgspec.inspect.type_info(cls)
     types = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in info.fields]
@@ -91,6 +93,10 @@ def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,
             continue
         try:
             out.given[f.name] = msgspec.convert(value, types[f.name])
+            problem = None if out.given[f.name] is None or f.name not in checks else checks[f.name](out.given[f.name])
+            if problem:
+                del out.given[f.name]
+                out.problems.append((option, f"{problem}, got {value!r}{hint}"))
         except msgspec.ValidationError as exc:
             if isinstance(f.type, msgspec.inspect.LiteralType):
                 choices = typing.get_args(types[f.name]) or sorted(f.type.values)  # declared order if plain

@@ -25,6 +25,13 @@ def layer_index(layer_name: str) -> int:
     return int(found[-1])
 
 
+def target_layer(layer_name: str, num_target_layers: int) -> int | None:
+    """The decoder layer a cache belongs to; None for caches past the decoder stack (MTP heads, EAGLE),
+    which are never sharded."""
+    idx = layer_index(layer_name)
+    return idx if idx < num_target_layers else None
+
+
 def owner_ranges(num_layers: int, group_size: int) -> list[range]:
     """Contiguous positions (in the sorted target-layer list) owned by each kvpp rank.
 

@@ -1,12 +1,36 @@
-"""Describe a running vLLM configuration in the planner's terms, so that the engine is validated
-by exactly the rules `kvpp check` applies to a deployment spec."""
+"""A vLLM launch in the planner's terms, so that a running engine is validated by exactly the rules
+`kvpp check` applies to a deployment spec."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvpp_core.config import KvppConfig
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
-from kvpp_core.validation import KvppSetup
+
+
+@dataclass(frozen=True)
+class KvppSetup:
+    """The parts of a vLLM launch that decide whether KVPP may run."""
+
+    model: ModelSpec | None
+    """None only when KVPP is off (then only the connectors' settings are checked)."""
+    topology: Topology
+    enforce_eager: bool
+    kvpp: KvppConfig
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_extra: dict[str, Any] = field(default_factory=dict)
+    kv_events: bool = False
+    cudagraph_mode: str | None = None
+    """vLLM's resolved CUDA graph mode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE);
+    None when unknown (a deployment spec): vLLM's default then, FULL_AND_PIECEWISE on GPUs."""
+    splitting_ops: tuple[str, ...] | None = None
+    """The ops vLLM splits the compiled graph at; None when unknown."""
+    speculative_method: str | None = None
+    """speculative_config.method (None: no speculative decoding)."""
 
 
 def _pp_partition(value: str | None) -> tuple[int, ...] | None:
@@ -15,11 +39,18 @@ def _pp_partition(value: str | None) -> tuple[int, ...] | None:
 
 
 def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
+    transfer = vllm_config.kv_transfer_config
+    connector = dict(
+        kv_connector=None if transfer is None else transfer.kv_connector,
+        kv_role=None if transfer is None else transfer.kv_role,
+        kv_extra={} if transfer is None else dict(transfer.kv_connector_extra_config or {}),
+    )
+    if not kvpp.enabled:  # only the connectors' settings are checked: never describe a model KVPP does not run on
+        return KvppSetup(model=None, topology=Topology(tp=1), enforce_eager=True, kvpp=kvpp, **connector)
     import vllm.envs as envs
 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    transfer = vllm_config.kv_transfer_config
     events = vllm_config.kv_events_config
     compilation = vllm_config.compilation_config
     speculative = vllm_config.speculative_config
@@ -36,9 +67,7 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         ),
         enforce_eager=model_config.enforce_eager,
         kvpp=kvpp,
-        kv_connector=None if transfer is None else transfer.kv_connector,
-        kv_role=None if transfer is None else transfer.kv_role,
-        kv_extra={} if transfer is None else dict(transfer.kv_connector_extra_config or {}),
+        **connector,
         kv_events=bool(events is not None and events.enable_kv_cache_events),
         cudagraph_mode=None if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
         splitting_ops=None if compilation.splitting_ops is None else tuple(compilation.splitting_ops),

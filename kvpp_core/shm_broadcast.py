@@ -302,9 +302,6 @@ class ShmLayerBroadcaster(LayerBroadcaster):
     # -- the two transport primitives LayerBroadcaster.before_layer schedules ---------------------
 
     def _issue(self, layer_id: int) -> None:
-        if callable(self._ranges):
-            found = self._ranges()
-            self._ranges = None if found is None else list(found)
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
         if owner == self.layout.kvpp_rank:

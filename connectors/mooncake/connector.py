@@ -15,12 +15,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpp_core.vllm_adapter import quiet_shm_readers
+
+from connectors.launch import launch_check
 from connectors.mooncake.messages import is_ident
 from connectors.mooncake.settings import parse_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
 from connectors.mooncake.step_meta import MooncakeV2Metadata
-from kvpp_core.validation import validate_vllm_config
-from kvpp_core.vllm_adapter import quiet_shm_readers
+from connectors.names import MOONCAKE
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
 class MooncakeConnectorV2(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        validate_vllm_config(vllm_config)  # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...)
+        # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...), checked once per process
+        check = launch_check(vllm_config)
         quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
@@ -46,7 +49,7 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
                 f"this model has {len(kv_cache_config.kv_cache_groups)}"
             )
         transfer = vllm_config.kv_transfer_config
-        settings = parse_settings(transfer.kv_connector_extra_config)
+        settings = check.settings.get(MOONCAKE, transfer.kv_connector_extra_config, parse_settings)
         engine_id = transfer.engine_id
         if not is_ident(engine_id):
             raise ValueError(f"kv_transfer_config.engine_id {engine_id!r} cannot travel in kv_transfer_params: "

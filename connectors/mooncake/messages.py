@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -215,7 +216,7 @@ def decode(frame: bytes, expected: type | None = None, max_bytes: int = MAX_REPL
     return message
 
 
-class PrefillHandle(msgspec.Struct, frozen=True):
+class PrefillHandle(msgspec.Struct, frozen=True, dict=True):
     """The kv_transfer_params a prefill returns and a decode request carries unchanged.
 
     Unknown keys are ignored on purpose: proxies and vLLM itself add their own. It comes from an
@@ -257,8 +258,13 @@ class PrefillHandle(msgspec.Struct, frozen=True):
         fanout = self.remote_tp_size * self.remote_pp_size * self.remote_pcp_size
         if fanout > MAX_FANOUT:
             raise ValueError(f"remote tp*pp*pcp = {fanout} prefill workers, more than {MAX_FANOUT}")
-        PortLayout(self.remote_kv_port, tp=self.remote_tp_size, pp=self.remote_pp_size,
-                   pcp=self.remote_pcp_size, dp=self.remote_dp_size)  # the derived range fits 1-65535
+        self.port_layout  # the derived range fits 1-65535
+
+    @cached_property
+    def port_layout(self) -> PortLayout:
+        """The prefill's side-channel ports, derived once per handle (every pull and lease renewal reads them)."""
+        return PortLayout(self.remote_kv_port, tp=self.remote_tp_size, pp=self.remote_pp_size,
+                          pcp=self.remote_pcp_size, dp=self.remote_dp_size)
 
     def check_blocks(self, block_size: int, max_tokens: int) -> None:
         """The block list covers remote_num_tokens (a short list would leave claimed tokens unread)

@@ -29,7 +29,6 @@ from connectors.mooncake.messages import (
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
 from connectors.mooncake.transfer import MooncakeTransfer
 from connectors.hosts import join_host_port
-from connectors.mooncake.ports import PortLayout
 
 
 def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
@@ -39,10 +38,8 @@ def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
             f"prefill {handle.remote_engine_id} runs PCP {handle.remote_pcp_size}; MooncakeConnectorV2 "
             "pulls only from prefills with --prefill-context-parallel-size 1"
         )
-    layout = PortLayout(handle.remote_kv_port, tp=handle.remote_tp_size, pp=handle.remote_pp_size,
-                        pcp=handle.remote_pcp_size, dp=handle.remote_dp_size)
     return [
-        (pp, tp, layout.handshake_port(dp_rank=handle.remote_dp_rank, pp_rank=pp, tp_rank=tp))
+        (pp, tp, handle.port_layout.handshake_port(dp_rank=handle.remote_dp_rank, pp_rank=pp, tp_rank=tp))
         for pp in range(handle.remote_pp_size)
         for tp in range(handle.remote_tp_size)
     ]

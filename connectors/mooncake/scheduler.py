@@ -69,12 +69,23 @@ class MooncakeV2Scheduler:
         self._held: set[str] = set()
         self.stats = MooncakeV2Stats()
         self.leases = LeaseKeeper(settings.handshake_timeout_s, self.curve)
+        self._handles: dict[str, PrefillHandle] = {}  # decode: request id -> its handle, until pulled or ended
         self._arrived: dict[str, float] = {}  # decode: request id -> arrival (perf_counter)
         self._pulled: dict[str, float] = {}  # decode: request id -> when its finished pull was seen
 
     # ---- decode side -------------------------------------------------------------------------
 
     def _handle(self, request: Request) -> PrefillHandle | None:
+        """The request's handle while it still has a pull to make, parsed the first time a hook sees it
+        (get_num_new_matched_tokens runs on every scheduling attempt)."""
+        handle = self._handles.get(request.request_id)
+        if handle is None:
+            handle = self._parse_handle(request)
+            if handle is not None:
+                self._handles[request.request_id] = handle
+        return handle
+
+    def _parse_handle(self, request: Request) -> PrefillHandle | None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
@@ -109,6 +120,7 @@ class MooncakeV2Scheduler:
         if handle is None:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request
+        del self._handles[request.request_id]
         local: tuple[int, ...] = ()
         remote: tuple[int, ...] = ()
         if num_external_tokens > 0:
@@ -134,12 +146,13 @@ class MooncakeV2Scheduler:
         self._arrived.pop(request.request_id, None)
         self._pulled.pop(request.request_id, None)
         self.leases.drop(request.request_id)
+        handle = self._handles.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
             # Finished before it was scheduled (abort): the prefill still holds its blocks.
-            handle = self._handle(request)
+            handle = handle or self._parse_handle(request)
             if handle is not None:
                 self._new_loads.append(LoadSpec(request.request_id, handle, (), ()))
                 params["do_remote_prefill"] = False

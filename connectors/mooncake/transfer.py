@@ -1,6 +1,6 @@
 """Thin wrapper over the Mooncake TransferEngine for pulling KV blocks.
 
-Measured transport facts shape it (BRIEF section 5 and bench/pd_transfer.py): every batch entry
+Measured transport facts shape it (bench/pd_transfer.py measures them): every batch entry
 costs ~75 us, so contiguous block runs are coalesced; one huge entry is moved by too few engine
 threads (a 300 MB read took 0.26 s as one entry, 0.13 s as 256 entries of ~1.2 MB), so merged
 runs are cut into pieces of at most `max_entry_bytes`; and a batch over ~1024 entries can fail

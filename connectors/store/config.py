@@ -1,21 +1,24 @@
 """The pool connector's settings: `kv_connector_extra_config` read once into a typed struct.
 
 Unknown keys are refused (a typo such as `load_asnyc` would otherwise silently keep the default),
-and every problem comes back at once. `kvpp_core.validation` applies the same reading to the engine's
+and every problem comes back at once. `connectors.store.rules` applies the same reading to the engine's
 config and to `kvpp check`'s rendered configs, so all three refuse the same settings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 
 from kvpp_core.config import Parsed, parse_struct
 
-from connectors.store.backends import BackendName
+from connectors.hosts import address_problem
 
+BackendName = Literal["mooncake", "memcache"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+"""The pool backends (`connectors.store.backends` holds their clients)."""
 PREFIX = "kv_connector_extra_config"
 
 
@@ -27,8 +30,6 @@ Millis = Annotated[float, msgspec.Meta(gt=0)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Text = Annotated[str, msgspec.Meta(min_length=1)]
-HostPort = Annotated[str, msgspec.Meta(pattern=r"\A(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):[0-9]{1,5}\Z")]
-"""`host:port`, an IPv6 literal in brackets (`[fd00::1]:50051`)."""
 
 
 class _Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -42,8 +43,8 @@ class _Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 class MooncakeSettings(_Settings):
     """`kv_connector_extra_config.mooncake`, and the JSON file it (or $MOONCAKE_CONFIG_PATH) names."""
 
-    master_server_address: HostPort | None = None
-    """Where mooncake_master listens, e.g. "10.0.0.9:50051" or "[fd00::9]:50051"."""
+    master_server_address: Text | None = None
+    """Where mooncake_master listens, e.g. "10.0.0.9:50051" or "[fd00::9]:50051" (see `field_checks`)."""
     config_path: Text | None = None
     """A JSON file of these same settings; the ones given here win over it."""
     local_hostname: Text | None = None
@@ -55,6 +56,9 @@ class MooncakeSettings(_Settings):
     global_segment_size: NonNeg | None = None
     """Bytes this client contributes to the pool (engines: 0, the pool's holder owns the memory)."""
     local_buffer_size: NonNeg | None = None
+
+    field_checks: ClassVar[dict[str, Callable[[str], str | None]]] = {"master_server_address": address_problem}
+    """Applied by `parse_struct` wherever these settings are read (extra config, config file, deployment spec)."""
 
 
 class MemcacheSettings(_Settings):
@@ -146,7 +150,7 @@ def role_actions(kv_role: str | None, cfg: StoreConfig) -> tuple[bool, bool]:
 def read_store_config(extra: Mapping[str, Any] | None) -> Parsed[StoreConfig]:
     """The struct and every problem of `extra`, including settings this connector does not implement."""
     parsed = parse_struct(extra, StoreConfig, PREFIX, _HINTS)
-    # Capabilities of this connector, independent of KVPP (KVPP's own rules live in kvpp_core.validation).
+    # Capabilities of this connector, independent of KVPP (what KVPP needs lives in connectors.store.rules).
     if parsed.given.get("use_layerwise"):
         parsed.problems.append((f"{PREFIX}.use_layerwise", "true is not implemented by this connector; set it to "
                                 "false (whole blocks are saved after prefill and loaded before the request runs)"))

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
-from kvpp_core.validation import validate_vllm_config
 from kvpp_core.vllm_adapter import quiet_shm_readers
 
+from connectors.launch import launch_check
+from connectors.names import STORE
 from connectors.store.config import parse_store_config
 from connectors.store.metadata import StoreMetadata
 from connectors.store.stats import StorePromMetrics, StoreStats
@@ -29,9 +30,10 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        validate_vllm_config(vllm_config)  # every problem of the launch at once, this connector's settings included
+        # every problem of the launch at once, this connector's settings included, checked once per process
+        check = launch_check(vllm_config)
         quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
-        cfg = parse_store_config(transfer.kv_connector_extra_config)
+        cfg = check.settings.get(STORE, transfer.kv_connector_extra_config, parse_store_config)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "AscendStoreConnector: kv_load_failure_policy is %r; a pooled block that cannot be loaded "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.logger import init_logger
 
-from kvpp_core.ownership import layer_index
+from kvpp_core.ownership import target_layer
 from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
@@ -72,6 +72,7 @@ class StoreWorker:
         self._stats = StoreStats()
         self._totals = StoreStats()
         self._stats_file = cfg.stats_file
+        self._counted = False  # since the stats file was last written
         self._lock = threading.Lock()
         self._save_pending: dict[str, int] = defaultdict(int)
         self._save_reqs: set[str] = set()
@@ -133,11 +134,7 @@ class StoreWorker:
         if layout is not None:
             names = list(layout.persistent_layer_names)
             return names, {n: layout.layer_ids[n] for n in names}
-        layer_of = {}
-        for name in kv_caches:
-            idx = layer_index(name)
-            layer_of[name] = idx if idx < self._num_hidden else None
-        return list(kv_caches), layer_of
+        return list(kv_caches), {name: target_layer(name, self._num_hidden) for name in kv_caches}
 
     def _stages(self, own: StageLayers) -> list[StageLayers]:
         """Every PP stage's layers; other stages derived the way vLLM splits layers."""
@@ -163,10 +160,11 @@ class StoreWorker:
             self._count("lookups")
             if hit is None:
                 self._count("lookup_failures")
-                return 0
-            self._count("lookup_hit_blocks", hit)
-            self._count("lookup_hit_tokens", hit * self._block_size)
-        return hit
+            else:
+                self._count("lookup_hit_blocks", hit)
+                self._count("lookup_hit_tokens", hit * self._block_size)
+            self._write_stats()
+        return hit or 0
 
     # ---- per-step hooks --------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreMetadata) -> None:
@@ -292,6 +290,7 @@ class StoreWorker:
             self._count("saved_bytes", result.saved * self._pages.object_bytes)
             self._count("save_skipped_blocks", result.skipped)
             self._count("save_failures", result.failed)
+            self._write_stats()
             self._save_pending[job.req_id] -= 1
             self._job_done()
 
@@ -316,22 +315,30 @@ class StoreWorker:
                 self._load_errors.update(job.block_ids[bad:])
                 self._count("load_failures", len(status) - bad)
                 self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
+            self._write_stats()
             if report:
                 self._loaded.add(job.req_id)
                 self._job_done()
 
     def _count(self, name: str, value: int = 1) -> None:
-        """Caller holds self._lock."""
+        """Caller holds self._lock; `_write_stats` publishes the counts once the job or lookup is done."""
         if not value:
             return
         self._stats.add(name, value)
         self._totals.add(name, value)
-        if self._stats_file:
-            path = f"{self._stats_file}.pp{self._pp_rank}.tp{self._tp_rank}.json"
-            tmp = f"{path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(self._totals.data, fh)
-            os.replace(tmp, path)
+        self._counted = True
+
+    def _write_stats(self) -> None:
+        """Caller holds self._lock: the cumulative counters to `stats_file`, once per job or lookup that
+        counted something (atomically: readers never see half a file)."""
+        if not (self._stats_file and self._counted):
+            return
+        self._counted = False
+        path = f"{self._stats_file}.pp{self._pp_rank}.tp{self._tp_rank}.json"
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(self._totals.data, fh)
+        os.replace(tmp, path)
 
     def close(self) -> None:
         self.drain(self._cfg.backend_timeout_s)

@@ -10,7 +10,9 @@ from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
 from kvpp_core.topology import RUNNERS, Topology
-from kvpp_core.validation import KvppSetup, raise_for_errors, validate
+from kvpp_core.setup import KvppSetup
+from kvpp_core.validation import raise_for_errors, validate
+from connectors.launch import connector_rules
 
 from deploy import args as cli_args
 
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
                          f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
     kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
-    warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp)))
+    warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp), connector_rules))
     memory = [int(gib * GIB) for gib in args.memory_gib]
     if len(memory) not in (1, topo.pp):
         raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")

@@ -1,8 +1,9 @@
 """`kvpp check SPEC`: every problem of a deployment spec before the cluster finds it.
 
-KVPP rules come from kvpp_core.validation, port ranges from connectors.mooncake.ports and layer splits from
-kvpp_core.topology, applied to exactly the configs `kvpp render` emits (deploy.deployment.launch); this module
-adds only what spans instances (shared hosts, P/D wiring, the pool).
+KVPP rules come from kvpp_core.validation (the connectors' from connectors.launch), port ranges from
+connectors.mooncake.ports and layer splits from kvpp_core.topology, applied to exactly the configs
+`kvpp render` emits (deploy.deployment.launch); this module adds only what spans instances (shared
+hosts, P/D wiring, the pool).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from connectors.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from connectors.mooncake.ports import PortLayout, overlaps
 from kvpp_core.topology import Topology
-from kvpp_core.validation import MOONCAKE, MULTI, STORE, KvppSetup, Problem, validate
+from kvpp_core.setup import KvppSetup
+from kvpp_core.validation import Problem, validate
+from connectors.launch import connector_rules
+from connectors.names import MOONCAKE, MULTI, STORE
 
 from connectors.store.config import StoreConfig, read_store_config, role_actions
 from connectors.store.layouts import KeyLayout, key_differences
@@ -111,7 +115,7 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
                       kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
                       speculative_method=speculative)
-    out += [Finding(where, problem) for problem in validate(setup)]
+    out += [Finding(where, problem) for problem in validate(setup, connector_rules)]
     return out
 
 

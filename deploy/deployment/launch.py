@@ -14,7 +14,7 @@ import msgspec
 
 from kvpp_core.config import ENABLE_KEY
 from connectors.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
-from kvpp_core.validation import MOONCAKE, MULTI, STORE
+from connectors.names import MOONCAKE, MULTI, STORE
 
 from connectors.store.config import MooncakeSettings
 

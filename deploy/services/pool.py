@@ -24,7 +24,7 @@ import msgspec
 from kvpp_core.files import read_small_file
 from connectors.hosts import join_host_port, mooncake_family
 
-from connectors.store.config import MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
+from connectors.store.config import BACKENDS, MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 
 from deploy import args as cli_args
 from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
@@ -32,7 +32,6 @@ from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, P
 
 DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
 STATE_FILE = "pool.json"
-BACKENDS = ("mooncake", "memcache")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.hosts import (MOONCAKE_IPV6, canonical_host, host_url, join_host_port, mooncake_family,
-                             split_host_port, wildcard)
+from connectors.hosts import (MOONCAKE_IPV6, address_problem, canonical_host, host_url, join_host_port,
+                             mooncake_family, split_host_port, wildcard)
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +50,15 @@ def test_mooncake_is_put_in_the_family_of_its_host():
     mooncake_family("node-1", env)  # a name may resolve to either: left to the user's setting
     with pytest.raises(ValueError, match="cannot reach IPv4 peers, but this process's address is 10.0.0.1"):
         mooncake_family("10.0.0.1", env)
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("10.0.0.9:50051", None), ("[fd00::9]:50051", None), ("pool-0.kvpp.svc:50051", None),
+    ("fd00::9", "an IPv6 address takes brackets and a port: [fd00::9]:PORT"),
+    ("::1:50051", "an IPv6 address takes brackets before the port: [::1]:50051"),
+    ("10.0.0.9", "must be host:port"), ("[::1]", "must be host:port"),
+    ("h 1:5", "host 'h 1' is neither an IP address nor a DNS name"),
+])
+def test_address_problem_checks_the_port_and_then_the_host(address, problem):
+    found = address_problem(address)
+    assert found == problem if problem is None else problem in found

@@ -109,9 +109,11 @@ IDLE_S = 0.8
 def _reader(handle, mode: str, results) -> None:
     from kvpp_core import vllm_adapter
 
+    from connectors.launch import connector_rules
+
     if mode == "spin":
         os.environ[vllm_adapter.SPINNING_READERS_ENV] = "1"
-    vllm_adapter.install()
+    vllm_adapter.install(connector_rules)
     vllm_adapter.quiet_shm_readers()
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
@@ -156,7 +158,9 @@ def _run(mode: str) -> dict:
 def runs() -> dict[str, dict]:
     from kvpp_core import vllm_adapter
 
-    vllm_adapter.install()
+    from connectors.launch import connector_rules
+
+    vllm_adapter.install(connector_rules)
     return {mode: _run(mode) for mode in ("spin", "poll")}
 
 

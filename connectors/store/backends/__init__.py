@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from connectors.store.backends.base import Backend, BackendError, Status
 
-__all__ = ["Backend", "BackendError", "Status", "open_backend", "BackendName", "BACKENDS"]
+__all__ = ["Backend", "BackendError", "Status", "open_backend"]
 
 if TYPE_CHECKING:
     from connectors.store.config import StoreConfig
-
-BackendName = Literal["mooncake", "memcache"]
-BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 
 def open_backend(cfg: StoreConfig, *, call_timeout_s: float | None = None, device_memory: bool = False) -> Backend:

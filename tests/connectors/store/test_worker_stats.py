@@ -1,0 +1,60 @@
+"""The worker's stats file: the cumulative counters, written once per finished job or lookup (not once per
+counter), and only when the job counted something."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from connectors.store.config import parse_store_config
+from connectors.store.metadata import BlockJob
+from connectors.store.transfer import SaveResult
+from connectors.store.backends import Status
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    import vllm.distributed.parallel_state as parallel_state
+
+    from connectors.store import worker as worker_module
+
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    cfg = parse_store_config({"backend": "mooncake", "lookup_rpc_port": 6000, "stats_file": str(tmp_path / "stats")})
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_rank=0),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=4), use_mla=True),
+    )
+    w = worker_module.StoreWorker(vllm_config, cfg)
+    w._pages = SimpleNamespace(object_bytes=100)
+    w._io = object()
+    writes = []
+    replace = worker_module.os.replace
+    monkeypatch.setattr(worker_module.os, "replace", lambda src, dst: writes.append(dst) or replace(src, dst))
+    return w, writes, tmp_path / "stats.pp0.tp1.json"
+
+
+def _counted(path) -> dict[str, int]:
+    return {k: v for k, v in json.loads(path.read_text()).items() if v}
+
+
+def test_one_write_per_job_with_every_counter_of_the_job(worker):
+    w, writes, path = worker
+    w._finish_save(BlockJob("a", (1, 2, 3), ("x", "y", "z")), SaveResult(saved=2, skipped=1, failed=0))
+    assert writes == [str(path)]
+    assert _counted(path) == {"saved_blocks": 2, "saved_bytes": 200, "save_skipped_blocks": 1}
+    w._finish_load(BlockJob("b", (4, 5), ("x", "q")), [Status.OK, Status.WRONG_SIZE], report=True)
+    assert len(writes) == 2
+    assert _counted(path) == {"saved_blocks": 2, "saved_bytes": 200, "save_skipped_blocks": 1,
+                                            "loaded_blocks": 1, "loaded_bytes": 100, "load_failures": 1,
+                                            "load_wrong_size": 1}
+
+
+def test_a_job_that_counted_nothing_leaves_the_file_alone(worker):
+    w, writes, path = worker
+    w._finish_save(BlockJob("a", (), ()), SaveResult(saved=0, skipped=0, failed=0))
+    assert writes == [] and not path.exists()
