@@ -1,4 +1,5 @@
-"""The packages import one way, deploy -> connectors -> kvpp_core, and no module imports itself back.
+"""The packages import one way, deploy -> connectors -> kvpp_core (inside deploy: cli -> harness ->
+services -> deployment -> args), and no module imports itself back.
 
 Every import statement counts, those inside functions included (they run when the function does);
 imports under `if TYPE_CHECKING:` are left out, since they never run. A package's implicit import of
@@ -17,6 +18,8 @@ pytestmark = pytest.mark.unit
 
 ORDER = ("deploy", "connectors", "kvpp_core")
 """Each package may import only those after it."""
+DEPLOY_LAYERS = ("cli", "harness", "services", "deployment", "args")
+"""Inside deploy, each layer may import its own modules and those of the layers after it."""
 
 
 def _modules() -> dict[str, Path]:
@@ -93,6 +96,18 @@ def test_no_package_imports_one_above_it():
     upward = sorted(f"{module} -> {target}" for module, targets in GRAPH.items() for target in targets
                     if ORDER.index(_package(target)) < ORDER.index(_package(module)))
     assert upward == [], "imports that run upward (deploy -> connectors -> kvpp_core):\n" + "\n".join(upward)
+
+
+def _deploy_layer(module: str) -> int | None:
+    parts = module.split(".")
+    return DEPLOY_LAYERS.index(parts[1]) if parts[0] == "deploy" and len(parts) > 1 else None
+
+
+def test_no_deploy_layer_imports_one_above_it():
+    upward = sorted(f"{module} -> {target}" for module, targets in GRAPH.items() for target in targets
+                    if _deploy_layer(module) is not None and _deploy_layer(target) is not None
+                    and _deploy_layer(target) < _deploy_layer(module))
+    assert upward == [], f"deploy imports that run upward ({' -> '.join(DEPLOY_LAYERS)}):\n" + "\n".join(upward)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

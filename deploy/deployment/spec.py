@@ -24,9 +24,9 @@ import yaml
 
 from kvpp_core.config import parse_struct
 from kvpp_core.files import read_small_file
-from connectors.hosts import host_problem, split_host_port
+from connectors.hosts import address_problem, host_problem, split_host_port
 
-from connectors.store.config import MooncakeSettings
+from connectors.store.config import BackendName, MooncakeSettings
 
 from deploy.args import MAX_LAYERS, MAX_PARALLEL, shown
 
@@ -127,7 +127,7 @@ class Model(_Section):
 
 
 class Pool(_Section):
-    backend: Literal["mooncake", "memcache"]
+    backend: BackendName
     address: str
     lookup_rpc_port: Port
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
@@ -353,12 +353,10 @@ def _label_problem(value: str) -> str | None:
 
 
 def _address_problem(value: str) -> str | None:
-    try:
-        host, _ = split_host_port(value)
-    except ValueError as exc:
-        return f"{shown(value)} {exc} (e.g. 10.0.0.9:50051 or [fd00::9]:50051)"
-    problem = host_problem(host)
-    return f"host {problem}" if problem else None
+    problem = address_problem(value)
+    if problem is None or problem.startswith("host "):
+        return problem
+    return f"{shown(value)} {problem} (e.g. 10.0.0.9:50051 or [fd00::9]:50051)"
 
 
 def _path(parts) -> str:
