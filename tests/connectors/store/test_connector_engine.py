@@ -38,7 +38,7 @@ from deploy.services.processes import free_port_range
 pytestmark = pytest.mark.engine
 
 from tests.helpers.paths import REPO as ROOT
-SCRIPT = ROOT / "tests" / "scripts" / "pool_engine.py"
+SCRIPT = ROOT / "tests" / "helpers" / "pool_engine.py"
 BLOCK = 16
 LAYERS = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
