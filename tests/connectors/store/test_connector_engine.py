@@ -3,15 +3,15 @@
 Per scenario three engines run one after another: a reference engine without any pool (one that another
 module starts too: for KVPP off the session's plain tiny server `plain_tiny_answers`, which the
 tiny-model test holds against transformers; for KVPP on the session's `mtp_kvpp_tp2` run, the runtime
-engine test's KVPP run), an engine that serves a long prompt and saves it, and - after that engine has exited - a fresh engine serving the same
-prefix plus a new suffix. The fresh engine must load the pooled blocks and then produce the reference
-tokens. Faults ride along in the fresh engine: a wrong-size object and a removed owner shard are
-planted between the engines, and the pool's master is killed mid-run. Tenants ride along too: a prompt
-saved under one cache_salt is a hit only for that salt. The KVPP fresh engine is a P/D prefill as the
-demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool kv_both) serving its four
-prompts at once, with pooled loads failing on one rank and on every rank. The KVPP engines decode with
-MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is replicated on both ranks
-and rides in both owner shards, never one owner's alone.
+engine test's KVPP run), an engine that serves a long prompt and saves it, and - after that engine has
+exited - a fresh engine serving the same prefix plus a new suffix. The fresh engine must load the pooled
+blocks and then produce the reference tokens. Faults ride along in the fresh engine: a wrong-size object
+and a removed owner shard are planted between the engines, and the pool's master is killed mid-run.
+Tenants ride along too: a prompt saved under one cache_salt is a hit only for that salt. The KVPP fresh
+engine is a P/D prefill as the demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool
+kv_both) serving its four prompts at once, with pooled loads failing on one rank and on every rank. The
+KVPP engines decode with MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is
+replicated on both ranks and rides in both owner shards, never one owner's alone.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no

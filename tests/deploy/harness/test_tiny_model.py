@@ -39,10 +39,9 @@ def test_vllm_matches_transformers_greedy(tiny_model, plain_tiny_answers):
     from transformers import AutoTokenizer
 
     path = tiny_model
-    prompts, choices = TEXT_PROMPTS, plain_tiny_answers["text"]
     tok = AutoTokenizer.from_pretrained(str(path))
     worst = 0.0
-    for prompt, choice in zip(prompts, choices):
+    for prompt, choice in zip(TEXT_PROMPTS, plain_tiny_answers["text"]):
         prompt_ids = tok(prompt)["input_ids"]
         assert choice["prompt_token_ids"] == prompt_ids
         hf_tokens, hf_logprobs = _hf_greedy(path, prompt_ids, MAX_TOKENS)
