@@ -18,10 +18,8 @@ pytestmark = pytest.mark.engine
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("chaos")
     path = workdir / "report.json"
-    # --gap 2 (default 4): the fault-free load between faults; every fault still overlaps requests, and
-    # 13 gaps 2 s shorter still leave well over the 50 answers the tests ask for (114 at --gap 4).
-    proc = run_in_group([sys.executable, "-m", "deploy.cli.main", "chaos", "--clients", "3", "--gap", "2",
-                         "--workdir", str(workdir), "--report", str(path)], timeout=1500)
+    proc = run_in_group([sys.executable, "-m", "deploy.cli.main", "chaos", "--clients", "3", "--workdir", str(workdir),
+                         "--report", str(path)], timeout=1500)
     assert path.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     return json.loads(path.read_text()), proc
 
