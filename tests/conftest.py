@@ -77,3 +77,28 @@ def store_engine_config(tiny_model):
         kv_transfer_config={"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
                             "kv_connector_extra_config": {**BASE, "load_async": True}},
     ).create_engine_config()
+
+
+@pytest.fixture(scope="session")
+def mtp_kvpp_tp2(mtp_model, tmp_path_factory) -> dict:
+    """One engine shape, one start: the MTP model under KVPP at TP2 without any connector runs the runtime
+    engine test's workload (its KVPP-on run), then answers the store engine test's KVPP prompts one at a
+    time (their pool-free reference, under "references")."""
+    from tests.helpers.mtp_tp2 import mtp_tp2_run
+    from tests.helpers.pool_runs import KVPP_SERVED, MAX_TOKENS, pool_prompts
+
+    prompts = pool_prompts(mtp_model)
+    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-kvpp-tp2"), "--kvpp",
+                       references={name: prompts[name] for name in KVPP_SERVED}, reference_max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_answers(tiny_model, tmp_path_factory) -> dict:
+    """One plain vLLM server of the tiny model (no plugin, no connector, TP=1), started once for the tiny-model
+    test's text prompts (held against transformers) and the store engine test's KVPP-off reference."""
+    from tests.helpers.plain_tiny import serve_plain
+    from tests.helpers.pool_runs import MAX_TOKENS, OFF_SERVED, pool_prompts
+
+    prompts = pool_prompts(tiny_model)
+    return serve_plain(tiny_model, tmp_path_factory.mktemp("logs") / "vllm.log",
+                       {name: prompts[name] for name in OFF_SERVED}, MAX_TOKENS)

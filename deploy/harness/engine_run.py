@@ -2,7 +2,9 @@
 
 Tests compare two runs of this script (KVPP off and on) in separate processes, since one process
 can host only one vLLM engine configuration. Requests arrive in two waves so that later steps mix
-fresh prefills with decodes that need history (the steps where KVPP broadcasts).
+fresh prefills with decodes that need history (the steps where KVPP broadcasts). With --references the
+same engine then answers further prompts, each alone and after the KVPP reports were taken: the
+reference answers another test needs from an engine of this shape, without starting one more.
 
 Tests and benchmarks call `run()` (which starts this file in a process group of its own) and
 `write_prompts()`, and compare two runs with `assert_same_outputs()`.
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--first-wave", type=int, default=2, help="prompts submitted before the first step")
     ap.add_argument("--steps-between-waves", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--references", help="JSON file: {name: token ids}, each served alone after the workload")
+    ap.add_argument("--reference-max-tokens", type=int, default=8)
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -129,7 +133,18 @@ def main() -> None:
     while engine.has_unfinished_requests():
         step()
     reports = llm.collective_rpc("kvpp_stats")
-    print(RESULT_PREFIX + json.dumps({"outputs": outputs, "workers": reports, "step_seconds": step_seconds}), flush=True)
+    references = {}
+    if args.references:
+        with open(args.references) as f:
+            wanted = json.load(f)
+        ref_params = SamplingParams(temperature=0.0, max_tokens=args.reference_max_tokens, logprobs=1, ignore_eos=True)
+        for name, ids in wanted.items():
+            (out,) = llm.generate([{"prompt_token_ids": ids}], ref_params, use_tqdm=False)
+            comp = out.outputs[0]
+            references[name] = {"tokens": list(comp.token_ids),
+                                "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]}
+    print(RESULT_PREFIX + json.dumps({"outputs": outputs, "workers": reports, "step_seconds": step_seconds,
+                                      "references": references}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from deploy.harness.engine_run import assert_same_outputs
-from tests.kvpp_core.test_runtime_pp_engine import MAX_TOKENS, PROMPT_LENGTHS, SPLIT, pp_plan, pp_runs
+from tests.helpers.pp_pair import MAX_TOKENS, PROMPT_LENGTHS, SPLIT, pp_plan, pp_runs
 
 pytestmark = pytest.mark.engine
 

@@ -6,7 +6,8 @@ broadcast; broadcasts only on steps that have history, of the blocks that hold i
 from __future__ import annotations
 
 import pytest
-from deploy.harness.engine_run import assert_same_outputs, run, write_prompts
+from deploy.harness.engine_run import assert_same_outputs
+from tests.helpers.mtp_tp2 import KV_BYTES, MAX_TOKENS, PROMPT_LENGTHS, mtp_tp2_run
 
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -14,19 +15,14 @@ from kvpp_core.topology import Topology
 
 pytestmark = pytest.mark.engine
 
-KV_BYTES = 64 << 20
 BLOCK = 16
-MAX_TOKENS = 8
-# Long enough to span many blocks (300 tokens = 19 blocks); two arrive while the first two decode.
-PROMPT_LENGTHS = (300, 45, 170, 90)
 MTP_CACHE = "model.layers.16.self_attn.attn"
 
 
 @pytest.fixture(scope="module")
-def runs(mtp_model, tmp_path_factory):
-    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", mtp_model, PROMPT_LENGTHS)
-    args = ("--tp", "2", "--mtp", "1", "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    return run(mtp_model, prompts, *args), run(mtp_model, prompts, *args, "--kvpp")
+def runs(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
+    """KVPP off, and on (the session's run, which the store engine test shares)."""
+    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-off")), mtp_kvpp_tp2
 
 
 @pytest.fixture(scope="module")

@@ -6,35 +6,10 @@ blocks `kvpp plan` gives it for the same split and memory, and the engine keeps 
 from __future__ import annotations
 
 import pytest
-from deploy.harness.engine_run import assert_same_outputs, run, write_prompts
-
-from kvpp_core.capacity import plan_capacity
-from kvpp_core.model import ModelSpec
-from kvpp_core.topology import Topology
+from deploy.harness.engine_run import assert_same_outputs
+from tests.helpers.pp_pair import MAX_TOKENS, PAGE, PROMPT_LENGTHS, SPLIT, pp_plan, pp_runs
 
 pytestmark = pytest.mark.engine
-
-SPLIT = (7, 9)
-KV_BYTES = 64 << 20
-BLOCK = 16
-MAX_TOKENS = 8
-PROMPT_LENGTHS = (300, 45, 170, 90)
-PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
-
-
-def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
-    """KVPP off and on over the same prompts, TP2 x PP2 split SPLIT; `extra` engine flags for both
-    (test_runtime_compiled_engine.py runs the same pair with --compiled)."""
-    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
-    args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
-    return run(model, prompts, *args, env=env), run(model, prompts, *args, "--kvpp", env=env)
-
-
-def pp_plan(model: str):
-    """`kvpp plan` for the same model, split and memory as pp_runs."""
-    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES,
-                         block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import re
 import signal
 import sys
 import threading
@@ -26,50 +25,16 @@ from deploy.harness.pd_servers import pd_server
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
+from tests.helpers.pd_http import MAX_TOKENS, completion, metric, post, tokens_and_logprobs, wait_for
 
 pytestmark = pytest.mark.engine
 
 LAYERS = 16
 MTP = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
-MAX_TOKENS = 8
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
 LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing
 PROMPT_WORDS = (300, 45, 170)
-
-
-def post(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def metric(base_url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) on a server's /metrics."""
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    if not values:
-        raise AssertionError(f"{name} not on {base_url}/metrics")
-    return sum(values)
-
-
-def wait_for(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what} not within {timeout}s")
-        time.sleep(0.25)
-    return time.monotonic() - start
-
-
-def completion(url: str, model: str, prompt: str, **extra) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1, **extra}
-    return post(f"{url}/v1/completions", body)
-
-
-def tokens_and_logprobs(resp: dict) -> tuple[list[str], list[float]]:
-    lp = resp["choices"][0]["logprobs"]
-    return lp["tokens"], lp["token_logprobs"]
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.connectors.mooncake.test_connector_engine import completion, metric, post, tokens_and_logprobs, wait_for
 
 from deploy.harness.pd_servers import kv_config, pd_server
 from deploy.services.processes import ManagedProcess, VllmServer, free_port, free_port_range, start_servers
 from deploy.harness.tiny_model import sample_prompt
+from tests.helpers.pd_http import completion, metric, post, tokens_and_logprobs, wait_for
 
 pytestmark = pytest.mark.engine
 

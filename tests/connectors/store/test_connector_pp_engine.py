@@ -13,28 +13,21 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.helpers.paths import REPO
 
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
-from deploy.services.processes import run_in_group
+from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, assert_same_output, run_pool_engine, \
+    store_config, worker_stats
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = REPO / "tests" / "helpers" / "pool_engine.py"
 SPLIT = (7, 9)
-BLOCK = 16
-PAGE_BYTES = BLOCK * 576 * 4
 PROMPT_TOKENS = 120  # 7 whole blocks + 8 tokens
-LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
-POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
 
 def _stage_keys(model: str):
@@ -58,22 +51,11 @@ def pooled(tiny_model, tmp_path_factory):
     pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
 
     def engine(tag: str) -> dict:
-        extra = {**pool.kv_connector_extra_config, "load_async": True, "lookup_timeout_ms": 5000,
-                 "backend_timeout_ms": 4000, "stats_file": str(tmp / f"stats-{tag}")}
-        cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-               "kv_connector_extra_config": extra}
-        actions = tmp / f"{tag}.json"
-        actions.write_text(json.dumps([["gen", name, ids] for name, ids in prompts.items()]))
-        env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1",
-               "VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
-        cmd = [sys.executable, str(SCRIPT), "--model", tiny_model, "--tp", "2", "--pp", "2", "--kvpp",
-               "--actions", str(actions), "--kv-transfer-config", json.dumps(cfg)]
-        proc = run_in_group(cmd, timeout=900, env=env)
-        (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line.removeprefix("RESULT "))
-        raise AssertionError(f"engine run {tag} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        actions = [["gen", name, ids] for name, ids in prompts.items()]
+        cfg = store_config(pool, tmp, tag, load_async=True)
+        return run_pool_engine(tiny_model, tmp, tag, actions, "--tp", "2", "--pp", "2", "--kvpp",
+                               "--kv-transfer-config", json.dumps(cfg), binds="0|1|0|1",
+                               env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
 
     try:
         saved = engine("save")
@@ -90,15 +72,11 @@ def pooled(tiny_model, tmp_path_factory):
         pool_down(tmp / "pool")
 
 
-def _stats(tmp: Path, tag: str, pp: int, tp: int) -> dict:
-    return json.loads((tmp / f"stats-{tag}.pp{pp}.tp{tp}.json").read_text())
-
-
 def test_every_stage_saves_its_owner_shards(pooled):
     assert pooled["present"] == {name: [Status.OK] * (4 * 7) for name in ("first", "second")}
     owned = {(0, 0): 4, (0, 1): 3, (1, 0): 5, (1, 1): 4}
     for (pp, tp), layers in owned.items():
-        s = _stats(pooled["tmp"], "save", pp, tp)
+        s = worker_stats(pooled["tmp"], "save", pp, tp)
         assert s["saved_blocks"] == 2 * 7 and s["saved_bytes"] == 2 * 7 * layers * PAGE_BYTES, (pp, tp)
 
 
@@ -106,13 +84,11 @@ def test_a_hit_loads_every_stages_shards_and_gives_the_reference_tokens(pooled):
     saved, fresh = pooled["saved"], pooled["fresh"]
     assert fresh["first"]["num_cached_tokens"] == 7 * BLOCK
     for pp, tp in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        assert _stats(pooled["tmp"], "fresh", pp, tp)["loaded_blocks"] == 7, (pp, tp)
-    assert fresh["first"]["tokens"] == saved["first"]["tokens"]
-    assert max(abs(a - b) for a, b in zip(fresh["first"]["logprobs"], saved["first"]["logprobs"])) <= LOGPROB_TOL
+        assert worker_stats(pooled["tmp"], "fresh", pp, tp)["loaded_blocks"] == 7, (pp, tp)
+    assert_same_output(fresh["first"], saved["first"])
 
 
 def test_one_missing_stage_shard_makes_the_block_a_miss(pooled):
     saved, fresh = pooled["saved"], pooled["fresh"]
     assert fresh["second"]["num_cached_tokens"] == 0
-    assert fresh["second"]["tokens"] == saved["second"]["tokens"]
-    assert max(abs(a - b) for a, b in zip(fresh["second"]["logprobs"], saved["second"]["logprobs"])) <= LOGPROB_TOL
+    assert_same_output(fresh["second"], saved["second"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from connectors.store.lookup import lookup_path
-from deploy.harness.demo import engine_metrics, metric_total
+from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
     RenderedStack, cpu_spec
 from deploy.harness.testbed import Testbed, unavailable_reason

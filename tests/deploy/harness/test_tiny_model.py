@@ -4,18 +4,14 @@ This is what makes the tiny model a valid oracle for every KVPP/P-D equality tes
 disagreed with the reference implementation, later comparisons would prove nothing.
 """
 
-import json
 import math
-import urllib.request
 
 import pytest
 
-from deploy.services.processes import VllmServer, free_port
-from deploy.harness.tiny_model import sample_prompt
+from tests.helpers.plain_tiny import TEXT_MAX_TOKENS as MAX_TOKENS, TEXT_PROMPTS
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 8
 # fp32 on both sides; the brief measured exact equality, allow only float reassociation noise.
 LOGPROB_TOL = 1e-4
 
@@ -38,31 +34,14 @@ def _hf_greedy(path, prompt_ids, steps):
     return tokens, logprobs
 
 
-def _complete(url, prompt):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())["choices"][0]
-
-
-def test_vllm_matches_transformers_greedy(tiny_model, tmp_path_factory):
+def test_vllm_matches_transformers_greedy(tiny_model, plain_tiny_answers):
+    """The session's plain vLLM server (no KVPP plugin) of the 16-layer model every equality test relies on."""
     from transformers import AutoTokenizer
 
-    path = tiny_model  # 16 layers (conftest), the model every equality test relies on
-    prompts = [sample_prompt(5, seed=1), sample_prompt(70, seed=2)]  # one block; several blocks
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    server = VllmServer("vllm-tiny", path, free_port(), log, tp=1,
-                        extra_args=["--served-model-name", "tiny", "--max-logprobs", "1"],
-                        # Plain vLLM: this checks the model against transformers, not the KVPP plugin.
-                        env={"VLLM_PLUGINS": ""})
-    with server:
-        server.wait_ready(timeout=600)
-        choices = [_complete(server.url, p) for p in prompts]
+    path = tiny_model
     tok = AutoTokenizer.from_pretrained(str(path))
     worst = 0.0
-    for prompt, choice in zip(prompts, choices):
+    for prompt, choice in zip(TEXT_PROMPTS, plain_tiny_answers["text"]):
         prompt_ids = tok(prompt)["input_ids"]
         assert choice["prompt_token_ids"] == prompt_ids
         hf_tokens, hf_logprobs = _hf_greedy(path, prompt_ids, MAX_TOKENS)

@@ -1,0 +1,76 @@
+"""Offline engine runs against a real Mooncake KV pool (deploy/harness/pool_engine.py in a process group of
+its own), shared by the store connector's engine tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+from deploy.services.processes import run_in_group
+from tests.helpers.paths import REPO
+
+SCRIPT = REPO / "deploy" / "harness" / "pool_engine.py"
+BLOCK = 16
+PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
+LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
+POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+MAX_TOKENS = 6
+OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
+"""What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""
+KVPP_SERVED = ("prefix_plus", "other_plus", "torn_plus", "wrong_size")
+"""What the KVPP scenario's fresh engine serves (and its pool-free reference answers)."""
+
+
+def pool_prompts(model: str) -> dict[str, list[int]]:
+    """The store engine test's prompts: saved prefixes, each with a 20-token continuation, and loners."""
+    rng = random.Random(7)
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
+    prefix, other, torn, salted = draw(100), draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
+    return {
+        "prefix": prefix, "prefix_plus": prefix + draw(20),
+        "other": other, "other_plus": other + draw(20),
+        "torn": torn, "torn_plus": torn + draw(20),
+        "wrong_size": draw(70), "after_kill": draw(60),
+        "salted": salted, "salted_plus": salted + draw(20),
+    }
+
+
+def store_config(pool, tmp: Path, tag: str, load_async: bool) -> dict:
+    """The pool connector's kv_transfer_config, counting into stats-{tag} under `tmp`."""
+    extra = {**pool.kv_connector_extra_config, "load_async": load_async, "lookup_timeout_ms": 5000,
+             "backend_timeout_ms": 4000, "stats_file": str(tmp / f"stats-{tag}")}
+    return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+
+
+def run_pool_engine(model: str, tmp: Path, tag: str, actions: list, *args: str, binds: str,
+                    env: dict[str, str] | None = None, timeout: float = 900) -> dict:
+    """One run of pool_engine.py over `actions` (its log in {tag}.log); its result, or AssertionError."""
+    path = tmp / f"{tag}.json"
+    path.write_text(json.dumps(actions))
+    cmd = [sys.executable, str(SCRIPT), "--model", model, "--actions", str(path), "--max-tokens", str(MAX_TOKENS),
+           *args]
+    full_env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": binds, **(env or {})}
+    proc = run_in_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
+    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line.removeprefix("RESULT "))
+    raise AssertionError(f"engine run {tag} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def worker_stats(tmp: Path, tag: str, pp: int, tp: int) -> dict[str, int]:
+    """The pool connector counters of one worker of run `tag`."""
+    return json.loads((tmp / f"stats-{tag}.pp{pp}.tp{tp}.json").read_text())
+
+
+def assert_same_output(got: dict, ref: dict) -> None:
+    """Same tokens; logprobs within LOGPROB_TOL."""
+    assert got["tokens"] == ref["tokens"]
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+    print(f"max |logprob(pool) - logprob(reference)| = {worst:.2e}")
+    assert worst <= LOGPROB_TOL
