@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.kvpp-setup-stamp
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-PYTEST  := $(PY) -m pytest tests -v -ra --durations=15
+PYTEST  := $(PY) -m pytest tests -v -ra --durations=30
 
 .PHONY: setup test test-fast demo clean-venv
 
