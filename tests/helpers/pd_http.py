@@ -1,5 +1,5 @@
-"""Talking to running vLLM servers over HTTP: completions, /metrics, and waiting on them (the P/D engine
-tests of the Mooncake connector)."""
+"""Talking to running vLLM servers over HTTP: completions, /metrics, and waiting on them (the engine tests
+that drive servers: P/D, multi-host)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,24 @@ import re
 import time
 import urllib.request
 
+from deploy.harness.engines import engine_metrics, metric_total
+
 MAX_TOKENS = 8
 
 
-def post(url: str, body: dict, timeout: float = 120) -> dict:
+def post(url: str, body: dict, timeout: float = 180) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
 def metric(base_url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) on a server's /metrics."""
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    if not values:
+    """Sum of a Prometheus metric's samples (all label sets) on a server's /metrics; a metric the server
+    does not export fails the test instead of reading as 0."""
+    text = engine_metrics(base_url)
+    if not re.search(rf"^{re.escape(name)}[{{ ]", text, re.M):
         raise AssertionError(f"{name} not on {base_url}/metrics")
-    return sum(values)
+    return metric_total(text, name)
 
 
 def wait_for(predicate, timeout: float, what: str) -> float:

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy.cli import main as cli
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.unit
 
-from tests.helpers.paths import REPO as ROOT
 EXAMPLES = sorted(str(p) for p in (ROOT / "deploy" / "deployment" / "examples").glob("*.yaml"))
 EXAMPLES_PER_COMMAND = 250
 FUZZ = settings(max_examples=EXAMPLES_PER_COMMAND, deadline=None, database=None,

@@ -11,10 +11,9 @@ from deploy.cli.main import main
 from deploy.deployment.render import render
 from deploy.deployment.spec import SpecError, parse_spec
 from tests.helpers.ipv6_spec import ipv6_spec
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.unit
-
-from tests.helpers.paths import REPO as ROOT
 
 
 def _prefill(**kw):

@@ -19,10 +19,10 @@ from deploy.deployment.check import check_spec
 from deploy.deployment.render import MARKER, render
 from deploy.deployment.spec import load_spec, parse_spec
 from tests.helpers.ipv6_spec import ipv6_spec
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.unit
 
-from tests.helpers.paths import REPO as ROOT
 EXAMPLES = sorted((ROOT / "deploy" / "deployment" / "examples").glob("*.yaml"))
 GOLDEN = ROOT / "tests" / "golden" / "render"
 K8S_VERSION = "1.33.0"

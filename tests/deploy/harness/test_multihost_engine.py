@@ -16,42 +16,23 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from connectors.store.lookup import lookup_path
-from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
     RenderedStack, cpu_spec
 from deploy.harness.testbed import Testbed, unavailable_reason
 from deploy.harness.tiny_model import sample_prompt
+from tests.helpers.paths import REPO
+from tests.helpers.pd_http import metric, post, wait_for
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
-from tests.helpers.paths import REPO
 KVPP = [sys.executable, "-m", "deploy.cli.main"]
 MAX_TOKENS = 6
-
-
-def post(url: str, body: dict, timeout: float = 180) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def metric(base_url: str, name: str) -> float:
-    return metric_total(engine_metrics(base_url), name)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout}s")
-        time.sleep(0.5)
 
 
 def answer(resp: dict) -> tuple[list[str], list[float]]:

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from deploy.harness.testbed import PREFIX, Testbed, sweep_stale, unavailable_reason
+from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
-from tests.helpers.paths import REPO
 TE_HOST = REPO / "tests" / "helpers" / "te_host.py"
 ENV = {"PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
 

@@ -20,10 +20,10 @@ import pytest
 from deploy.cli.main import main
 from deploy.services.pool import STATE_FILE, PoolInfo, pool_down
 from deploy.services.processes import ProcessIdentity, boot_id, free_port, running
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.integration
 
-from tests.helpers.paths import REPO
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 # An engine-like client: it contributes no segment (global_segment_size 0), as the pool connector's default.
 CLIENT = """

@@ -19,10 +19,10 @@ from connectors.store.config import StoreConfigError, parse_store_config
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
 from deploy.services.pool import MetaServiceBusy, pool_down, pool_up
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.integration
 
-from tests.helpers.paths import REPO as ROOT
 BOUND_S = 4.0
 HASHES = block_hashes(list(range(16 * 4)), 16)
 
