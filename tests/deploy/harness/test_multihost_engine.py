@@ -21,18 +21,24 @@ from pathlib import Path
 import pytest
 
 from connectors.store.lookup import lookup_path
+from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
     RenderedStack, cpu_spec
 from deploy.harness.testbed import Testbed, unavailable_reason
 from deploy.harness.tiny_model import sample_prompt
 from tests.helpers.paths import REPO
-from tests.helpers.pd_http import metric, post, wait_for
+from tests.helpers.pd_http import post, wait_for
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 KVPP = [sys.executable, "-m", "deploy.cli.main"]
 MAX_TOKENS = 6
+
+
+def metric(base_url: str, name: str) -> float:
+    """A counter's total on a server, 0 before it is first exported."""
+    return metric_total(engine_metrics(base_url), name)
 
 
 def answer(resp: dict) -> tuple[list[str], list[float]]:
