@@ -11,12 +11,9 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from kvpp_core.config import shown
+
 _DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-
-
-def _shown(value: str, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def host_problem(host: object) -> str | None:
@@ -26,16 +23,16 @@ def host_problem(host: object) -> str | None:
     if not isinstance(host, str) or not host:
         return "must be a non-empty host name or IP address"
     if "%" in host:
-        return (f"{_shown(host)}: a scoped IPv6 address (%zone) names an interface of one host, which peers on "
+        return (f"{shown(host)}: a scoped IPv6 address (%zone) names an interface of one host, which peers on "
                 "other hosts cannot use; give a global or unique-local address (e.g. fd00::11)")
     if host.startswith("["):
-        return (f"{_shown(host)}: write a host without brackets (they are added where a port follows); as "
+        return (f"{shown(host)}: write a host without brackets (they are added where a port follows); as "
                 "written it is neither an IP address nor a DNS name")
     if ip_version(host) is not None:
         return None
     name = host[:-1] if host.endswith(".") else host
     if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
-        return (f"{_shown(host)} is neither an IP address nor a DNS name (letters, digits, '-' and '.' only; no "
+        return (f"{shown(host)} is neither an IP address nor a DNS name (letters, digits, '-' and '.' only; no "
                 "spaces, quotes or control characters)")
     return None
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvpp_core.config import shown
+
 from connectors.hosts import host_problem
 
 # Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
@@ -55,12 +57,6 @@ def bounded_float(low: float, high: float, low_inclusive: bool = False) -> Calla
 
     parse.__name__ = "number"
     return parse
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """`value`'s repr, cut to `limit` characters: messages quote what they refuse, on one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def printable(text: str) -> str:

@@ -36,6 +36,12 @@ def parse_bool(value: Any) -> bool | None:
     return None
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """`value`'s repr, cut to `limit` characters: messages quote what they refuse, on one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 BOOL_HINT = 'must be true or false (a JSON bool, or the string "true"/"false")'
 S = TypeVar("S", bound=msgspec.Struct)
 

@@ -22,13 +22,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from kvpp_core.config import parse_struct
+from kvpp_core.config import parse_struct, shown
 from kvpp_core.files import read_small_file
 from connectors.hosts import address_problem, host_problem, split_host_port
 
 from connectors.store.config import BackendName, MooncakeSettings
 
-from deploy.args import MAX_LAYERS, MAX_PARALLEL, shown
+from deploy.args import MAX_LAYERS, MAX_PARALLEL
 
 MAX_SPEC_BYTES = 1 << 20
 # Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,
