@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.kvpp-setup-stamp
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-PYTEST  := $(PY) -m pytest tests -v -ra --durations=30
+PYTEST  := $(PY) -m pytest tests -v -ra --durations=30 -n 2 --dist loadgroup
 
 .PHONY: setup test test-fast demo clean-venv
 
