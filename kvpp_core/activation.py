@@ -51,7 +51,7 @@ class WorkerProof:
     owned: tuple[int, ...] = ()
     staging_slots: int = 0
     staging_needed: int = 0
-    """Staging slots the layout asks for (0 when the rank owns every target layer)."""
+    """Staging slots the placement binds foreign layers to (0 when the rank owns every target layer)."""
     bound_problem: str | None = None
     """Why the bound caches do not match the placement; None when they do."""
     transport: str | None = None

@@ -448,7 +448,8 @@ def kvpp_activation(worker) -> activation.WorkerProof:
     cls = type(worker)
     rt, ctx = runtime.current(), worker.__dict__.get("_kvpp_context")
     unpatched = tuple(m for m in PATCHED_WORKER_METHODS if not getattr(getattr(cls, m, None), "kvpp_patch", False))
-    base = activation.WorkerProof(worker.rank, _qualname(cls), current_platform.device_type, unpatched)
+    rank = dist.get_rank() if dist.is_initialized() else worker.rank  # the numbering of the group ranks
+    base = activation.WorkerProof(rank, _qualname(cls), current_platform.device_type, unpatched)
     if rt is None or not isinstance(ctx, WorkerContext):
         return base
     layout, placement = rt.layout.rank_layout, rt.layout.placement
@@ -463,7 +464,8 @@ def kvpp_activation(worker) -> activation.WorkerProof:
     return replace(
         base, active=True, pp_rank=ctx.pp_rank, kvpp_rank=layout.kvpp_rank, group_size=layout.group_size,
         group_ranks=tuple(ctx.group_ranks), target_layers=layout.target_layers, owned=layout.owned,
-        staging_slots=len(slot_ptrs), staging_needed=layout.staging_slots, bound_problem=bound_problem,
+        staging_slots=len(slot_ptrs), staging_needed=sum(1 for slot in placement.staging if slot),
+        bound_problem=bound_problem,
         transport=transport, transport_size=reach, capacity_planned=ctx.memory_bytes is not None,
     )
 
