@@ -8,6 +8,8 @@ reachable by name.
 
 from __future__ import annotations
 
+from kvpp_core import ascend
+
 from connectors.names import MOONCAKE, STORE
 
 CONNECTORS = {
@@ -17,10 +19,20 @@ CONNECTORS = {
 
 
 def _register_connectors() -> None:
-    """Register our connectors under their names unless something else (e.g. vllm-ascend) owns them;
-    `kv_connector_module_path` reaches ours in that case."""
+    """Register our connectors under their names unless something else owns them; where vllm-ascend is
+    installed, never: it registers its own under the same names from its own plugin, which vLLM may load
+    after this one and which fails on a name already taken. `kv_connector_module_path` reaches ours then."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    found = ascend.installed()
+    if found is not None:
+        from vllm.logger import init_logger
+
+        init_logger("vllm.kvpp.plugin").info(
+            "vllm-ascend %s is installed: KVPP implementation %s; this project's adapter patches nothing and "
+            "the names %s are left to vllm-ascend's connectors", found.version, ascend.implementation(),
+            ", ".join(CONNECTORS))
+        return
     for name, (module, cls) in CONNECTORS.items():
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, module, cls)

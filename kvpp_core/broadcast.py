@@ -104,6 +104,12 @@ class LayerBroadcaster:
         """A group of one has nobody to send to."""
         return self.layout.group_size > 1
 
+    def transport(self) -> tuple[str, int]:
+        """How layers travel and how many ranks that reaches (the start-up proof, kvpp_core.activation)."""
+        if self.group is None:
+            return "none", 1
+        return f"torch.distributed ({dist.get_backend(self.group)})", dist.get_world_size(self.group)
+
     def begin_step(self, active: bool,
                    block_ranges: Sequence[range] | Callable[[], Sequence[range] | None] | None = None) -> None:
         """Arm the broadcast for one forward pass. `block_ranges` are the blocks to send (None: every

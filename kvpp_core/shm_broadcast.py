@@ -289,6 +289,9 @@ class ShmLayerBroadcaster(LayerBroadcaster):
         self._published = 0
         self._ready_slots = [_HEADER + 2 * self._position[lid] for lid in layout.owned]
 
+    def transport(self) -> tuple[str, int]:
+        return "shared memory", len(self._shm.kv)
+
     def begin_step(self, active: bool, block_ranges=None) -> None:
         super().begin_step(active, block_ranges)
         if self._active:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpp_core.config import KvppConfig, KvppConfigError, parse_additional_config
+from kvpp_core import ascend
+from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, parse_additional_config
 from kvpp_core.setup import KvppSetup, setup_from_vllm_config
 from kvpp_core.validation import Problem, raise_for_errors, validate
 
@@ -98,10 +99,15 @@ def check(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
 
     kvpp = parse_additional_config(vllm_config.additional_config)
     if kvpp.enabled:
-        check_vllm_version()
+        if ascend.refusal():
+            raise KvppConfigError(f"{ENABLE_KEY}: {ascend.refusal()}")
+        if ascend.platform() is None:  # vllm-ascend's own KVPP answers for its vLLM, not this adapter
+            check_vllm_version()
     setup = setup_from_vllm_config(vllm_config, kvpp)
     settings = ConnectorSettings()
-    warnings = raise_for_errors(validate(setup, lambda s: connector_rules(s, settings)))
+    warnings = raise_for_errors(validate(setup, lambda s: connector_rules(s, settings), ascend.platform()))
+    if kvpp.enabled and _latest is None:
+        init_logger(f"vllm.{__name__}").info("KVPP implementation: %s", ascend.implementation())
     for warning in warnings:
         if warning not in _logged:
             _logged.add(warning)

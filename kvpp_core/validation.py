@@ -36,13 +36,15 @@ KV_UPDATE_OP = "vllm::unified_mla_kv_cache_update"
 _GRAPH_SAFE_MODES = ("NONE", "PIECEWISE")
 
 
-def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Problem]]) -> list[Problem]:
+def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Problem]],
+             platform: str | None = None) -> list[Problem]:
     """All problems of `setup`: KVPP's own rules when it is on, then those of the connectors it names
-    (`connectors.launch`), which apply KVPP on or off."""
+    (`connectors.launch`), which apply KVPP on or off. `platform` "ascend": the launch runs vllm-ascend's
+    own KVPP (kvpp_core.ascend), so its support matrix replaces the rules of this project's adapter."""
     if not setup.kvpp.enabled:
         return connector_rules(setup)
-    return [*_model_rules(setup.model), *_parallel_rules(setup), *_graph_rules(setup), *_draft_rules(setup),
-            *connector_rules(setup)]
+    own = _ascend_rules(setup) if platform == "ascend" else [*_graph_rules(setup), *_draft_rules(setup)]
+    return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *connector_rules(setup)]
 
 
 def raise_for_errors(problems: Iterable[Problem]) -> list[Problem]:
@@ -130,3 +132,15 @@ def _draft_rules(setup: KvppSetup) -> list[Problem]:
             "stage only and vLLM's cache initialisation reads it on every stage; drop --speculative-config or "
             "set --pipeline-parallel-size 1")))
     return problems
+
+
+def _ascend_rules(setup: KvppSetup) -> list[Problem]:
+    """vllm-ascend's KVPP page, beyond the rules it shares with this project (MLA/SFA non-hybrid, no DCP,
+    PCP only on Model Runner V2, KVPP only on the prefill node, the pool's flags, no KV events): eager mode
+    only. The graph and draft rules above belong to this project's adapter (vLLM 0.32's op names and
+    drafter), not to vllm-ascend."""
+    if setup.enforce_eager:
+        return []
+    return [error("enforce_eager", (
+        "vllm-ascend's KVPP runs in eager mode only (a replayed ACL graph skips the per-layer broadcast); "
+        f"add --enforce-eager or {DISABLE}"))]

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvpp_core import runtime
+from kvpp_core import activation, ascend, runtime
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
@@ -424,7 +424,74 @@ def _polling_reader_wait(orig):
 
 def _wrap(cls, name: str, make) -> None:
     if name in vars(cls):
-        setattr(cls, name, make(vars(cls)[name]))
+        patched = make(vars(cls)[name])
+        patched.kvpp_patch = True  # what kvpp_activation looks for in a worker class's methods
+        setattr(cls, name, patched)
+
+
+# --- fail closed: every worker proves its KVPP allocation at start-up (kvpp_core.activation) -------
+
+PATCHED_WORKER_METHODS = ("determine_available_memory", "initialize_from_config", "execute_model")
+_patched_workers: tuple[str, ...] = ()
+"""The worker classes install() patched, by qualified name (for the refusal's fix)."""
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def kvpp_activation(worker) -> activation.WorkerProof:
+    """Worker RPC (`collective_rpc("kvpp_activation")`, on every WorkerBase): what this worker really
+    holds once its KV caches are allocated, read from its class, the runtime and the bound tensors."""
+    from vllm.platforms import current_platform
+
+    cls = type(worker)
+    rt, ctx = runtime.current(), worker.__dict__.get("_kvpp_context")
+    unpatched = tuple(m for m in PATCHED_WORKER_METHODS if not getattr(getattr(cls, m, None), "kvpp_patch", False))
+    rank = dist.get_rank() if dist.is_initialized() else worker.rank  # the numbering of the group ranks
+    base = activation.WorkerProof(rank, _qualname(cls), current_platform.device_type, unpatched)
+    if rt is None or not isinstance(ctx, WorkerContext):
+        return base
+    layout, placement = rt.layout.rank_layout, rt.layout.placement
+    try:
+        _bound_storage(worker, placement)
+        bound_problem = None
+    except RuntimeError as exc:
+        bound_problem = str(exc)
+    caches = worker.vllm_config.compilation_config.static_forward_context
+    slot_ptrs = {caches[slot[0]].kv_cache.data_ptr() for slot in placement.staging if slot}
+    transport, reach = rt.broadcaster.transport()
+    return replace(
+        base, active=True, pp_rank=ctx.pp_rank, kvpp_rank=layout.kvpp_rank, group_size=layout.group_size,
+        group_ranks=tuple(ctx.group_ranks), target_layers=layout.target_layers, owned=layout.owned,
+        staging_slots=len(slot_ptrs), staging_needed=sum(1 for slot in placement.staging if slot),
+        bound_problem=bound_problem,
+        transport=transport, transport_size=reach, capacity_planned=ctx.memory_bytes is not None,
+    )
+
+
+def _proving_activation(orig):
+    """The engine core's `Executor.initialize_from_config`, then (KVPP requested) every worker's proof,
+    before the model is warmed up or any request served."""
+
+    @functools.wraps(orig)
+    def initialize_from_config(self, kv_cache_configs) -> None:
+        orig(self, kv_cache_configs)
+        if not checked(self.vllm_config, _connector_rules).kvpp.enabled:
+            return
+        world = self.vllm_config.parallel_config.world_size
+        try:
+            proofs = self.collective_rpc("kvpp_activation")
+        except Exception as exc:  # a worker class outside WorkerBase, or one that failed answering
+            raise activation.KvppActivationError(
+                f"KVPP was requested but the workers ({self.vllm_config.parallel_config.worker_cls}) could not "
+                f"prove their KVPP allocation: {exc}; the KVPP adapter patches {', '.join(_patched_workers)}"
+            ) from exc
+        activation.refuse_unless_active(proofs, world, _patched_workers)
+        _logger().info("KVPP in place on all %d worker(s) (%s): owned layers, staging buffers and broadcast "
+                       "transport checked", world, ", ".join(sorted({p.worker_cls for p in proofs})))
+
+    return initialize_from_config
 
 
 def install(connector_rules: ConnectorRules) -> None:
@@ -446,15 +513,23 @@ def install(connector_rules: ConnectorRules) -> None:
         return create_engine_config
 
     _wrap(EngineArgs, "create_engine_config", _validated)
+    if ascend.installed() is not None:
+        return  # vllm-ascend's workers: its own KVPP or none (the launch check says which); never patched twice
     if vllm_version() not in SUPPORTED_VLLM:
         return  # inert on an unknown vLLM; the launch check refuses enable_kvpp there with the reason
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.models.deepseek_v2 import Indexer
+    from vllm.v1.executor.abstract import Executor
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerBase
 
+    global _patched_workers
+    _patched_workers = (_qualname(Worker), _qualname(CPUWorker))
     Worker.kvpp_stats = kvpp_stats
+    WorkerBase.kvpp_activation = kvpp_activation  # every worker class answers, patched or not
+    _wrap(Executor, "initialize_from_config", _proving_activation)
     _wrap(SpinCondition, "wait", _polling_reader_wait)
     for worker_cls in (Worker, CPUWorker):
         _wrap(worker_cls, "determine_available_memory", _patch_determine_available_memory)

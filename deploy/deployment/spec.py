@@ -175,6 +175,9 @@ class Spec(_Section):
 
     model: Model
     prefill: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(min_length=1, max_length=MAX_INSTANCES)]
+    platform: Literal["vllm", "ascend"] = "vllm"
+    """Which KVPP serves the instances' enable_kvpp: "vllm" (this project's adapter, vLLM on CUDA or CPU) or
+    "ascend" (vllm-ascend's own; `kvpp check` then applies vllm-ascend's support matrix)."""
     decode: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(max_length=MAX_INSTANCES)] = ()
     pool: Pool = None
     proxy: Proxy = msgspec.field(default_factory=Proxy)

@@ -389,3 +389,24 @@ def test_spec_yaml_with_ipv6_round_trips(tmp_path):
     path.write_text(yaml.safe_dump(ipv6_spec()))
     findings, code = run_check(str(path))
     assert code == 0, [str(f) for f in findings]
+
+
+# ---- platform: ascend (vllm-ascend's own KVPP and its support matrix) ---------------------------------
+def test_ascend_deployments_follow_vllm_ascends_matrix(tmp_path):
+    compiled = _spec([_prefill(enforce_eager=False)], model="deepseek-v3")  # MLA: PIECEWISE would do here
+    errors, _, _ = _check(tmp_path, compiled)
+    assert [e for e in errors if "cudagraph_mode" in e], errors  # this project's adapter: its graph rule
+    errors, _, code = _check(tmp_path, {**compiled, "platform": "ascend"})
+    assert code == 1 and len(errors) == 1 and "vllm-ascend's KVPP runs in eager mode only" in errors[0], errors
+    # The shared rules hold on Ascend too: KVPP on a decode node, and PCP on runner V1.
+    errors, _, _ = _check(tmp_path, {**_spec([_prefill(kv_port=37000, pcp=2)],
+                                              [_decode(enable_kvpp=True, enforce_eager=True)]), "platform": "ascend"})
+    assert any("decode[0] (d): kv_role:" in e for e in errors) and any("needs Model Runner V2" in e for e in errors)
+
+
+def test_ascend_deployments_drop_the_vllm_032_rules(tmp_path):
+    mtp_pp = _prefill(pp=2, extra_args=["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    errors, _, _ = _check(tmp_path, _spec([mtp_pp]))
+    assert any("speculative_config" in e and "vLLM 0.32.0" in e for e in errors), errors
+    errors, _, code = _check(tmp_path, {**_spec([mtp_pp]), "platform": "ascend"})
+    assert code == 0 and errors == []
