@@ -23,7 +23,7 @@ from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.transfer import MooncakeTransfer
 from tests.helpers.curve_keys import load
 from tests.helpers.mooncake_peers import handle, make_puller
-from tests.helpers.mooncake_wire import OTHER, TOKEN, worker_meta
+from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, issued, worker_meta
 
 V = m.PROTOCOL_VERSION
 
@@ -32,7 +32,7 @@ class Prefill:
     """One prefill worker's side channel as the connector builds it: responder, hold table, stats."""
 
     def __init__(self, port: int, defer_s: float = 0.0, curve=None) -> None:
-        self.holds = HoldTable(timeout_s=30)
+        self.holds = HoldTable(timeout_s=30, key=KEY)
         self.stats = MooncakeV2Stats()
         self.responder = PrefillResponder(self.holds)
         self.responder.meta = worker_meta()
@@ -112,7 +112,8 @@ def test_meta_request_without_the_token_gets_no_addresses(prefill):
         m.encode(ask(TOKEN, request_id="someone-else")),  # a live token for another request
     ]
     replies = [m.decode(raw_request(p.port, frame)) for frame in hostile]
-    assert [r.error for r in replies] == ["malformed", "malformed", "unauthorized", "unknown_request"]
+    # Not even deferred: a token this engine did not issue for that request is refused at once.
+    assert [r.error for r in replies] == ["malformed", "malformed", "unauthorized", "unauthorized"]
     assert not any(isinstance(r, m.WorkerMeta) for r in replies)
     assert p.counts() == (2, 2)
     assert call("127.0.0.1", p.port, ask(TOKEN), 2.0, m.WorkerMeta) == p.responder.meta
@@ -122,9 +123,10 @@ def test_meta_request_without_the_token_gets_no_addresses(prefill):
 @pytest.mark.integration
 def test_meta_request_before_the_hold_is_answered_once_it_arrives(prefill):
     p = prefill(defer_s=3.0)
-    threading.Timer(0.3, lambda: p.holds.hold("r", 30, TOKEN)).start()
+    token = issued("r")
+    threading.Timer(0.3, lambda: p.holds.hold("r", 30, token)).start()
     start = time.monotonic()
-    assert call("127.0.0.1", p.port, ask(TOKEN), 5.0, m.WorkerMeta) == p.responder.meta
+    assert call("127.0.0.1", p.port, ask(token), 5.0, m.WorkerMeta) == p.responder.meta
     assert 0.25 < time.monotonic() - start < 1.5
     assert p.counts() == (0, 0)
 
