@@ -45,6 +45,8 @@ MAX_DEFERRED = 256
 """Requests waiting for their hold to be announced; beyond that a request is refused at once."""
 MAX_DEFERRED_PER_REQUEST = 64
 """Of those, the most for one request id (one per decode worker asking this prefill worker)."""
+RECEIVE_BATCH = 64
+"""Requests read per turn of the server loop, between two rounds of asking the deferred ones again."""
 REQUEST_PARTS = 3
 """A REQ envelope as a ROUTER receives it: the peer's identity, an empty delimiter, the payload."""
 
@@ -140,7 +142,10 @@ class SideChannelServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(DEFERRED_POLL_MS if self._deferred else IDLE_POLL_MS):
-                self._receive()
+                for _ in range(RECEIVE_BATCH):  # what queued up, before the deferred are asked again
+                    self._receive()
+                    if not self._sock.poll(0):
+                        break
             if self._deferred:
                 deferred, self._deferred = self._deferred, []
                 for deadline, identity, message in deferred:
