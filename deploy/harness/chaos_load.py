@@ -121,13 +121,17 @@ class Load:
             rec = Record(len(self.records), self._rng.randrange(len(self.prompts)),
                          self._rng.choices(MODES, self.weights)[0], time.monotonic())
             self.records.append(rec)
-            self.in_flight += 1
-            try:
-                await self.one(session, rec)
-            finally:
-                rec.end = time.monotonic()
-                self.in_flight -= 1
+            await self._timed(session, rec)
             await asyncio.sleep(self._rng.uniform(0, 2 * self.think_s))
+
+    async def _timed(self, session: aiohttp.ClientSession, rec: Record) -> None:
+        """One request, counted in flight meanwhile; its end time recorded whatever happens."""
+        self.in_flight += 1
+        try:
+            await self.one(session, rec)
+        finally:
+            rec.end = time.monotonic()
+            self.in_flight -= 1
 
     async def pause(self) -> None:
         """Stop sending and wait until every request in flight has ended."""
@@ -194,18 +198,9 @@ class Load:
         start = time.monotonic()
         recs = [Record(len(self.records) + i, i % len(self.prompts), mode, start) for i, mode in enumerate(modes)]
         self.records += recs
-
-        async def once(session: aiohttp.ClientSession, rec: Record) -> None:
-            self.in_flight += 1
-            try:
-                await self.one(session, rec)
-            finally:
-                rec.end = time.monotonic()
-                self.in_flight -= 1
-
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
-            await asyncio.gather(*(once(session, rec) for rec in recs))
+            await asyncio.gather(*(self._timed(session, rec) for rec in recs))
         return recs
 
     async def each_prompt_once(self) -> None:
