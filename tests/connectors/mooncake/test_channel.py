@@ -384,3 +384,27 @@ def test_refusal_log_lines_are_rate_limited(caplog):
     limiter.warn("malformed", "test prefill", "frame 1000")
     assert "(+999 more since the last line)" in caplog.records[-1].getMessage()
     print("refusals logged: 1001 malformed, 1 unauthorized -> 3 log lines")
+
+
+@pytest.mark.integration
+def test_the_decode_keeps_the_metadata_of_a_bounded_number_of_prefills(monkeypatch):
+    """Least recently used first out: a prefill whose metadata was dropped is simply asked again."""
+    from connectors.mooncake import puller as puller_module
+    from deploy.services.processes import free_port
+
+    monkeypatch.setattr(puller_module, "MAX_PEERS", 2)
+    servers = []
+    for _ in range(3):
+        servers.append(Prefill(free_port()))
+        servers[-1].holds.hold("r", 30, TOKEN)
+    try:
+        handles = [m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
+                                       remote_host="127.0.0.1", remote_kv_port=s.port, remote_tp_size=1,
+                                       remote_block_ids=[0], remote_num_tokens=16)) for s in servers]
+        puller = _decode_puller(2.0)
+        for i in (0, 1, 0, 2, 1):  # 0 used again before 2 comes: 1 is the one dropped, then 0
+            assert puller.peer_metas(handles[i]) == [servers[i].responder.meta]
+        assert [s.handled for s in servers] == [1, 2, 1] and len(puller._peers) == 2
+    finally:
+        for s in servers:
+            s.server.close()
