@@ -22,6 +22,8 @@ from connectors.hosts import host_problem
 MAX_PARALLEL = 1024
 MAX_LAYERS = 4096
 MAX_SECONDS = 7 * 24 * 3600.0
+MAX_IN_FLIGHT = 1 << 16
+"""Most completions a `kvpp proxy` may be told to serve at once (each costs two sockets)."""
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
@@ -71,6 +73,7 @@ def _num(x: float) -> str:
 port = bounded_int(1, 65535)
 parallel_size = bounded_int(1, MAX_PARALLEL)
 seconds = bounded_float(0.0, MAX_SECONDS)
+in_flight = bounded_int(1, MAX_IN_FLIGHT)
 
 
 def host(text: str) -> str:

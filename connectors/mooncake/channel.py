@@ -2,7 +2,10 @@
 
 Every client call has a deadline (a fresh REQ socket per call, LINGER 0), so a dead or hung peer
 costs at most `timeout_s` and never wedges the caller. Frames have a size limit on both sides
-(ZeroMQ's MAXMSGSIZE drops the connection of an oversize sender). A peer that is refused learns a
+(ZeroMQ's MAXMSGSIZE drops the connection of an oversize sender), and so have whole messages: parts
+are received one at a time and counted, those past a request's three (a reply's one) are dropped
+unkept. Requests waiting for their hold take at most MAX_DEFERRED_PER_REQUEST of the MAX_DEFERRED
+slots per request id. A peer that is refused learns a
 fixed `PeerError` code only; the reason goes to this side's log (rate-limited) and its counters.
 With CURVE keys the channel is encrypted and a client without a trusted key gets no reply at all.
 """
@@ -40,6 +43,12 @@ IDLE_POLL_MS = 100
 DEFERRED_POLL_MS = 5
 MAX_DEFERRED = 256
 """Requests waiting for their hold to be announced; beyond that a request is refused at once."""
+MAX_DEFERRED_PER_REQUEST = 64
+"""Of those, the most for one request id (one per decode worker asking this prefill worker)."""
+RECEIVE_BATCH = 64
+"""Requests read per turn of the server loop, between two rounds of asking the deferred ones again."""
+REQUEST_PARTS = 3
+"""A REQ envelope as a ROUTER receives it: the peer's identity, an empty delimiter, the payload."""
 
 
 class ChannelError(RuntimeError):
@@ -133,7 +142,10 @@ class SideChannelServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(DEFERRED_POLL_MS if self._deferred else IDLE_POLL_MS):
-                self._receive()
+                for _ in range(RECEIVE_BATCH):  # what queued up, before the deferred are asked again
+                    self._receive()
+                    if not self._sock.poll(0):
+                        break
             if self._deferred:
                 deferred, self._deferred = self._deferred, []
                 for deadline, identity, message in deferred:
@@ -141,9 +153,16 @@ class SideChannelServer:
         self._sock.close()  # in the thread that used it: ZeroMQ sockets are not thread-safe
 
     def _receive(self) -> None:
-        frames = self._sock.recv_multipart(copy=False)
-        if len(frames) != 3 or frames[1].bytes != b"":
-            self._refuse(None, "malformed", f"{len(frames)} frames, not a REQ envelope", frames[-1])
+        frames, parts = [], 0
+        while True:  # never collect more parts than an envelope has, however many the peer sends
+            frame = self._sock.recv(copy=False)
+            parts += 1
+            if parts <= REQUEST_PARTS:
+                frames.append(frame)
+            if not frame.more:
+                break
+        if parts != REQUEST_PARTS or frames[1].bytes != b"":
+            self._refuse(None, "malformed", f"{parts} frames, not a REQ envelope", frames[-1])
             return
         identity, payload = frames[0].bytes, frames[2]
         try:
@@ -164,13 +183,18 @@ class SideChannelServer:
             self._refuse(identity, "internal", f"{type(exc).__name__}: {exc}")
             return
         if reply is None:
-            if time.monotonic() < deadline and len(self._deferred) < MAX_DEFERRED:
+            if time.monotonic() < deadline and self._may_defer(message):
                 self._deferred.append((deadline, identity, message))
             else:
                 self._refuse(identity, "unknown_request", f"no live hold for {type(message).__name__} "
                              f"{getattr(message, 'request_id', '')!r}")
             return
         self._sock.send_multipart([identity, b"", encode(reply)])
+
+    def _may_defer(self, message: Message) -> bool:
+        request_id = getattr(message, "request_id", None)
+        return len(self._deferred) < MAX_DEFERRED and sum(
+            getattr(m, "request_id", None) == request_id for _, _, m in self._deferred) < MAX_DEFERRED_PER_REQUEST
 
     def _refuse(self, identity: bytes | None, code: PeerError, detail: str, frame: zmq.Frame | None = None,
                 reply: Message | None = None) -> None:
@@ -278,7 +302,10 @@ class Calls:
 
     def _check(self, where: str, sock: zmq.Socket) -> Message | ChannelError:
         try:
-            reply = decode(sock.recv(zmq.NOBLOCK), max_bytes=MAX_REPLY_BYTES)
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            if frame.more:  # the rest is dropped with the socket, never collected
+                return ChannelError(f"{where}: a reply of several parts, not one message")
+            reply = decode(frame.bytes, max_bytes=MAX_REPLY_BYTES)
         except (MessageError, zmq.ZMQError) as exc:  # an oversize reply drops the connection
             return ChannelError(f"{where}: {exc}")
         if isinstance(reply, Ack) and not reply.ok:

@@ -10,7 +10,10 @@ Every hold has the token the prefill issued in kv_transfer_params: a notice or r
 with that token (compared in constant time), so no other peer can free or keep the blocks.
 Notices and renewals can arrive before the scheduler's hold announcement reaches this worker; they
 are kept (at most `max_unknown` requests, oldest dropped first, each for one `timeout_s`) and
-checked against the token when the hold is announced. An ended hold is remembered as long (and as
+checked against the token when the hold is announced. Only messages whose token this engine issued
+within one `timeout_s` (connectors/mooncake/tokens.py) are kept that way: anyone else's is refused
+at once, so strangers cannot push real early notices out of the table. Until the scheduler's key
+arrives (the first step) no token can have been issued, and none is believed. An ended hold is remembered as long (and as
 many): a late or replayed notice for it is answered from that record and never starts a new entry.
 """
 
@@ -23,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from connectors.mooncake import tokens
 
 MAX_UNKNOWN = 4096
 MAX_EARLY_TOKENS = 4
@@ -61,7 +66,7 @@ class _Ended:
 
 class HoldTable:
     def __init__(self, timeout_s: float, lease_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_unknown: int = MAX_UNKNOWN) -> None:
+                 max_unknown: int = MAX_UNKNOWN, key: bytes | None = None) -> None:
         self.timeout_s = timeout_s
         self.lease_s = timeout_s if lease_s is None else lease_s
         if self.lease_s > timeout_s:
@@ -73,6 +78,8 @@ class HoldTable:
         self._unknown: OrderedDict[str, _Early] = OrderedDict()  # in arrival order
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # in ending order
         self._noticed = threading.Event()
+        self.key = key
+        """The key this engine's tokens are issued under (set from the scheduler's step metadata)."""
 
     def hold(self, request_id: str, seconds: float, token: str) -> int:
         """Keep a request's blocks for `seconds` (the scheduler's announcement); returns how many early
@@ -100,7 +107,8 @@ class HoldTable:
     def _verdict(self, request_id: str, token: str) -> Verdict:
         record = self._holds.get(request_id) or self._ended.get(request_id)
         if record is None:
-            return "unknown"
+            issued = self.key is not None and tokens.issued_recently(self.key, request_id, token, self.timeout_s)
+            return "unknown" if issued else "unauthorized"
         if not hmac.compare_digest(record.token, token):
             return "unauthorized"
         return "expired" if isinstance(record, _Ended) else "ok"
@@ -114,7 +122,8 @@ class HoldTable:
         return early
 
     def authorize(self, request_id: str, token: str) -> Verdict:
-        """Whether `token` is the live hold's token ("unknown": not announced yet; "expired": over)."""
+        """Whether `token` is the live hold's token ("unknown": not announced yet, but the token is one
+        this engine issued lately; "expired": over)."""
         with self._lock:
             return self._verdict(request_id, token)
 

@@ -62,12 +62,18 @@ class LeaseKeeper:
         # A dead prefill must not hold up the next round (and the leases on live prefills with it).
         timeout = self.timeout_s
         with self._lock:
-            for request_id, (handle, due) in self._claims.items():
+            for request_id, (handle, due) in list(self._claims.items()):
                 if due > now:
+                    continue
+                try:
+                    ports = prefill_ports(handle)
+                except ValueError as exc:  # one handle we cannot renew must not cost the others theirs
+                    logger.error("request %s: lease not renewed: %s", request_id, exc)
+                    del self._claims[request_id]
                     continue
                 timeout = min(timeout, renew_interval(handle))
                 self._claims[request_id] = (handle, now + renew_interval(handle))
-                for _, _, port in prefill_ports(handle):
+                for _, _, port in ports:
                     batches[(handle.remote_host, port, handle.remote_curve_key)].append((request_id, handle))
         if not batches:
             return
@@ -78,10 +84,13 @@ class LeaseKeeper:
                 chunk = ids[start:start + MAX_CLAIMS]
                 renewal = LeaseRenewal(version=PROTOCOL_VERSION, claims=[
                     LeaseClaim(request_id=handle.remote_request_id, token=handle.remote_token) for _, handle in chunk])
-                calls = Calls([target], renewal, timeout, LeaseGrant, client_setup(self.curve, key))
+                try:
+                    calls = Calls([target], renewal, timeout, LeaseGrant, client_setup(self.curve, key))
+                except ChannelError as exc:  # this worker only: the other batches still go out
+                    calls = exc
                 sent.append((target, chunk, calls))
         for target, chunk, calls in sent:
-            (grant,) = calls.results()
+            (grant,) = (calls,) if isinstance(calls, ChannelError) else calls.results()
             if isinstance(grant, ChannelError):
                 if target not in self._failing:  # once per outage, not every heartbeat
                     self._failing.add(target)

@@ -10,6 +10,7 @@ bench/pd_transfer.py drive the same object, so the benchmark measures the connec
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -29,6 +30,11 @@ from connectors.mooncake.messages import (
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
 from connectors.mooncake.transfer import MooncakeTransfer
 from connectors.hosts import join_host_port
+
+
+MAX_PEERS = 64
+"""Prefill engines whose metadata a puller keeps (least recently used dropped first): engine ids
+change with every restart, so an unbounded cache would grow for the decode's whole life."""
 
 
 def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
@@ -66,7 +72,7 @@ class Puller:
         self.consumer_id = consumer_id
         self.num_consumers = num_consumers
         self.curve = curve
-        self._peers: dict[tuple[str, str, int], list[WorkerMeta]] = {}
+        self._peers: OrderedDict[tuple[str, str, int], list[WorkerMeta]] = OrderedDict()
 
     @staticmethod
     def _key(handle: PrefillHandle) -> tuple[str, str, int]:
@@ -75,6 +81,7 @@ class Puller:
     def peer_metas(self, handle: PrefillHandle) -> list[WorkerMeta]:
         cached = self._peers.get(self._key(handle))
         if cached is not None:
+            self._peers.move_to_end(self._key(handle))
             return cached
         request = MetaRequest(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token)
         answers = self._ask(handle, request, WorkerMeta, check_first=lambda meta: self._check_sizes(handle, meta))
@@ -92,6 +99,8 @@ class Puller:
             metas.append(meta)
         check_compatible(self.local, metas, self.mla)
         self._peers[self._key(handle)] = metas
+        while len(self._peers) > MAX_PEERS:
+            self._peers.popitem(last=False)
         return metas
 
     @staticmethod

@@ -5,22 +5,25 @@ decode; one carrying `do_remote_prefill` has its prompt KV pulled from the prefi
 kv_transfer_params. vLLM's kv_role only decides which of the two ever happens.
 
 A held request's kv_transfer_params carry a fresh unguessable token: the prefill's workers answer
-side-channel requests about it only to the holder of that token. The decode checks a handle's
+side-channel requests about it only to the holder of that token. Tokens are issued under this
+engine's key (tokens.py), which every step's metadata carries to the workers, so a worker knows a
+genuine token even before it hears of the hold. The decode checks a handle's
 bounds (and CURVE agreement) before it connects anywhere; a bad one is computed locally.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from connectors.mooncake import tokens
 from connectors.mooncake.curve import load_curve, server_key
 from connectors.mooncake.leases import LeaseKeeper
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, is_ident, parse_handle
+from connectors.mooncake.puller import prefill_ports
 from connectors.mooncake.settings import Settings, local_host
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
@@ -67,6 +70,7 @@ class MooncakeV2Scheduler:
         self._new_holds: dict[str, float] = {}
         self._new_tokens: dict[str, str] = {}
         self._held: set[str] = set()
+        self._token_key = tokens.new_key()
         self.stats = MooncakeV2Stats()
         self.leases = LeaseKeeper(settings.handshake_timeout_s, self.curve)
         self._handles: dict[str, PrefillHandle] = {}  # decode: request id -> its handle, until pulled or ended
@@ -92,9 +96,10 @@ class MooncakeV2Scheduler:
         try:
             handle = parse_handle(params)
             handle.check_blocks(self.block_size, self.max_tokens)
+            prefill_ports(handle)  # a handle this decode cannot pull from (PCP) never reaches the leases
             server_key(self.curve, handle.remote_curve_key)
             return handle
-        except MessageError as exc:
+        except (MessageError, ValueError) as exc:
             # Computing the prompt locally still gives the right tokens; say why it happened.
             logger.error("request %s: %s; computing its prompt locally", request.request_id, exc)
             params["do_remote_prefill"] = False
@@ -164,7 +169,7 @@ class MooncakeV2Scheduler:
                          "check X-Request-Id); its KV is not kept for a decode", request.request_id)
             return False, None
         self._new_holds[request.request_id] = self.settings.hold_timeout_s
-        self._new_tokens[request.request_id] = token = secrets.token_urlsafe(32)
+        self._new_tokens[request.request_id] = token = tokens.issue(self._token_key, request.request_id)
         self._held.add(request.request_id)
         handle = PrefillHandle(
             remote_hold_expires_at=time.time() + self.settings.hold_timeout_s,
@@ -200,6 +205,6 @@ class MooncakeV2Scheduler:
             for request_id in self._pulled.keys() & scheduler_output.num_scheduled_tokens.keys():
                 self.stats.record_phase("resume", now - self._pulled.pop(request_id))
         meta = MooncakeV2Metadata(loads=self._new_loads, holds=self._new_holds, tokens=self._new_tokens,
-                                  idle=scheduler_output.total_num_scheduled_tokens == 0)
+                                  token_key=self._token_key, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads, self._new_holds, self._new_tokens = [], {}, {}
         return meta

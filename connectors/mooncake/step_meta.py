@@ -32,5 +32,8 @@ class MooncakeV2Metadata(KVConnectorMetadata):
     """Producer: requests whose blocks the workers keep for a decode, -> seconds to keep them."""
     tokens: dict[str, str] = field(default_factory=dict)
     """Producer: the side-channel token issued for each request in `holds`."""
+    token_key: bytes | None = None
+    """The key those tokens are issued under, in every step's metadata: a worker checks with it the
+    token of a request it has not been told about yet (tokens.py)."""
     idle: bool = False
     """The step schedules no tokens: the engine only polls for finished pulls."""

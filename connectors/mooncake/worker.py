@@ -156,6 +156,8 @@ class MooncakeV2Worker:
 
     def start_load_kv(self, meta: MooncakeV2Metadata) -> None:
         self._idle_step = meta.idle
+        if meta.token_key is not None:
+            self.holds.key = meta.token_key
         for request_id, seconds in meta.holds.items():
             for _ in range(self.holds.hold(request_id, seconds, meta.tokens[request_id])):
                 self.stats.record_refusal("unauthorized")  # an early notice or renewal with a wrong token
@@ -211,7 +213,15 @@ class MooncakeV2Worker:
         return _Pulled(ok, time.perf_counter())
 
     def _notify(self, spec: LoadSpec, ok: bool) -> bool | None:
-        held, errors = self._puller.notify(spec.handle, ok)
+        """Tell the prefill to free the request's blocks. Never raises: whatever the prefill (or a peer
+        posing as one) answers, or a socket error, becomes "not confirmed" (None), so nothing a peer
+        sends reaches the engine step through a pull's result."""
+        try:
+            held, errors = self._puller.notify(spec.handle, ok)
+        except Exception as exc:
+            logger.warning("request %s: done-notice failed (%s); the prefill frees when the lease lapses",
+                           spec.request_id, exc)
+            return None
         for error in errors:
             logger.warning("request %s: done-notice failed (%s); the prefill frees when the lease lapses",
                            spec.request_id, error)

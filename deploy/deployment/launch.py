@@ -240,5 +240,8 @@ def proxy_host(spec: Spec) -> str:
 
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
     """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
-    return ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
+    argv = ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
             "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy.port)]
+    if spec.proxy.max_in_flight is not None:
+        argv += ["--max-in-flight", str(spec.proxy.max_in_flight)]
+    return argv

@@ -28,7 +28,7 @@ from connectors.hosts import address_problem, host_problem, split_host_port
 
 from connectors.store.config import BackendName, MooncakeSettings
 
-from deploy.args import MAX_LAYERS, MAX_PARALLEL
+from deploy.args import MAX_IN_FLIGHT, MAX_LAYERS, MAX_PARALLEL
 
 MAX_SPEC_BYTES = 1 << 20
 # Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,
@@ -160,6 +160,9 @@ class Proxy(_Section):
     host: str = None
     """Default: the first prefill's host."""
     port: Port = 8000
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=MAX_IN_FLIGHT)] = None
+    """Completions the proxy serves at once; beyond it clients get HTTP 429 with Retry-After.
+    Default: `kvpp proxy`'s own (--max-in-flight)."""
 
 
 class Kubernetes(_Section):

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -44,11 +45,13 @@ def completion_body(model: str, prompt: str, stream: bool, **extra) -> dict:
             "stream": stream, **extra}
 
 
-async def reference_prompts(url: str, model: str) -> list[Prompt]:
+async def reference_prompts(url: str, model: str, texts: Sequence[str] | None = None, **extra) -> list[Prompt]:
+    """Each prompt (default: prompt_texts()) answered by the reference engine alone, one after the
+    other; `extra` are further body fields (as Load.extra)."""
     async with aiohttp.ClientSession() as session:
         out = []
-        for text in prompt_texts():
-            async with session.post(f"{url}/v1/completions", json=completion_body(model, text, False)) as r:
+        for text in prompt_texts() if texts is None else texts:
+            async with session.post(f"{url}/v1/completions", json=completion_body(model, text, False, **extra)) as r:
                 answer = await r.json()
                 if r.status != 200:
                     raise RuntimeError(f"reference engine {url} answered HTTP {r.status}: {answer}")
@@ -97,6 +100,8 @@ class Load:
     saturated 2-core host would starve a restarting engine for minutes."""
     records: list[Record] = field(default_factory=list)
     in_flight: int = 0
+    extra: dict = field(default_factory=dict)
+    """Further body fields of every request (e.g. max_tokens, ignore_eos), as the references had."""
 
     def __post_init__(self):
         self._go = asyncio.Event()
@@ -116,13 +121,17 @@ class Load:
             rec = Record(len(self.records), self._rng.randrange(len(self.prompts)),
                          self._rng.choices(MODES, self.weights)[0], time.monotonic())
             self.records.append(rec)
-            self.in_flight += 1
-            try:
-                await self.one(session, rec)
-            finally:
-                rec.end = time.monotonic()
-                self.in_flight -= 1
+            await self._timed(session, rec)
             await asyncio.sleep(self._rng.uniform(0, 2 * self.think_s))
+
+    async def _timed(self, session: aiohttp.ClientSession, rec: Record) -> None:
+        """One request, counted in flight meanwhile; its end time recorded whatever happens."""
+        self.in_flight += 1
+        try:
+            await self.one(session, rec)
+        finally:
+            rec.end = time.monotonic()
+            self.in_flight -= 1
 
     async def pause(self) -> None:
         """Stop sending and wait until every request in flight has ended."""
@@ -140,7 +149,7 @@ class Load:
 
     async def one(self, session: aiohttp.ClientSession, rec: Record) -> None:
         prompt = self.prompts[rec.prompt]
-        body = completion_body(self.model, prompt.text, rec.mode != "plain")
+        body = completion_body(self.model, prompt.text, rec.mode != "plain", **self.extra)
         for attempt in range(CONNECT_RETRIES):
             try:
                 async with session.post(f"{self.url}/v1/completions", json=body) as resp:
@@ -182,6 +191,17 @@ class Load:
                 return tokens
             tokens += event["choices"][0]["logprobs"]["tokens"]
         return tokens
+
+    async def burst(self, modes: Sequence[str]) -> list[Record]:
+        """A crowd arriving together: one request per entry of `modes`, all at once, each on its own
+        connection (no client-side pool limit), cycling through the prompts; returns their records."""
+        start = time.monotonic()
+        recs = [Record(len(self.records) + i, i % len(self.prompts), mode, start) for i, mode in enumerate(modes)]
+        self.records += recs
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
+            await asyncio.gather(*(self._timed(session, rec) for rec in recs))
+        return recs
 
     async def each_prompt_once(self) -> None:
         """Every prompt once, plain, one after the other."""

@@ -5,6 +5,12 @@ Each completion normally runs twice: on a prefill instance with `max_tokens: 1` 
 decode instance with the `kv_transfer_params` the prefill returned, unchanged (it pulls that KV and
 generates). Instances are picked round-robin per role.
 
+The proxy's own ceiling is `Limits.max_in_flight` completions at once: beyond it a client gets an
+OpenAI-style 429 with `Retry-After` at once, and no instance is ever blamed for the proxy's own
+saturation (the connection pool is as large as the cap, and waiting for a pool slot is not a connect
+timeout). Client bodies must arrive within `Timeouts.body_read`, and a non-streamed answer larger
+than `Limits.max_upstream_bytes` is refused as that instance's failure.
+
 An outage of one role costs latency, not errors: every instance is a full engine, so when no prefill
 answers the request goes to a decode as a plain request (it computes its own prompt), and when no
 decode answers a prefill serves the whole request. A failed instance leaves the rotation until its
@@ -20,6 +26,7 @@ import asyncio
 import collections
 import json
 import logging
+import resource
 import sys
 import uuid
 from collections.abc import Sequence
@@ -40,7 +47,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Headers passed to the backends (auth, tracing); hop-by-hop and body headers are aiohttp's business.
 FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
 # Outcomes counted on /metrics: the path an answered request took, or why it was not answered.
-PATHS = ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected")
+PATHS = ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected", "overloaded")
 PATH_HEADER = "X-Kvpp-Path"  # on every answer: pd, decode_only or prefill_only
 FAILED_MID_STREAM = web.ResponseKey("kvpp_failed_mid_stream", bool)  # marks a relayed stream that ended with an error event
 
@@ -54,6 +61,8 @@ class Timeouts:
     """Longest silence between two chunks of an answer (before the first one too)."""
     probe: float = 1.0
     """Seconds between /health probes of instances out of rotation."""
+    body_read: float = 30.0
+    """Longest a client may take to send its request body (a slow sender then gets a 408)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,28 @@ class Limits:
     """Large enough for a long prompt as text or token ids; larger bodies get a 413."""
     max_depth: int = 32
     """JSON nesting allowed in a request (chat content parts need about 5)."""
+    max_in_flight: int = 1024
+    """Completions served at once (body reads included); beyond it a client gets a 429."""
+    max_upstream_bytes: int = 64 << 20
+    """Largest non-streamed answer read from an instance (a prefill's, a whole completion's)."""
+    retry_after_s: int = 1
+    """What a 429 tells the client to wait before trying again."""
+
+    @property
+    def connections(self) -> int:
+        """Upstream connections the proxy may hold: one per completion in flight (its legs run one after
+        the other), plus room for /v1/models and /health?backends=1."""
+        return self.max_in_flight + CONTROL_CONNECTIONS
+
+    @property
+    def file_descriptors(self) -> int:
+        """What serving at the cap needs: each completion's client and upstream socket, plus slack."""
+        return 2 * self.connections + 64
+
+
+CONTROL_CONNECTIONS = 64
+PROBE_CONNECTIONS = 16
+"""The /health prober's own pool: it must reach an instance even while every completion slot is taken."""
 
 
 class BackendFailure(Exception):
@@ -173,6 +204,7 @@ class PDProxy:
         self.outcomes: collections.Counter[str] = collections.Counter({p: 0 for p in PATHS})
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
     # -- app -----------------------------------------------------------------------------------
@@ -192,26 +224,47 @@ class PDProxy:
         return web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
 
     async def _start(self, _app) -> None:
-        # No total limit: a decode stream may legitimately last long; reads are bounded per chunk.
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect))
+        # No total limit: a decode stream may legitimately last long; reads are bounded per chunk. The pool
+        # holds a connection for every completion the proxy admits, and only the socket connect counts
+        # against the connect timeout: waiting for a pool slot must never pass for an instance's failure.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.limits.connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
         self._prober = asyncio.create_task(self._probe_loop())
 
     async def _stop(self, _app) -> None:
         if self._prober is not None:
             self._prober.cancel()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._probe_session):
+            if session is not None:
+                await session.close()
+
+    def _probe_client(self) -> aiohttp.ClientSession:
+        if self._probe_session is None or self._probe_session.closed:
+            self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=PROBE_CONNECTIONS))
+        return self._probe_session
 
     async def _probe_loop(self) -> None:
-        """Put failed instances back into rotation once their /health answers 200."""
+        """Put failed instances back into rotation once their /health answers 200; a round that fails
+        in any way is logged and the next one starts on a fresh session (the prober never dies)."""
         while True:
             await asyncio.sleep(self.timeouts.probe)
-            down = self.prefill.down() + self.decode.down()
-            results = await asyncio.gather(*(self._backend_ok(b.url) for b in down))
-            for b, result in zip(down, results):
-                if result == "ok":
-                    b.up, b.reason = True, ""
-                    logger.info("%s %s back in rotation", b.role, b.url)
+            try:
+                await self._probe_round()
+            except Exception as exc:
+                logger.warning("health probe round failed (%s); probing again on a new session", _reason(exc))
+                if self._probe_session is not None:
+                    await self._probe_session.close()
+                self._probe_session = None
+
+    async def _probe_round(self) -> None:
+        down = self.prefill.down() + self.decode.down()
+        session = self._probe_client()
+        results = await asyncio.gather(*(self._backend_ok(b.url, session) for b in down))
+        for b, result in zip(down, results):
+            if result == "ok":
+                b.up, b.reason = True, ""
+                logger.info("%s %s back in rotation", b.role, b.url)
 
     # -- handlers ------------------------------------------------------------------------------
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -229,7 +282,8 @@ class PDProxy:
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """Prometheus text: requests by the path they took, in flight, and each instance's state."""
         lines = ["# HELP kvpp_proxy_requests_total Completions by outcome: the path an answer took "
-                 "(pd, decode_only, prefill_only) or failed, cancelled (client left), rejected (bad request).",
+                 "(pd, decode_only, prefill_only) or failed, cancelled (client left), rejected (bad request), "
+                 "overloaded (429: max_in_flight reached).",
                  "# TYPE kvpp_proxy_requests_total counter"]
         lines += [f'kvpp_proxy_requests_total{{path="{p}"}} {self.outcomes[p]}' for p in PATHS]
         lines += ["# HELP kvpp_proxy_requests_in_flight Completions being served.",
@@ -244,9 +298,9 @@ class PDProxy:
                   for b in backends]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
-    async def _backend_ok(self, url: str) -> str:
+    async def _backend_ok(self, url: str, session: aiohttp.ClientSession | None = None) -> str:
         try:
-            async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with (session or self._session).get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return "ok" if resp.status == 200 else f"HTTP {resp.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return f"unreachable ({_reason(exc)})"
@@ -258,20 +312,40 @@ class PDProxy:
                 async with self._session.get(f"{b.url}/v1/models", headers=_forwarded(request),
                                              timeout=aiohttp.ClientTimeout(total=30)) as resp:
                     if resp.status < 500:
-                        return web.Response(status=resp.status, body=await resp.read(),
+                        return web.Response(status=resp.status, body=await self._read_upstream(b, resp),
                                             content_type="application/json")
                     reasons.append(f"{b.role} {b.url}: HTTP {resp.status}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 reasons.append(f"{b.role} {b.url}: unreachable ({_reason(exc)})")
+            except BackendFailure as failure:
+                reasons.append(str(failure))
         return _error(502, "no backend answered: " + ("; ".join(reasons) or "none in rotation"))
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        if self.in_flight >= self.limits.max_in_flight:
+            return self._overloaded(request)
+        self.in_flight += 1  # from the first byte of the body on: a slow sender holds a slot too
+        try:
+            return await self._complete(request)
+        finally:
+            self.in_flight -= 1
+
+    def _overloaded(self, request: web.Request) -> web.Response:
+        """The proxy's own ceiling: the client retries later; no instance is blamed."""
+        self.outcomes["overloaded"] += 1
+        logger.debug("refused %s from %s: %d completions in flight", request.path, request.remote, self.in_flight)
+        response = _error(429, f"the proxy is serving its limit of {self.limits.max_in_flight} requests; "
+                          f"retry after {self.limits.retry_after_s} s", "rate_limit_exceeded")
+        response.headers["Retry-After"] = str(self.limits.retry_after_s)
+        response.force_close()  # the body was not read: the connection cannot carry another request
+        return response
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             self.outcomes["rejected"] += 1
             return body
         headers = {**_forwarded(request), "X-Request-Id": request.headers.get("X-Request-Id") or uuid.uuid4().hex}
-        self.in_flight += 1
         try:
             response, outcome = await self._route(request, body, headers)
             outcome = "failed" if response.get(FAILED_MID_STREAM) else outcome
@@ -282,17 +356,22 @@ class PDProxy:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return web.Response(status=499)  # never sent: the connection is gone
-        finally:
-            self.in_flight -= 1
         self.outcomes[outcome] += 1
         return response
 
     async def _read_body(self, request: web.Request) -> dict | web.Response:
         """The request as a JSON object, or an OpenAI-style error (logged as one short line)."""
         try:
-            body = json.loads(await request.read())
+            async with asyncio.timeout(self.timeouts.body_read):
+                data = await request.read()
+        except TimeoutError:
+            rejected = self._reject(request, 408, f"request body not received within {self.timeouts.body_read:g} s")
+            rejected.force_close()
+            return rejected
         except web.HTTPRequestEntityTooLarge:
             return self._reject(request, 413, f"request body larger than {self.limits.max_body_bytes} bytes")
+        try:
+            body = json.loads(data)
         except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             return self._reject(request, 400, "request body is not valid JSON")
         except RecursionError:  # the parser itself gave up on the nesting
@@ -354,7 +433,7 @@ class PDProxy:
         try:
             async with self._session.post(f"{backend.url}{path}", json=prefill_body(body), headers=headers,
                                           timeout=timeout) as resp:
-                data = await resp.read()
+                data = await self._read_upstream(backend, resp)
                 _check_status(backend, resp.status, data)
         except asyncio.TimeoutError:
             raise BackendFailure(backend, f"no answer within {self.timeouts.prefill:g} s") from None
@@ -385,14 +464,14 @@ class PDProxy:
         try:
             try:
                 if not stream:
-                    data = await resp.read()
+                    data = await self._read_upstream(backend, resp)
                     _check_status(backend, resp.status, data)
                     out = web.Response(status=200, body=data, content_type="application/json",
                                        headers={PATH_HEADER: path})
                     resp.release()
                     return out
                 if resp.status != 200:
-                    _check_status(backend, resp.status, await resp.read())
+                    _check_status(backend, resp.status, await self._read_upstream(backend, resp))
                 first = await resp.content.readany()
                 if not first:
                     raise BackendFailure(backend, "closed the stream before sending anything")
@@ -403,6 +482,21 @@ class PDProxy:
             return await self._relay(request, resp, backend, first, path)
         finally:
             resp.close()  # a no-op after release(); otherwise it cuts the connection, which aborts the request
+
+    async def _read_upstream(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
+        """A whole answer body, refused as the instance's failure past `max_upstream_bytes` (announced
+        or read): one runaway instance cannot make the proxy buffer without bound."""
+        limit = self.limits.max_upstream_bytes
+        too_big = f"answered with a body over {limit} bytes"
+        if (resp.content_length or 0) > limit:
+            raise BackendFailure(backend, too_big)
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise BackendFailure(backend, too_big)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
                      first: bytes, path: str) -> web.StreamResponse:
@@ -503,16 +597,40 @@ def register(subparsers) -> None:
                    f"another instance (default {Timeouts.decode_read:.0f})")
     p.add_argument("--probe-interval", type=cli_args.seconds, default=Timeouts.probe, metavar="S",
                    help=f"seconds between /health probes of failed instances (default {Timeouts.probe:g})")
+    p.add_argument("--body-timeout", type=cli_args.seconds, default=Timeouts.body_read, metavar="S",
+                   help=f"longest a client may take to send its request body; then HTTP 408 (default {Timeouts.body_read:g})")
     p.add_argument("--max-body-bytes", type=cli_args.bounded_int(1024, 1 << 30), default=Limits.max_body_bytes,
                    metavar="N", help=f"larger request bodies get HTTP 413 (default {Limits.max_body_bytes})")
+    p.add_argument("--max-in-flight", type=cli_args.in_flight, default=Limits.max_in_flight,
+                   metavar="N", help="completions served at once; beyond it clients get HTTP 429 with Retry-After "
+                   f"(default {Limits.max_in_flight})")
+    p.add_argument("--max-upstream-bytes", type=cli_args.bounded_int(1024, 1 << 34),
+                   default=Limits.max_upstream_bytes, metavar="N",
+                   help=f"largest non-streamed answer read from an instance (default {Limits.max_upstream_bytes})")
     p.set_defaults(func=_run)
+
+
+def _open_files_for(limits: Limits) -> None:
+    """Raise this process's open-file limit to what serving `max_in_flight` completions needs (up to the
+    hard limit); refuse to start, naming the option, where even that is too low."""
+    need = limits.file_descriptors
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(f"--max-in-flight {limits.max_in_flight} needs {need} open files, but this process "
+                             f"may open only {hard} (ulimit -Hn): lower --max-in-flight or raise the limit")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _run(args: argparse.Namespace) -> int:
     prefill, decode = _urls(args.prefill, "--prefill"), _urls(args.decode, "--decode")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvpp-proxy %(levelname)s %(message)s")
-    timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval)
-    proxy = PDProxy(prefill, decode, timeouts, Limits(max_body_bytes=args.max_body_bytes))
+    timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval,
+                        args.body_timeout)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
+                    max_upstream_bytes=args.max_upstream_bytes)
+    _open_files_for(limits)
+    proxy = PDProxy(prefill, decode, timeouts, limits)
     logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", args.host, args.port), prefill, decode)
     # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
     hosts = [args.host, "0.0.0.0"] if args.host == "::" else args.host

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from connectors.mooncake import messages as m
+from connectors.mooncake import tokens
 
 V = m.PROTOCOL_VERSION
 TOKEN = "A" * 43
 OTHER = "B" * 43
+KEY = b"k" * tokens.KEY_BYTES
+"""A prefill engine's token key (the scheduler's, handed to its workers)."""
+
+
+def issued(request_id: str) -> str:
+    """A token that prefill engine (KEY) issued for `request_id` just now."""
+    return tokens.issue(KEY, request_id)
 
 
 BLOCK = 16 * 576 * 4

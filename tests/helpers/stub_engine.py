@@ -22,11 +22,20 @@ WORDS = ["alpha", "beta", "gamma"]
 REQUEST = {"model": "tiny", "prompt": "the cache", "max_tokens": 16, "temperature": 0}
 
 
+HUGE = 64 << 10
+"""Bytes of a "huge" answer."""
+
+
+SLOW_STREAM_S = 1.5
+"""How long a "slow_stream" answer takes."""
+
+
 class Stub:
     """A backend that serves like a vLLM engine and records what it receives; `mode` selects a failure.
 
     A request with `kv_transfer_params.do_remote_decode` gets a prefill answer; any other gets a full
-    answer, streamed when asked (every instance is a full engine). Handlers are cancelled when the
+    answer, streamed when asked (every instance is a full engine); a "slow_stream" backend takes
+    SLOW_STREAM_S over it, a "huge" one answers HUGE bytes. Handlers are cancelled when the
     proxy drops the connection, as vLLM aborts a request whose client left; `cancelled` records that.
     """
 
@@ -69,6 +78,15 @@ class Stub:
             await asyncio.sleep(1)
         if self.mode == "hang":
             await asyncio.sleep(30)
+        if self.mode == "huge":  # a runaway answer, its size announced
+            return web.json_response({"choices": [{"text": "x" * HUGE}]})
+        if self.mode == "huge_chunked":  # the same, chunked: no size announced
+            out = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await out.prepare(request)
+            for _ in range(HUGE // 1024):
+                await out.write(b" " * 1024)
+            await out.write_eof()
+            return out
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             params = None if self.mode == "no_params" else {
                 "remote_host": LOOP, "remote_port": 37000, "remote_engine_id": self.name,
@@ -89,6 +107,8 @@ class Stub:
                 await asyncio.sleep(2)
             if self.mode == "endless_stream":
                 await asyncio.sleep(0.1)
+            if self.mode == "slow_stream":  # a long answer: the stream stays open for a while
+                await asyncio.sleep(SLOW_STREAM_S / len(WORDS))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out

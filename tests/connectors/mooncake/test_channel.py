@@ -23,7 +23,7 @@ from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.transfer import MooncakeTransfer
 from tests.helpers.curve_keys import load
 from tests.helpers.mooncake_peers import handle, make_puller
-from tests.helpers.mooncake_wire import OTHER, TOKEN, worker_meta
+from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, issued, worker_meta
 
 V = m.PROTOCOL_VERSION
 
@@ -32,7 +32,7 @@ class Prefill:
     """One prefill worker's side channel as the connector builds it: responder, hold table, stats."""
 
     def __init__(self, port: int, defer_s: float = 0.0, curve=None) -> None:
-        self.holds = HoldTable(timeout_s=30)
+        self.holds = HoldTable(timeout_s=30, key=KEY)
         self.stats = MooncakeV2Stats()
         self.responder = PrefillResponder(self.holds)
         self.responder.meta = worker_meta()
@@ -112,7 +112,8 @@ def test_meta_request_without_the_token_gets_no_addresses(prefill):
         m.encode(ask(TOKEN, request_id="someone-else")),  # a live token for another request
     ]
     replies = [m.decode(raw_request(p.port, frame)) for frame in hostile]
-    assert [r.error for r in replies] == ["malformed", "malformed", "unauthorized", "unknown_request"]
+    # Not even deferred: a token this engine did not issue for that request is refused at once.
+    assert [r.error for r in replies] == ["malformed", "malformed", "unauthorized", "unauthorized"]
     assert not any(isinstance(r, m.WorkerMeta) for r in replies)
     assert p.counts() == (2, 2)
     assert call("127.0.0.1", p.port, ask(TOKEN), 2.0, m.WorkerMeta) == p.responder.meta
@@ -122,9 +123,10 @@ def test_meta_request_without_the_token_gets_no_addresses(prefill):
 @pytest.mark.integration
 def test_meta_request_before_the_hold_is_answered_once_it_arrives(prefill):
     p = prefill(defer_s=3.0)
-    threading.Timer(0.3, lambda: p.holds.hold("r", 30, TOKEN)).start()
+    token = issued("r")
+    threading.Timer(0.3, lambda: p.holds.hold("r", 30, token)).start()
     start = time.monotonic()
-    assert call("127.0.0.1", p.port, ask(TOKEN), 5.0, m.WorkerMeta) == p.responder.meta
+    assert call("127.0.0.1", p.port, ask(token), 5.0, m.WorkerMeta) == p.responder.meta
     assert 0.25 < time.monotonic() - start < 1.5
     assert p.counts() == (0, 0)
 
@@ -382,3 +384,27 @@ def test_refusal_log_lines_are_rate_limited(caplog):
     limiter.warn("malformed", "test prefill", "frame 1000")
     assert "(+999 more since the last line)" in caplog.records[-1].getMessage()
     print("refusals logged: 1001 malformed, 1 unauthorized -> 3 log lines")
+
+
+@pytest.mark.integration
+def test_the_decode_keeps_the_metadata_of_a_bounded_number_of_prefills(monkeypatch):
+    """Least recently used first out: a prefill whose metadata was dropped is simply asked again."""
+    from connectors.mooncake import puller as puller_module
+    from deploy.services.processes import free_port
+
+    monkeypatch.setattr(puller_module, "MAX_PEERS", 2)
+    servers = []
+    for _ in range(3):
+        servers.append(Prefill(free_port()))
+        servers[-1].holds.hold("r", 30, TOKEN)
+    try:
+        handles = [m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
+                                       remote_host="127.0.0.1", remote_kv_port=s.port, remote_tp_size=1,
+                                       remote_block_ids=[0], remote_num_tokens=16)) for s in servers]
+        puller = _decode_puller(2.0)
+        for i in (0, 1, 0, 2, 1):  # 0 used again before 2 comes: 1 is the one dropped, then 0
+            assert puller.peer_metas(handles[i]) == [servers[i].responder.meta]
+        assert [s.handled for s in servers] == [1, 2, 1] and len(puller._peers) == 2
+    finally:
+        for s in servers:
+            s.server.close()

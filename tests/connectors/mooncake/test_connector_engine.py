@@ -10,6 +10,8 @@ adds a decode it kills, and the fault test kills the prefill, so they run last.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import http.server
 import json
 import signal
@@ -21,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from deploy.harness.chaos_load import Load, reference_prompts
 from deploy.harness.pd_servers import pd_server
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
@@ -35,6 +38,10 @@ PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
 LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing
 PROMPT_WORDS = (300, 45, 170)
+DECODE_KV_BYTES = 3 << 29  # ~2600 blocks: the load test's whole crowd decodes at once, unpreempted
+LOAD_CLIENTS = 240  # half of them streaming
+LOAD_EXTRA = 20  # sent while the 240 fill the load proxy's --max-in-flight: each gets a 429
+LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens, under a minute
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,8 @@ def pd(mtp_model, tmp_path_factory):
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP])
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
-                        policy="recompute", transfer_timeout_s=5, extra_args=MTP)
+                        policy="recompute", transfer_timeout_s=5, extra_args=MTP,
+                        server={"kv_cache_bytes": DECODE_KV_BYTES})
         start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
         started.append(proxy)
@@ -213,6 +221,58 @@ def test_chaos_attached_to_running_instances(pd):
     refused, proc = _chaos_attached(pd, pd["decode"].url, f"prefill={pd['prefill'].url},decode={dead}", 6)
     assert refused is None and proc.returncode == 2
     assert f"kvpp: error: --engines decode={dead}: {dead}/metrics unreachable" in proc.stderr, proc.stderr
+
+
+def _rss_kib(pid: int) -> dict[str, int]:
+    """A process's resident memory now and at its peak (kB, from /proc)."""
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return {key: int(status[key].split()[0]) for key in ("VmRSS", "VmHWM")}
+
+
+def test_a_crowd_of_240_through_the_proxy_is_answered_like_the_colocated_engine(pd):
+    """240 clients at once through a `kvpp proxy --max-in-flight 240` (half streaming, 64-token answers,
+    so streams stay open together for tens of seconds): every answer equals the decode's own greedy
+    answer for its prompt, every one went P/D and was pulled, none failed; the 20 clients arriving while
+    the 240 are in flight get a 429 with Retry-After, not a 502; the proxy's memory is reported."""
+    decode, model = pd["decode"], pd["model"]
+    texts = [sample_prompt(n, seed=500 + n) for n in (16, 20, 24, 28, 32, 36, 40, 44)]
+    prompts = asyncio.run(reference_prompts(decode.url, model, texts, **LOAD_BODY))
+    proxy, url = start_proxy([pd["prefill"].url], [decode.url], pd["tmp"] / "proxy-load.log",
+                             extra_args=["--max-in-flight", str(LOAD_CLIENTS)])
+    pd["started"].append(proxy)
+    idle = _rss_kib(proxy.pid)
+    pulls, failed = (metric(decode.url, f"vllm:mooncake_v2_{what}_total") for what in ("pulls", "failed_pulls"))
+    load = Load(url, model, prompts, clients=0, extra=LOAD_BODY)
+
+    async def crowd():
+        start = time.monotonic()
+        main = asyncio.create_task(load.burst(["plain", "stream"] * (LOAD_CLIENTS // 2)))
+        while await asyncio.to_thread(metric, url, "kvpp_proxy_requests_in_flight") < LOAD_CLIENTS:
+            assert not main.done() and time.monotonic() - start < 60, "the crowd never filled the proxy"
+            await asyncio.sleep(0.05)
+        extra = await load.burst(["plain"] * LOAD_EXTRA)
+        return await main, extra, time.monotonic() - start
+
+    served, extra, seconds = asyncio.run(crowd())
+    peak = _rss_kib(proxy.pid)
+    outcomes = collections.Counter(r.outcome for r in served)
+    assert outcomes == {"answered": LOAD_CLIENTS}, [(r.status, r.error) for r in served if r.outcome != "answered"][:5]
+    assert all(r.path == "pd" for r in served)
+    assert [r.status for r in extra] == [429] * LOAD_EXTRA, [(r.status, r.error) for r in extra]
+    assert metric(url, 'kvpp_proxy_requests_total{path="overloaded"}') == LOAD_EXTRA
+    assert metric(url, 'kvpp_proxy_backend_failures_total') == 0
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + LOAD_CLIENTS, 30, "pulls counted")
+    assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed
+    # P/D still in use afterwards: one more request through the proxy is pulled and answered alike.
+    after = asyncio.run(load.burst(["stream"]))
+    assert after[0].outcome == "answered" and after[0].path == "pd"
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + LOAD_CLIENTS + 1, 30,
+             "the pull after the crowd counted")
+    longest = max(r.seconds for r in served)
+    print(f"proxy load: {LOAD_CLIENTS} clients ({LOAD_CLIENTS // 2} streaming, {LOAD_BODY['max_tokens']} tokens each), "
+          f"{outcomes['answered']} answered like the reference, {LOAD_EXTRA} beyond the cap got 429; "
+          f"{seconds:.1f} s wall, longest request {longest:.1f} s; proxy RSS {idle['VmRSS'] / 1024:.1f} MiB idle, "
+          f"{peak['VmHWM'] / 1024:.1f} MiB peak")
 
 
 def test_prefill_frees_blocks_when_decode_never_pulls(pd):

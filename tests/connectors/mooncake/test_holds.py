@@ -6,7 +6,7 @@ import pytest
 
 from connectors.mooncake.holds import HoldTable
 from tests.helpers.clock import Clock
-from tests.helpers.mooncake_wire import OTHER, TOKEN
+from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, issued
 
 pytestmark = pytest.mark.unit
 
@@ -25,11 +25,12 @@ def test_hold_released_only_when_every_decode_worker_is_done():
 
 def test_initial_lease_lapses_and_early_notice_is_kept():
     clock = Clock()
-    table = HoldTable(timeout_s=5, clock=clock)
+    table = HoldTable(timeout_s=5, clock=clock, key=KEY)
     table.hold("orphan", 5, TOKEN)
-    table.release("fast", "d", 1, TOKEN)  # notice before the scheduler announced the hold
+    fast = issued("fast")
+    table.release("fast", "d", 1, fast)  # notice before the scheduler announced the hold
     clock.now += 1
-    table.hold("fast", 5, TOKEN)
+    table.hold("fast", 5, fast)
     assert table.pop_finished() == ({"fast"}, set())
     clock.now += 3.5
     assert table.pop_finished() == (set(), set())
@@ -37,7 +38,9 @@ def test_initial_lease_lapses_and_early_notice_is_kept():
     assert table.pop_finished() == (set(), {"orphan"})
     assert table.release("orphan", "d", 1, TOKEN) == "expired"  # too late: the blocks may be reused
     assert table.renew([("orphan", TOKEN)]) == [(0.0, "expired")]
-    assert table.release("fresh", "d", 1, TOKEN) == "unknown"  # kept until its hold arrives
+    assert table.release("fresh", "d", 1, issued("fresh")) == "unknown"  # kept until its hold arrives
+    assert table.release("forged", "d", 1, TOKEN) == "unauthorized"  # a token this engine never issued
+    assert list(table._unknown) == ["fresh"]
 
 
 def test_renewals_shorten_the_initial_lease_and_keep_a_slow_decode_s_blocks():
@@ -68,10 +71,11 @@ def _renew(table, *request_ids, token=TOKEN):
 
 def test_early_renewal_is_honoured_when_the_hold_is_announced():
     clock = Clock()
-    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
-    assert _renew(table, "early") == [5]
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock, key=KEY)
+    token = issued("early")
+    assert _renew(table, "early", token=token) == [5]
     clock.now += 1
-    assert table.hold("early", 2, TOKEN) == 0  # shorter than the lease already granted: the grant wins
+    assert table.hold("early", 2, token) == 0  # shorter than the lease already granted: the grant wins
     clock.now += 4.9
     assert table.pop_finished() == (set(), set())
     clock.now += 0.2
@@ -80,21 +84,25 @@ def test_early_renewal_is_honoured_when_the_hold_is_announced():
 
 def test_early_renewal_with_a_wrong_token_is_dropped_when_the_hold_arrives():
     clock = Clock()
-    table = HoldTable(timeout_s=5, lease_s=5, clock=clock)
-    assert _renew(table, "r", token=OTHER) == [5]  # unchecked until the hold (and its token) arrives
+    table = HoldTable(timeout_s=5, lease_s=5, clock=clock, key=KEY)
+    assert _renew(table, "r", token=OTHER) == [0.0]  # never issued: refused at once, nothing kept
+    replayed, token = issued("r"), issued("r")  # an earlier hold of the same id had the first
+    assert _renew(table, "r", token=replayed) == [5]  # issued, so kept until the hold's own token arrives
     clock.now += 1
-    assert table.hold("r", 2, TOKEN) == 1  # counted as refused; the forged grant does not extend the hold
+    assert table.hold("r", 2, token) == 1  # counted as refused; the replayed grant does not extend the hold
     clock.now += 2
     assert table.pop_finished() == (set(), {"r"})
 
 
 def test_table_of_unknown_notices_is_bounded_and_forgotten():
     clock = Clock()
-    table = HoldTable(timeout_s=5, clock=clock, max_unknown=100)
+    table = HoldTable(timeout_s=5, clock=clock, max_unknown=100, key=KEY)
     for i in range(10_000):
-        table.release(f"stray-{i}", "d", 1, TOKEN)
-        _renew(table, f"claim-{i}")
+        table.release(f"stray-{i}", "d", 1, issued(f"stray-{i}"))
+        _renew(table, f"claim-{i}", token=issued(f"claim-{i}"))
+        table.release(f"forged-{i}", "d", 1, TOKEN)  # a stranger's: never kept, never evicts
     assert len(table._unknown) == 100 and "claim-9999" in table._unknown  # newest kept
+    assert not any(rid.startswith("forged") for rid in table._unknown)
     clock.now += 6
     table.pop_finished()
     assert not table._unknown and len(table) == 0
@@ -103,24 +111,43 @@ def test_table_of_unknown_notices_is_bounded_and_forgotten():
 
 
 def test_done_notice_needs_the_live_token():
-    table = HoldTable(timeout_s=30)
+    table = HoldTable(timeout_s=30, key=KEY)
     table.hold("r", 30, TOKEN)
     assert table.authorize("r", OTHER) == "unauthorized"
     assert table.release("r", "attacker", 1, OTHER) == "unauthorized"
     assert table.pop_finished() == (set(), set()) and len(table) == 1  # still held
-    assert table.authorize("r", TOKEN) == "ok" and table.authorize("nope", TOKEN) == "unknown"
+    assert table.authorize("r", TOKEN) == "ok" and table.authorize("nope", issued("nope")) == "unknown"
+    assert table.authorize("nope", TOKEN) == table.authorize("nope", issued("other")) == "unauthorized"
     assert table.release("r", "decode/pp0/tp0", 1, TOKEN) == "ok"
     assert table.pop_finished() == ({"r"}, set())
 
 
 def test_early_notice_with_wrong_token_is_dropped_when_the_hold_arrives():
-    table = HoldTable(timeout_s=30)
-    assert table.release("r", "attacker", 1, OTHER) == "unknown"
-    assert table.release("r", "decode/pp0/tp0", 2, TOKEN) == "unknown"
-    assert table.hold("r", 30, TOKEN) == 1  # the attacker's notice, counted by the caller
+    table = HoldTable(timeout_s=30, key=KEY)
+    token = issued("r")
+    assert table.release("r", "attacker", 1, OTHER) == "unauthorized"  # never kept
+    assert table.release("r", "replayer", 1, issued("r")) == "unknown"  # issued for an earlier hold of r
+    assert table.release("r", "decode/pp0/tp0", 2, token) == "unknown"
+    assert table.hold("r", 30, token) == 1  # the replayed notice, counted by the caller
     assert table.pop_finished() == (set(), set())  # one genuine consumer of two so far
-    table.release("r", "decode/pp0/tp1", 2, TOKEN)
+    table.release("r", "decode/pp0/tp1", 2, token)
     assert table.pop_finished() == ({"r"}, set())
+
+
+def test_tokens_are_believed_early_only_from_this_engine_and_only_recently():
+    import time
+
+    from connectors.mooncake import tokens
+
+    token = tokens.issue(KEY, "r")
+    assert len(token) == 54 and tokens.issued_recently(KEY, "r", token, 30)
+    assert not tokens.issued_recently(b"x" * 32, "r", token, 30)  # another engine's key
+    assert not tokens.issued_recently(KEY, "r2", token, 30)  # another request's token
+    assert not tokens.issued_recently(KEY, "r", token[:-1] + ("A" if token[-1] != "A" else "B"), 30)
+    old = tokens.issue(KEY, "r", now=time.time() - 31)
+    assert not tokens.issued_recently(KEY, "r", old, 30)  # past one hold timeout: not an early message
+    assert all(not tokens.issued_recently(KEY, "r", t, 30) for t in ("", "A" * 43, "#" * 54, token + "AA"))
+    assert HoldTable(timeout_s=30).authorize("r", token) == "unauthorized"  # no key yet: nothing issued
 
 
 def test_ended_hold_is_not_revived_by_a_late_or_replayed_notice():

@@ -8,7 +8,7 @@ from connectors.mooncake import messages as m
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from tests.helpers.clock import Clock
-from tests.helpers.mooncake_wire import OTHER, TOKEN, V, worker_meta
+from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, V, issued, worker_meta
 
 pytestmark = pytest.mark.unit
 
@@ -16,11 +16,11 @@ pytestmark = pytest.mark.unit
 def test_hold_table_answers_notices_and_renewals():
     from connectors.mooncake.channel import Refused
 
-    table = HoldTable(timeout_s=30, lease_s=3, clock=Clock())
+    table = HoldTable(timeout_s=30, lease_s=3, clock=Clock(), key=KEY)
     table.hold("r", 30, TOKEN)
     responder = PrefillResponder(table)
     renewal = m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id="r", token=TOKEN),
-                                                m.LeaseClaim(request_id="x", token=TOKEN)])
+                                                m.LeaseClaim(request_id="x", token=issued("x"))])
     assert responder(m.decode(m.encode(renewal))) == m.LeaseGrant(version=V, seconds=[3, 3])
     notice = m.DoneNotice(version=V, request_id="r", token=TOKEN, consumer="d", num_consumers=1, success=True)
     assert responder(notice) == m.Released(version=V, request_id="r", held=True)
@@ -32,11 +32,15 @@ def test_hold_table_answers_notices_and_renewals():
 def test_responder_verdicts():
     from connectors.mooncake.channel import Refused
 
-    table = HoldTable(timeout_s=30)
+    table = HoldTable(timeout_s=30, key=KEY)
     responder = PrefillResponder(table)
-    ask = m.MetaRequest(version=V, request_id="r", token=TOKEN)
-    assert responder(ask) is None  # hold not announced yet: the server defers
-    table.hold("r", 30, TOKEN)
+    token = issued("r")
+    ask = m.MetaRequest(version=V, request_id="r", token=token)
+    assert responder(ask) is None  # hold not announced yet, the token one this engine issued: the server defers
+    with pytest.raises(Refused) as info:  # not one it issued: refused at once, never deferred
+        responder(m.MetaRequest(version=V, request_id="r", token=TOKEN))
+    assert info.value.code == "unauthorized"
+    table.hold("r", 30, token)
     with pytest.raises(Refused) as info:
         responder(ask)
     assert info.value.code == "not_ready"

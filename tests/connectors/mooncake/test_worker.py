@@ -4,11 +4,15 @@ Mooncake transfer engine and side channel on loopback; only vLLM's process group
 
 from __future__ import annotations
 
+import collections
+import secrets
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 
 from connectors.mooncake import messages as m
 from connectors.mooncake import worker as worker_module
@@ -18,7 +22,7 @@ from connectors.mooncake.settings import Settings
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.worker import MooncakeV2Worker
 from deploy.services.processes import free_port
-from tests.helpers.mooncake_wire import OTHER, TOKEN, V, names
+from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, V, issued, names
 
 pytestmark = pytest.mark.integration
 
@@ -63,8 +67,8 @@ def start_worker(monkeypatch):
         w.shutdown()
 
 
-def handle(prefill: MooncakeV2Worker, request_id: str, blocks: list[int]) -> PrefillHandle:
-    return PrefillHandle(remote_engine_id=prefill.engine_id, remote_request_id=request_id, remote_token=TOKEN,
+def handle(prefill: MooncakeV2Worker, request_id: str, blocks: list[int], token: str = TOKEN) -> PrefillHandle:
+    return PrefillHandle(remote_engine_id=prefill.engine_id, remote_request_id=request_id, remote_token=token,
                          remote_host="127.0.0.1", remote_kv_port=prefill.port, remote_tp_size=1,
                          remote_block_ids=blocks, remote_num_tokens=16 * len(blocks))
 
@@ -149,3 +153,87 @@ def test_a_load_with_no_blocks_only_tells_the_prefill_to_free(start_worker):
     assert finished_until(prefill, lambda s, r: "p-req" in s) == ({"p-req"}, set())
     assert decode.get_finished() == (set(), set())  # never a pull to report
     assert decode.get_stats() is None
+
+
+def _flood(port: int, stop: threading.Event, sent: dict) -> None:
+    """A stranger (no token the prefill issued) on one DEALER socket, pipelining without waiting for
+    answers: metadata requests (the deferred queue), done-notices and lease renewals of made-up
+    requests (the early-notice table), and messages of a thousand parts (the envelope check)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def stranger_id() -> tuple[str, str]:
+        return f"x-{secrets.token_hex(8)}", secrets.token_urlsafe(32)
+
+    try:
+        while not stop.is_set():
+            for kind in ["meta"] * 300 + ["done"] * 150 + ["renew"] * 50:  # more than MAX_DEFERRED at once
+                rid, token = stranger_id()
+                message = {"meta": m.MetaRequest(version=V, request_id=rid, token=token),
+                           "done": m.DoneNotice(version=V, request_id=rid, token=token, consumer="x", num_consumers=1,
+                                                success=True),
+                           "renew": m.LeaseRenewal(version=V, claims=[m.LeaseClaim(request_id=f"{rid}-{i}", token=token)
+                                                                      for i in range(m.MAX_CLAIMS)])}[kind]
+                sock.send_multipart([b"", m.encode(message)])
+                sent[kind] += 1
+                sent["total"] += 1
+            sock.send_multipart([b"", b"x" * 1024] * 500)  # 1000 parts
+            sent["parts"] += 1
+            deadline = time.monotonic() + 5  # every request is answered; wait for the batch's answers
+            while sent["answered"] < sent["total"] and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                _, frame = sock.recv_multipart()
+                reply = m.decode(frame)
+                sent["answered"] += 1
+                sent[f"answer:{reply.error if isinstance(reply, m.Ack) else type(reply).__name__}"] += 1
+    finally:
+        sock.close()
+
+
+def test_a_stranger_flooding_every_side_channel_table_starves_no_real_pull(start_worker):
+    """While a stranger floods the prefill worker's side channel, four real P/D requests whose decode
+    asks before the prefill worker has heard of the hold (the early path: renewal kept, metadata
+    request deferred) all pull their blocks intact and are released. The stranger's messages are refused
+    at once and counted; none of its made-up requests is kept in the early-notice table or the deferred
+    queue (with a token the prefill never issued they cannot be told from real early ones otherwise)."""
+    prefill = start_worker("prefill", handshake_timeout_s=4.0)  # requests wait up to 2 s for their hold
+    decode = start_worker("decode", handshake_timeout_s=4.0, max_pulls_per_prefill=4)
+    source, target = caches(32, seed=7), caches(32)
+    prefill.register_kv_caches(source)
+    decode.register_kv_caches(target)
+    prefill.start_load_kv(MooncakeV2Metadata(token_key=KEY))  # a first step: the scheduler's key arrives
+    sent = collections.Counter()
+    stop = threading.Event()
+    flood = threading.Thread(target=_flood, args=(prefill.port, stop, sent), daemon=True)
+    flood.start()
+    try:
+        while sent["total"] < 1000:  # the queue and tables are under fire before the real requests come
+            time.sleep(0.05)
+        requests = {f"p-{i}": (issued(f"p-{i}"), [4 * i + 1, 4 * i + 2, 4 * i + 3]) for i in range(4)}
+        decode.start_load_kv(MooncakeV2Metadata(loads=[
+            LoadSpec(f"d-{i}", handle(prefill, rid, blocks, token), (10 + 3 * i, 11 + 3 * i, 12 + 3 * i), tuple(blocks),
+                     time.time()) for i, (rid, (token, blocks)) in enumerate(requests.items())]))
+        time.sleep(0.5)  # the decode's renewals and metadata requests are in; then the hold announcement
+        prefill.start_load_kv(MooncakeV2Metadata(holds=dict.fromkeys(requests, 30.0),
+                                                 tokens={rid: token for rid, (token, _) in requests.items()},
+                                                 token_key=KEY))
+        assert finished_until(decode, lambda s, r: len(r) == 4) == (set(), {f"d-{i}" for i in range(4)})
+        assert finished_until(prefill, lambda s, r: len(s) == 4) == (set(requests), set())
+        unknown, deferred = list(prefill.holds._unknown), len(prefill._server._deferred)
+    finally:
+        stop.set()
+        flood.join(timeout=10)
+    assert decode.get_block_ids_with_load_errors() == set()
+    for i, (_, blocks) in enumerate(requests.values()):
+        for name in LAYERS:
+            assert torch.equal(target[name][10 + 3 * i:13 + 3 * i], source[name][blocks])
+    assert not any(rid.startswith("x-") for rid in unknown) and deferred == 0
+    # Every stranger's request was answered, at once and alike: unauthorized (none deferred, none kept).
+    answers = {k: v for k, v in sent.items() if k.startswith("answer:")}
+    assert answers == {"answer:unauthorized": sent["answered"]} and sent["answered"] >= sent["total"] - 500, sent
+    counted = prefill.get_stats().reduce()
+    assert counted["refused_requests"] >= sent["answered"] and counted["malformed_frames"] >= 1
+    print(f"stranger's flood: {sent['meta']} metadata requests, {sent['done']} done-notices, {sent['renew']} "
+          f"renewals of {m.MAX_CLAIMS} claims, {sent['parts']} messages of 1000 parts; "
+          f"{counted['refused_requests']} refused, {counted['malformed_frames']} malformed; 4 early P/D pulls intact")
+

@@ -17,7 +17,7 @@ from connectors.hosts import MOONCAKE_IPV6, host_url, join_host_port
 from deploy.cli.main import main
 from deploy.deployment.check import check_spec
 from deploy.deployment.render import MARKER, render
-from deploy.deployment.spec import load_spec, parse_spec
+from deploy.deployment.spec import SpecError, load_spec, parse_spec
 from tests.helpers.ipv6_spec import ipv6_spec
 from tests.helpers.paths import REPO as ROOT
 
@@ -115,6 +115,19 @@ def test_pd_shell_scripts_carry_roles_ports_and_kvpp_only_on_prefill():
     assert "--additional-config" not in decode
     proxy, _ = _serve_flags(files["proxy.sh"])
     assert proxy["--prefill"] == "http://10.0.0.31:8100" and proxy["--decode"] == "http://10.0.0.31:8200"
+    assert "--max-in-flight" not in proxy  # unset: the proxy's own default
+
+
+def test_proxy_max_in_flight_from_the_spec_reaches_the_proxy_and_is_bounded():
+    data = yaml.safe_load((ROOT / "deploy/deployment/examples/pd-one-host.yaml").read_text())
+    data["proxy"] = {**data.get("proxy", {}), "max_in_flight": 4096}
+    for fmt in ("shell", "k8s"):
+        files = render(parse_spec(data), fmt)
+        text = files["proxy.sh"] if fmt == "shell" else files["proxy.yaml"]
+        assert "--max-in-flight" in text and "4096" in text
+    data["proxy"]["max_in_flight"] = 0
+    with pytest.raises(SpecError, match=r"proxy\.max_in_flight"):
+        parse_spec(data)
 
 
 def test_existing_config_keys_are_kept_when_merging(tmp_path):

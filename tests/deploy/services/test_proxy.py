@@ -6,6 +6,7 @@ import json
 import logging
 import random
 import re
+import subprocess
 import sys
 import time
 
@@ -449,3 +450,172 @@ def test_a_proxy_on_the_ipv6_wildcard_serves_both_families(tmp_path):
         assert backends["http://[::1]:2"].startswith("unreachable (Cannot connect to host ::1:2"), backends
     finally:
         proc.stop()
+
+
+# -- production concurrency ----------------------------------------------------------------------
+def _many():
+    """A session that itself imposes no pool limit (aiohttp's default is 100 connections)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+
+async def _stream(session, url) -> tuple[int, str, dict]:
+    async with session.post(f"{url}/v1/completions", json={**REQUEST, "stream": True}) as r:
+        return r.status, (await r.read()).decode(), dict(r.headers)
+
+
+@pytest.mark.integration
+def test_more_concurrent_streams_than_aiohttp_s_default_pool_are_all_served():
+    """150 streams of 1.5 s at once, with a 0.5 s connect timeout: with a 100-connection pool whose slot
+    wait counted as connecting, 50 would time out and the healthy decode would leave rotation."""
+    p, d = Stub("p0"), Stub("d0", mode="slow_stream")
+
+    async def go(session, url, proxy):
+        async with _many() as many:
+            answers = await asyncio.gather(*(_stream(many, url) for _ in range(150)))
+        return answers, await metrics(session, url)
+
+    answers, m = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=0.5, prefill=10, decode_read=5)))
+    assert [status for status, _, _ in answers] == [200] * 150
+    assert all(_events(text)[-1] == "[DONE]" and len(_events(text)) == len(WORDS) + 1 for _, text, _ in answers)
+    assert m['kvpp_proxy_requests_total{path="pd"}'] == 150 and m['kvpp_proxy_requests_total{path="failed"}'] == 0
+    assert all(v == 0 for k, v in m.items() if k.startswith("kvpp_proxy_backend_failures_total"))
+    assert all(v == 1 for k, v in m.items() if k.startswith("kvpp_proxy_backend_up"))
+
+
+@pytest.mark.integration
+def test_beyond_max_in_flight_clients_get_429_with_retry_after_and_no_backend_is_blamed():
+    p, d = Stub("p0"), Stub("d0", mode="slow_stream")
+
+    async def go(session, url, proxy):
+        async with _many() as many:
+            admitted = [asyncio.create_task(_stream(many, url)) for _ in range(10)]
+            while proxy.in_flight < 10:
+                await asyncio.sleep(0.01)
+            refused = []
+            for _ in range(5):
+                async with many.post(f"{url}/v1/completions", json=REQUEST) as r:
+                    refused.append((r.status, r.headers.get("Retry-After"), await r.json()))
+            served = await asyncio.gather(*admitted)
+            async with many.post(f"{url}/v1/completions", json=REQUEST) as r:  # below the cap again
+                after = r.status
+        return served, refused, after, await metrics(session, url)
+
+    served, refused, after, m = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=1, prefill=10, decode_read=5),
+                                                      Limits(max_in_flight=10)))
+    assert [status for status, _, _ in served] == [200] * 10 and after == 200
+    for status, retry_after, answer in refused:
+        assert status == 429 and retry_after == "1"
+        assert answer["error"]["code"] == 429 and answer["error"]["type"] == "rate_limit_exceeded"
+        assert "limit of 10 requests" in answer["error"]["message"]
+    assert len(d.requests) == 11  # a refused request reached no instance
+    assert m['kvpp_proxy_requests_total{path="overloaded"}'] == 5 and m['kvpp_proxy_requests_total{path="pd"}'] == 11
+    assert all(v == 0 for k, v in m.items() if k.startswith("kvpp_proxy_backend_failures_total"))
+
+
+@pytest.mark.integration
+def test_the_prober_has_its_own_connections_and_outlives_a_failed_round(caplog):
+    """A failed prefill is probed back in while every completion slot is held by a stream, and after
+    a probe round that raised (a bug injected into one round: the loop must not die of it)."""
+    p0, p1, d = Stub("p0", mode="fail"), Stub("p1"), Stub("d0", mode="slow_stream")
+
+    async def go(session, url, proxy):
+        async with session.post(f"{url}/v1/completions", json=REQUEST) as r:  # p0 fails, p1 serves
+            assert r.status == 200
+        assert not proxy.prefill.backends[0].up
+        rounds = []
+        real_down = proxy.prefill.down
+
+        def down_failing_once():
+            rounds.append(time.monotonic())
+            if len(rounds) == 1:
+                raise RuntimeError("injected probe bug")
+            return real_down()
+
+        proxy.prefill.down = down_failing_once
+        async with _many() as many:
+            streams = [asyncio.create_task(_stream(many, url)) for _ in range(4)]
+            while proxy.in_flight < 4:
+                await asyncio.sleep(0.01)
+            p0.mode = "ok"
+            while not proxy.prefill.backends[0].up and len(rounds) < 30:
+                await asyncio.sleep(0.05)
+            back, busy = proxy.prefill.backends[0].up, proxy.in_flight
+            await asyncio.gather(*streams)
+        return back, busy, len(rounds)
+
+    with caplog.at_level(logging.WARNING, logger="kvpp.proxy"):
+        back, busy, rounds = asyncio.run(with_proxy([p0, p1], [d], go, Timeouts(connect=1, prefill=10, decode_read=5,
+                                                                               probe=0.05), Limits(max_in_flight=4)))
+    assert back and busy == 4 and rounds >= 2
+    assert "health probe round failed (injected probe bug)" in caplog.text
+
+
+async def _slow_body(url: str, sent: bytes, length: int) -> tuple[bytes, float]:
+    """A client that announces `length` body bytes, sends `sent`, then stalls; returns the answer's
+    head and how long it took."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    start = time.monotonic()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode() + sent)
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.read(4096), 10)
+    finally:
+        writer.close()
+    return head, time.monotonic() - start
+
+
+@pytest.mark.integration
+def test_a_client_slow_to_send_its_body_gets_a_408_and_holds_its_slot_only_that_long():
+    async def go(session, url, proxy):
+        slow = asyncio.create_task(_slow_body(url, b'{"prompt": ', 500))
+        while proxy.in_flight < 1:
+            await asyncio.sleep(0.01)
+        async with session.post(f"{url}/v1/completions", json=REQUEST) as r:  # the slow sender holds the slot
+            during = r.status
+        head, took = await slow
+        async with session.post(f"{url}/v1/completions", json=REQUEST) as r:
+            after = r.status
+        return during, head, took, after, proxy.prefill.backends[0].failures
+
+    during, head, took, after, failures = asyncio.run(with_proxy(
+        [Stub("p0")], [Stub("d0")], go, Timeouts(connect=1, prefill=5, decode_read=5, body_read=0.5),
+        Limits(max_in_flight=1)))
+    assert head.startswith(b"HTTP/1.1 408") and b"request body not received within 0.5 s" in head
+    assert 0.4 < took < 3 and during == 429 and after == 200 and failures == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["huge", "huge_chunked"])
+def test_an_oversize_upstream_answer_is_that_instance_s_failure(mode):
+    """A decode answering more than max_upstream_bytes is given up (the next decode serves), and a
+    prefill doing so leaves the request to the decode alone; nothing is buffered past the limit."""
+    async def go(session, url, proxy):
+        return await _post()(session, url, proxy)
+
+    limits = Limits(max_upstream_bytes=4096)
+    runaway = Stub("d0", mode=mode)
+    status, answer, _, m = asyncio.run(with_proxy([Stub("p0")], [runaway, Stub("d1")], go, FAST, limits))
+    assert status == 200 and answer["served_by"] == "d1"
+    assert m[f'kvpp_proxy_backend_up{{role="decode",backend="{runaway.url}"}}'] == 0
+    bad = Stub("p0", mode=mode)
+    status, answer, _, m = asyncio.run(with_proxy([bad], [Stub("d0")], go, FAST, limits))
+    assert status == 200 and answer["served_by"] == "d0" and answer["got_kv_transfer_params"] is None
+    assert m['kvpp_proxy_requests_total{path="decode_only"}'] == 1
+    assert m[f'kvpp_proxy_backend_up{{role="prefill",backend="{bad.url}"}}'] == 0
+
+
+@pytest.mark.integration
+def test_max_in_flight_is_refused_where_the_open_file_limit_cannot_serve_it(tmp_path):
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    too_many = min(1 << 16, hard)  # needs twice as many sockets as this
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard open-file limit to exceed")
+    out = subprocess.run([sys.executable, "-m", "deploy.cli.main", "proxy", "--prefill", "http://127.0.0.1:1",
+                          "--decode", "http://127.0.0.1:2", "--port", str(free_port()), "--max-in-flight",
+                          str(too_many)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"--max-in-flight {too_many} needs" in out.stderr and "lower --max-in-flight or raise the limit" in out.stderr
