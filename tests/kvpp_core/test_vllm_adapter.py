@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,34 +17,68 @@ import torch
 
 from kvpp_core.allocation import CacheLayer, place
 from kvpp_core.ownership import rank_layout
-from kvpp_core.vllm_adapter import history_block_ranges, kvpp_cache_config, step_needs_broadcast
+from kvpp_core.vllm_adapter import RequestBlocks, kvpp_cache_config, step_needs_broadcast
 
 BLOCK = 16
 
 
-def _state(block_ids, computed):
-    return SimpleNamespace(block_ids=(list(block_ids),), num_computed_tokens=computed)
+def _new(req_id, block_ids, computed):
+    from vllm.v1.core.sched.output import NewRequestData
+
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(range(64)), mm_features=[], sampling_params=None,
+                          pooling_params=None, block_ids=(list(block_ids),), num_computed_tokens=computed,
+                          lora_request=None)
+
+
+def _output(new=(), cached=(), finished=(), preempted=None):
+    """A SchedulerOutput as vLLM builds it; `cached` holds (req_id, new block ids or None, computed, resumed)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    cached_data = CachedRequestData(
+        req_ids=[c[0] for c in cached], resumed_req_ids={c[0] for c in cached if c[3]},
+        new_token_ids=[[] for _ in cached], all_token_ids={},
+        new_block_ids=[None if c[1] is None else (list(c[1]),) for c in cached],
+        num_computed_tokens=[c[2] for c in cached], num_output_tokens=[1 for _ in cached])
+    scheduled = {r.req_id: 8 for r in new} | {c[0]: 1 for c in cached}
+    return replace(SchedulerOutput.make_empty(), scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_data,
+                   num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                   finished_req_ids=set(finished), preempted_req_ids=preempted)
 
 
 @pytest.mark.unit
 def test_history_is_the_blocks_up_to_each_requests_computed_tokens():
-    states = {
-        "a": _state([4, 5, 6, 9], 33),  # 33 tokens: blocks 4, 5 and the partial 6
-        "b": _state([7, 8], 16),  # exactly one full block
-        "fresh": _state([10, 11], 0),  # a fresh prefill has no history
-        "idle": _state([20], 16),  # not scheduled this step
-    }
-    assert history_block_ranges(states, ["a", "b", "fresh"], BLOCK) == [range(4, 8)]
-    assert history_block_ranges(states, ["fresh"], BLOCK) == []
-    assert history_block_ranges(states, ["b", "idle"], BLOCK) == [range(7, 8), range(20, 21)]
+    blocks = RequestBlocks()
+    step = _output(new=[_new("a", [4, 5, 6], 33), _new("b", [7, 8], 16), _new("fresh", [10, 11], 0)])
+    blocks.update(step)  # 33 tokens: blocks 4, 5 and the partial 6; b: exactly one block; fresh: none
+    assert blocks.history(step, BLOCK) == [range(4, 8)]
+    step = _output(cached=[("a", [9], 49, False), ("b", None, 17, False)])  # a grew a block, b did not
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(4, 10)]
+    step = _output(cached=[("b", None, 18, False)], finished=["a", "fresh"])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(7, 9)]
 
 
 @pytest.mark.unit
-def test_history_falls_back_to_every_block_when_the_runner_keeps_no_usable_state():
-    assert history_block_ranges(None, ["a"], BLOCK) is None
-    assert history_block_ranges({}, ["unknown"], BLOCK) is None
-    two_groups = SimpleNamespace(block_ids=([1], [2]), num_computed_tokens=16)
-    assert history_block_ranges({"a": two_groups}, ["a"], BLOCK) is None
+def test_a_resumed_request_takes_its_new_block_list_and_a_preempted_one_is_dropped():
+    blocks = RequestBlocks()
+    blocks.update(_output(new=[_new("a", [1, 2], 20)]))
+    blocks.update(_output(preempted={"a"}))  # Model Runner V2 is told; V1 only sees it resume
+    step = _output(cached=[("a", [30, 31, 32], 40, True)])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(30, 33)]
+
+
+@pytest.mark.unit
+def test_history_falls_back_to_every_block_when_a_requests_blocks_are_not_known():
+    blocks = RequestBlocks()
+    step = _output(cached=[("unknown", [3], 16, False)])  # first seen running (never as a new request)
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) is None
+    two_groups = replace(_new("g", [1], 16), block_ids=([1], [2]))
+    step = _output(new=[two_groups])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) is None
 
 
 def _scheduled(tokens, new_computed=(), running=0):
