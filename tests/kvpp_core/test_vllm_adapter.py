@@ -213,3 +213,71 @@ def test_waiting_costs_a_fraction_of_the_spinning_readers_cpu(runs):
     spin, poll = runs["spin"], runs["poll"]
     assert spin["polling"] is False and spin["seen"] == list(range(MESSAGES))
     assert poll["idle_cpu_s"] < spin["idle_cpu_s"] / 3, (poll["idle_cpu_s"], spin["idle_cpu_s"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_history_follows_vllms_scheduler_through_chunks_decodes_preemption_and_prefix_hits(
+        tiny_model, runner, monkeypatch):
+    """vLLM's own Scheduler, short of blocks, runs two requests that share a prefix through chunked
+    prefills, decodes, a preemption and a resume; at every step the history kept from its outputs is
+    exactly the scheduler's blocks of each scheduled request up to its computed tokens. Under both
+    runners: the scheduler tells Model Runner V2 of preemptions, V1 only of resumes."""
+    from kvpp_core.broadcast import coalesce
+    from tests.helpers import vllm_scheduler as vs
+
+    config = vs.engine_config(tiny_model, None, max_num_batched_tokens=48)
+    # vLLM turns these off for MLA on CPU (its CPU attention cannot use them); its scheduler can.
+    config.cache_config.enable_prefix_caching = config.scheduler_config.enable_chunked_prefill = True
+    config.scheduler_config.max_num_batched_tokens = 48
+    # After the config is built: vLLM refuses V2 where Triton cannot run, but its scheduler runs anywhere.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
+    sched = vs.scheduler(config, num_blocks=9)  # 8 usable: each request fits alone, both do not
+    assert sched.vllm_config.use_v2_model_runner is (runner == "v2")
+    shared = list(range(100, 148))
+    sched.add_request(vs.request("a", shared + list(range(22)), max_tokens=40))
+    blocks, seen, started = RequestBlocks(), set(), set()
+    for index in range(300):
+        if index == 3:
+            sched.add_request(vs.request("b", shared + list(range(500, 520)), max_tokens=40))
+        if not sched.requests:
+            break
+        before = {req_id: req.num_computed_tokens for req_id, req in sched.requests.items()}
+        out = sched.schedule()
+        blocks.update(out)
+        cached = out.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        assert all(computed[r] == before[r] for r in cached.req_ids if r not in cached.resumed_req_ids)
+        expected = coalesce([b for r in out.num_scheduled_tokens for b in vs.block_ids(sched, r)[: -(-computed[r] // BLOCK)]])
+        assert blocks.history(out, BLOCK) == expected, index
+        vs.report_step(sched, out)
+        seen |= {"resumed"} if cached.resumed_req_ids or any(r.req_id in started for r in out.scheduled_new_reqs) else set()
+        started |= {r.req_id for r in out.scheduled_new_reqs}
+        seen |= {"prefix hit"} if any(r.num_computed_tokens for r in out.scheduled_new_reqs) else set()
+        seen |= {"preempted"} if out.preempted_req_ids else set()
+    assert not sched.requests, "both requests finished"
+    assert seen == {"preempted", "resumed", "prefix hit"}
+
+
+@pytest.mark.unit
+def test_the_shared_memory_backing_is_adopted_from_model_runner_v2s_allocator(monkeypatch):
+    """V2's `init_kv_cache` calls the allocator through its own module (vllm.v1.worker.gpu.attn_utils):
+    inside the adoption, vLLM's V2 allocation path hands its caches to the shared-memory group."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu import attn_utils
+
+    from kvpp_core import vllm_adapter
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=2, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)], kv_cache_tensors=[
+        KVCacheTensor(size=2 * spec.page_size_bytes, layers=["l0"], layer_stride=2 * spec.page_size_bytes,
+                      block_stride=spec.page_size_bytes)])
+    adopted = []
+    shm = SimpleNamespace(adopt=lambda caches: adopted.append(caches) or caches)
+    original = attn_utils.allocate_kv_cache
+    with vllm_adapter._kv_backing_adopted_by(shm):
+        caches = attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    assert adopted == [caches] and caches["l0"].nbytes == 2 * spec.page_size_bytes
+    assert attn_utils.allocate_kv_cache is original, "the allocator is restored after the allocation"
