@@ -200,6 +200,7 @@ def runs() -> dict[str, dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.vllm
 def test_polling_readers_get_every_message_in_order_without_a_stall(runs):
     poll = runs["poll"]
     assert poll["polling"] is True
@@ -209,6 +210,7 @@ def test_polling_readers_get_every_message_in_order_without_a_stall(runs):
 
 
 @pytest.mark.integration
+@pytest.mark.vllm
 def test_waiting_costs_a_fraction_of_the_spinning_readers_cpu(runs):
     spin, poll = runs["spin"], runs["poll"]
     assert spin["polling"] is False and spin["seen"] == list(range(MESSAGES))
