@@ -283,3 +283,19 @@ def test_the_shared_memory_backing_is_adopted_from_model_runner_v2s_allocator(mo
         caches = attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     assert adopted == [caches] and caches["l0"].nbytes == 2 * spec.page_size_bytes
     assert attn_utils.allocate_kv_cache is original, "the allocator is restored after the allocation"
+
+
+@pytest.mark.unit
+def test_every_patch_target_exists_on_this_vllm_and_a_missing_one_refuses_kvpp_by_name(monkeypatch):
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from kvpp_core import startup, vllm_adapter
+    from kvpp_core.config import KvppConfigError
+
+    assert startup.vllm_version() in startup.SUPPORTED_VLLM and vllm_adapter.missing_patch_targets() == ()
+    monkeypatch.delattr(MLAAttention, "prepare_kv_cache_update")
+    missing = vllm_adapter.missing_patch_targets()
+    assert missing == ("vllm.model_executor.layers.attention.mla_attention.MLAAttention.prepare_kv_cache_update",)
+    monkeypatch.setattr(startup, "_adapter_gaps", missing)
+    with pytest.raises(KvppConfigError, match="MLAAttention.prepare_kv_cache_update.*enable_kvpp"):
+        startup.check_vllm_version()

@@ -53,13 +53,19 @@ def _saved(model, port, pooled):
     pooled.update(h for job in saves for h in job.block_hashes)
 
 
-def test_saved_blocks_are_found_loaded_and_resumed_on_another_node(tiny_model, pool):
+def _loading(model, pool):
+    """A second node asked for PROMPT after the first saved it: its scheduler and first step."""
     port, pooled = pool
-    _saved(tiny_model, port, pooled)
-    other = _scheduler(tiny_model, port)
+    _saved(model, port, pooled)
+    other = _scheduler(model, port)
     other.add_request(vs.request("r2", PROMPT, max_tokens=2))
     out, _ = vs.step(other)
     assert out.num_scheduled_tokens == {}, "the request waits for its pool load"
+    return other, out
+
+
+def test_saved_blocks_are_found_loaded_and_resumed_on_another_node(tiny_model, pool):
+    other, out = _loading(tiny_model, pool)
     (load,) = out.kv_connector_metadata.loads
     assert list(load.block_ids) == vs.block_ids(other, "r2")[:3] and len(load.block_hashes) == 3
     vs.step(other, finished_recving={"r2"})
@@ -68,11 +74,7 @@ def test_saved_blocks_are_found_loaded_and_resumed_on_another_node(tiny_model, p
 
 
 def test_a_failed_pool_load_is_recomputed_and_not_looked_up_again(tiny_model, pool):
-    port, pooled = pool
-    _saved(tiny_model, port, pooled)
-    other = _scheduler(tiny_model, port)
-    other.add_request(vs.request("r2", PROMPT, max_tokens=2))
-    out, _ = vs.step(other)
+    other, out = _loading(tiny_model, pool)
     first = out.kv_connector_metadata.loads[0].block_ids[0]
     vs.step(other, finished_recving={"r2"}, invalid_block_ids={first})
     out, _ = vs.step(other)
