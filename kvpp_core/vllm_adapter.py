@@ -2,15 +2,16 @@
 
 The patches are written against the releases in `startup.SUPPORTED_VLLM` and refuse any other, and
 any build of them that lacks a symbol a patch needs: a silent mismatch in how vLLM allocates or binds
-KV caches would turn into wrong tokens, not an error. Each patch
-is a thin wrapper that does nothing unless `enable_kvpp` is set, except the shared-memory reader
-wait (`quiet_shm_readers`), which only the connectors switch on, and only on CPU.
+KV caches would turn into wrong tokens, not an error. Each patch is a thin wrapper that does nothing
+unless `enable_kvpp` is set, except the shared-memory reader wait (`quiet_shm_readers`), which only
+the connectors switch on, and only on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -269,8 +270,6 @@ def _kv_backing_adopted_by(shm: ShmGroup | None):
     if shm is None:
         yield
         return
-    import importlib
-
     callers = [importlib.import_module(name) for name in _ALLOCATOR_CALLERS]
     allocate = {module: module.allocate_kv_cache for module in callers}
     for module in callers:
@@ -480,8 +479,6 @@ install on every supported release, so a build that moved one is refused by name
 
 
 def missing_patch_targets() -> tuple[str, ...]:
-    import importlib
-
     missing = []
     for module_name, owner, attributes in _PATCH_TARGETS:
         try:
