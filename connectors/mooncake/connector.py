@@ -97,6 +97,15 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
 
     # ---- worker side -------------------------------------------------------------------------
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No (vLLM 0.33 asks; it then refuses `enable_sleep_mode` with this connector, naming it). The
+        worker registers its KV caches with the Mooncake transfer engine and publishes their addresses to
+        decode peers; sleep releases and remaps that memory, so held blocks and every peer's metadata
+        would point at stale pages. Refusing is the honest answer until re-registration and a metadata
+        refresh are built and tested."""
+        return False
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 

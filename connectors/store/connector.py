@@ -55,6 +55,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return False
 
     # ---- worker side ---------------------------------------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No (vLLM 0.33 asks; it then refuses `enable_sleep_mode` with this connector, naming it). The
+        worker registers its KV caches with the store client (zero-copy puts and gets read and write
+        them in place); sleep releases and remaps that memory, so a save or load in flight across
+        sleep and wake would touch stale pages."""
+        return False
+
     def register_kv_caches(self, kv_caches):
         self._worker.register_kv_caches(kv_caches)
 

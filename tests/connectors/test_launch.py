@@ -246,3 +246,22 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
     assert (len(kvpp_parses), len(mooncake_parses), len(store_parses)) == (1, 1, 1)
     assert context.config.enabled and context.topology.tp == 2 and context.layout.group_size == 2
     assert built["mooncake"] == settings.Settings() and built["store"].load_async
+
+
+@pytest.mark.parametrize("connector, extra", [("MooncakeConnectorV2", {}), ("AscendStoreConnector", GOOD_STORE_EXTRA)])
+def test_sleep_mode_is_refused_by_vllm_naming_the_connector(tiny_model, connector, extra):
+    """Both connectors register KV memory that sleep would remap: they answer vLLM's question no, and
+    vLLM 0.33, which asks before a launch with sleep mode, refuses it (0.32 does not ask)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from tests.helpers.vllm_scheduler import engine_config
+
+    config = engine_config(tiny_model, {"kv_connector": connector, "kv_role": "kv_producer",
+                                        "kv_connector_extra_config": extra})
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config).supports_sleep_mode(
+        config.kv_transfer_config) is False
+    if "supports_sleep_mode" in vars(KVConnectorBase_V1):  # vLLM asks (0.33); CPU refuses sleep mode earlier
+        config.model_config.enable_sleep_mode = True
+        with pytest.raises(ValueError, match=f"{connector} does not support sleep mode"):
+            config._verify_kv_transfer_compat()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,34 +17,68 @@ import torch
 
 from kvpp_core.allocation import CacheLayer, place
 from kvpp_core.ownership import rank_layout
-from kvpp_core.vllm_adapter import history_block_ranges, kvpp_cache_config, step_needs_broadcast
+from kvpp_core.vllm_adapter import RequestBlocks, kvpp_cache_config, step_needs_broadcast
 
 BLOCK = 16
 
 
-def _state(block_ids, computed):
-    return SimpleNamespace(block_ids=(list(block_ids),), num_computed_tokens=computed)
+def _new(req_id, block_ids, computed):
+    from vllm.v1.core.sched.output import NewRequestData
+
+    return NewRequestData(req_id=req_id, prompt_token_ids=list(range(64)), mm_features=[], sampling_params=None,
+                          pooling_params=None, block_ids=(list(block_ids),), num_computed_tokens=computed,
+                          lora_request=None)
+
+
+def _output(new=(), cached=(), finished=(), preempted=None):
+    """A SchedulerOutput as vLLM builds it; `cached` holds (req_id, new block ids or None, computed, resumed)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    cached_data = CachedRequestData(
+        req_ids=[c[0] for c in cached], resumed_req_ids={c[0] for c in cached if c[3]},
+        new_token_ids=[[] for _ in cached], all_token_ids={},
+        new_block_ids=[None if c[1] is None else (list(c[1]),) for c in cached],
+        num_computed_tokens=[c[2] for c in cached], num_output_tokens=[1 for _ in cached])
+    scheduled = {r.req_id: 8 for r in new} | {c[0]: 1 for c in cached}
+    return replace(SchedulerOutput.make_empty(), scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_data,
+                   num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                   finished_req_ids=set(finished), preempted_req_ids=preempted)
 
 
 @pytest.mark.unit
 def test_history_is_the_blocks_up_to_each_requests_computed_tokens():
-    states = {
-        "a": _state([4, 5, 6, 9], 33),  # 33 tokens: blocks 4, 5 and the partial 6
-        "b": _state([7, 8], 16),  # exactly one full block
-        "fresh": _state([10, 11], 0),  # a fresh prefill has no history
-        "idle": _state([20], 16),  # not scheduled this step
-    }
-    assert history_block_ranges(states, ["a", "b", "fresh"], BLOCK) == [range(4, 8)]
-    assert history_block_ranges(states, ["fresh"], BLOCK) == []
-    assert history_block_ranges(states, ["b", "idle"], BLOCK) == [range(7, 8), range(20, 21)]
+    blocks = RequestBlocks()
+    step = _output(new=[_new("a", [4, 5, 6], 33), _new("b", [7, 8], 16), _new("fresh", [10, 11], 0)])
+    blocks.update(step)  # 33 tokens: blocks 4, 5 and the partial 6; b: exactly one block; fresh: none
+    assert blocks.history(step, BLOCK) == [range(4, 8)]
+    step = _output(cached=[("a", [9], 49, False), ("b", None, 17, False)])  # a grew a block, b did not
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(4, 10)]
+    step = _output(cached=[("b", None, 18, False)], finished=["a", "fresh"])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(7, 9)]
 
 
 @pytest.mark.unit
-def test_history_falls_back_to_every_block_when_the_runner_keeps_no_usable_state():
-    assert history_block_ranges(None, ["a"], BLOCK) is None
-    assert history_block_ranges({}, ["unknown"], BLOCK) is None
-    two_groups = SimpleNamespace(block_ids=([1], [2]), num_computed_tokens=16)
-    assert history_block_ranges({"a": two_groups}, ["a"], BLOCK) is None
+def test_a_resumed_request_takes_its_new_block_list_and_a_preempted_one_is_dropped():
+    blocks = RequestBlocks()
+    blocks.update(_output(new=[_new("a", [1, 2], 20)]))
+    blocks.update(_output(preempted={"a"}))  # Model Runner V2 is told; V1 only sees it resume
+    step = _output(cached=[("a", [30, 31, 32], 40, True)])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) == [range(30, 33)]
+
+
+@pytest.mark.unit
+def test_history_falls_back_to_every_block_when_a_requests_blocks_are_not_known():
+    blocks = RequestBlocks()
+    step = _output(cached=[("unknown", [3], 16, False)])  # first seen running (never as a new request)
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) is None
+    two_groups = replace(_new("g", [1], 16), block_ids=([1], [2]))
+    step = _output(new=[two_groups])
+    blocks.update(step)
+    assert blocks.history(step, BLOCK) is None
 
 
 def _scheduled(tokens, new_computed=(), running=0):
@@ -165,6 +200,7 @@ def runs() -> dict[str, dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.vllm
 def test_polling_readers_get_every_message_in_order_without_a_stall(runs):
     poll = runs["poll"]
     assert poll["polling"] is True
@@ -174,7 +210,92 @@ def test_polling_readers_get_every_message_in_order_without_a_stall(runs):
 
 
 @pytest.mark.integration
+@pytest.mark.vllm
 def test_waiting_costs_a_fraction_of_the_spinning_readers_cpu(runs):
     spin, poll = runs["spin"], runs["poll"]
     assert spin["polling"] is False and spin["seen"] == list(range(MESSAGES))
     assert poll["idle_cpu_s"] < spin["idle_cpu_s"] / 3, (poll["idle_cpu_s"], spin["idle_cpu_s"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_history_follows_vllms_scheduler_through_chunks_decodes_preemption_and_prefix_hits(
+        tiny_model, runner, monkeypatch):
+    """vLLM's own Scheduler, short of blocks, runs two requests that share a prefix through chunked
+    prefills, decodes, a preemption and a resume; at every step the history kept from its outputs is
+    exactly the scheduler's blocks of each scheduled request up to its computed tokens. Under both
+    runners: the scheduler tells Model Runner V2 of preemptions, V1 only of resumes."""
+    from kvpp_core.broadcast import coalesce
+    from tests.helpers import vllm_scheduler as vs
+
+    config = vs.engine_config(tiny_model, None, max_num_batched_tokens=48)
+    # vLLM turns these off for MLA on CPU (its CPU attention cannot use them); its scheduler can.
+    config.cache_config.enable_prefix_caching = config.scheduler_config.enable_chunked_prefill = True
+    config.scheduler_config.max_num_batched_tokens = 48
+    # After the config is built: vLLM refuses V2 where Triton cannot run, but its scheduler runs anywhere.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
+    sched = vs.scheduler(config, num_blocks=9)  # 8 usable: each request fits alone, both do not
+    assert sched.vllm_config.use_v2_model_runner is (runner == "v2")
+    shared = list(range(100, 148))
+    sched.add_request(vs.request("a", shared + list(range(22)), max_tokens=40))
+    blocks, seen, started = RequestBlocks(), set(), set()
+    for index in range(300):
+        if index == 3:
+            sched.add_request(vs.request("b", shared + list(range(500, 520)), max_tokens=40))
+        if not sched.requests:
+            break
+        before = {req_id: req.num_computed_tokens for req_id, req in sched.requests.items()}
+        out = sched.schedule()
+        blocks.update(out)
+        cached = out.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        assert all(computed[r] == before[r] for r in cached.req_ids if r not in cached.resumed_req_ids)
+        expected = coalesce([b for r in out.num_scheduled_tokens for b in vs.block_ids(sched, r)[: -(-computed[r] // BLOCK)]])
+        assert blocks.history(out, BLOCK) == expected, index
+        vs.report_step(sched, out)
+        seen |= {"resumed"} if cached.resumed_req_ids or any(r.req_id in started for r in out.scheduled_new_reqs) else set()
+        started |= {r.req_id for r in out.scheduled_new_reqs}
+        seen |= {"prefix hit"} if any(r.num_computed_tokens for r in out.scheduled_new_reqs) else set()
+        seen |= {"preempted"} if out.preempted_req_ids else set()
+    assert not sched.requests, "both requests finished"
+    assert seen == {"preempted", "resumed", "prefix hit"}
+
+
+@pytest.mark.unit
+def test_the_shared_memory_backing_is_adopted_from_model_runner_v2s_allocator(monkeypatch):
+    """V2's `init_kv_cache` calls the allocator through its own module (vllm.v1.worker.gpu.attn_utils):
+    inside the adoption, vLLM's V2 allocation path hands its caches to the shared-memory group."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu import attn_utils
+
+    from kvpp_core import vllm_adapter
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=2, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)], kv_cache_tensors=[
+        KVCacheTensor(size=2 * spec.page_size_bytes, layers=["l0"], layer_stride=2 * spec.page_size_bytes,
+                      block_stride=spec.page_size_bytes)])
+    adopted = []
+    shm = SimpleNamespace(adopt=lambda caches: adopted.append(caches) or caches)
+    original = attn_utils.allocate_kv_cache
+    with vllm_adapter._kv_backing_adopted_by(shm):
+        caches = attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    assert adopted == [caches] and caches["l0"].nbytes == 2 * spec.page_size_bytes
+    assert attn_utils.allocate_kv_cache is original, "the allocator is restored after the allocation"
+
+
+@pytest.mark.unit
+def test_every_patch_target_exists_on_this_vllm_and_a_missing_one_refuses_kvpp_by_name(monkeypatch):
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from kvpp_core import startup, vllm_adapter
+    from kvpp_core.config import KvppConfigError
+
+    assert startup.vllm_version() in startup.SUPPORTED_VLLM and vllm_adapter.missing_patch_targets() == ()
+    monkeypatch.delattr(MLAAttention, "prepare_kv_cache_update")
+    missing = vllm_adapter.missing_patch_targets()
+    assert missing == ("vllm.model_executor.layers.attention.mla_attention.MLAAttention.prepare_kv_cache_update",)
+    monkeypatch.setattr(startup, "_adapter_gaps", missing)
+    with pytest.raises(KvppConfigError, match="MLAAttention.prepare_kv_cache_update.*enable_kvpp"):
+        startup.check_vllm_version()

@@ -24,7 +24,7 @@ from connectors.mooncake.worker import MooncakeV2Worker
 from deploy.services.processes import free_port
 from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, V, issued, names
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 LAYERS = names(2)
 BLOCK_SHAPE = (16, 576)  # one MLA page of the tiny model: block_size 16, latent + rope 576
