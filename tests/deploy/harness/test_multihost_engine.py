@@ -122,8 +122,9 @@ def test_answers_through_the_proxy_equal_the_decode_computing_them(stack, refere
 def test_vllm_router_on_its_own_host_answers_like_the_decode_and_spreads_the_prefills(stack, reference):
     """The same spec with `proxy.router: vllm-router` on a sixth host: `kvpp check` accepts it, its rendered
     proxy.sh runs as written there, and answers through it equal the decode's own, each a pull across the
-    bridge (a fresh cache_salt: no host has the prompt cached), its prefill legs round-robin over both KVPP
-    prefills."""
+    bridge (a fresh cache_salt: no host has the prompt cached, pool included), its prefill legs round-robin
+    over both KVPP prefills, and a prefix the router's first prefill leg pooled is loaded by the second's,
+    on the other prefill."""
     bed, s = stack["bed"], stack["stack"]
     (stack["tmp"] / "vllm-router").mkdir()
     front = RenderedStack(bed, router_spec(stack["spec"], bed), stack["tmp"] / "vllm-router")
@@ -142,16 +143,38 @@ def test_vllm_router_on_its_own_host_answers_like_the_decode_and_spreads_the_pre
             for _ in range(2):
                 got = post(f"{router}/v1/completions", completion_body(stack, n, cache_salt=uuid.uuid4().hex))
                 assert same_answer(got, ref), f"{n}-token prompt through vllm-router"
+        requests = 2 * len(reference)
+        spread = {host: metric(s.url(host), "vllm:request_success_total") - prefill_legs[host] for host in prefill_legs}
+        assert spread == {"prefill": requests / 2, "prefill2": requests / 2}, spread
+        hit_tokens = _pooled_prefix_through(router, stack)
     finally:
         front.stop(ROUTER_HOST)
-    requests = 2 * len(reference)
-    wait_for(lambda: metric(decode, counters[0]) - before[counters[0]] >= requests, 30, "pulls counted")
-    assert metric(decode, counters[0]) - before[counters[0]] == requests
+    wait_for(lambda: metric(decode, counters[0]) - before[counters[0]] >= requests + 2, 30, "pulls counted")
+    assert metric(decode, counters[0]) - before[counters[0]] == requests + 2
     assert metric(decode, counters[1]) == before[counters[1]]
-    spread = {host: metric(s.url(host), "vllm:request_success_total") - prefill_legs[host] for host in prefill_legs}
-    assert spread == {"prefill": requests / 2, "prefill2": requests / 2}, spread
-    print(f"vllm-router on host {bed.address(ROUTER_HOST)}: {requests} requests answered like the decode, "
-          f"{requests} pulls, prefill legs {spread}")
+    print(f"vllm-router on host {bed.address(ROUTER_HOST)}: {requests + 2} requests answered like the decode, as "
+          f"many pulls, prefill legs {spread}; a prefix pooled by one prefill was loaded by the other ({hit_tokens} "
+          "tokens)")
+
+
+def _pooled_prefix_through(router: str, stack) -> int:
+    """One prompt twice through the round-robin router: its first prefill leg saves the prefix to the pool, the
+    second, on the other prefill, loads it from there; both answers equal the decode's own. The tokens hit."""
+    s, n = stack["stack"], 250
+    body = completion_body(stack, n, prompt=sample_prompt(n, seed=11 * n), cache_salt=uuid.uuid4().hex)
+    reference = post(f"{s.url('decode')}/v1/completions", body)
+    counts = {host: (metric(s.url(host), "vllm:request_success_total"),
+                     metric(s.url(host), "vllm:kv_pool_saved_blocks_total"),
+                     metric(s.url(host), "vllm:kv_pool_hit_tokens_total")) for host in ("prefill", "prefill2")}
+    assert same_answer(post(f"{router}/v1/completions", body), reference)
+    first = next(h for h in counts if metric(s.url(h), "vllm:request_success_total") > counts[h][0])
+    other = "prefill2" if first == "prefill" else "prefill"
+    wait_for(lambda: metric(s.url(first), "vllm:kv_pool_saved_blocks_total") - counts[first][1] >= n // 16, 60,
+             f"the prefix saved to the pool by {first}")
+    assert same_answer(post(f"{router}/v1/completions", body), reference)
+    hit = metric(s.url(other), "vllm:kv_pool_hit_tokens_total") - counts[other][2]
+    assert hit == (n // 16) * 16, f"{other} loaded {hit} pooled tokens"
+    return int(hit)
 
 
 def test_a_prefix_pooled_on_one_host_is_hit_on_another_after_the_first_restarts(stack):
