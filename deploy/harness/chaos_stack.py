@@ -51,7 +51,8 @@ class StackSettings:
 
     def router_args(self) -> list[str]:
         """vllm-router probes its instances' /health as often as the proxy does; everything else is its
-        own default (it has no per-leg timeouts, and its circuit breaker opens after 10 failures)."""
+        own default (it has no per-leg timeouts, and in its P/D mode failed requests feed no circuit
+        breaker: only failed probes take an instance out)."""
         return ["--health-check-interval-secs", "1"]
 
 
