@@ -196,6 +196,14 @@ def _assert_pulled(decode, before: dict[str, float], prompt_tokens: list[int]) -
     assert delta["external_prefix_cache_hits_total"] == sum(prompt_tokens), delta
 
 
+def _current(engine, name: str, model: str) -> float:
+    """A metric as of now: an engine that only holds blocks steps without output, and its counters and gauges
+    reach /metrics with its next output, so a 1-token request without kv_transfer_params (nothing to hold)
+    goes first."""
+    post(f"{engine.url}/v1/completions", {"model": model, "prompt": "the", "max_tokens": 1, "temperature": 0})
+    return metric(engine.url, name)
+
+
 def test_vllm_router_answers_equal_colocated_engine(pd, colocated, router):
     """vllm-router 0.1.17 (`--vllm-pd-disaggregation`, its default NIXL-shaped protocol) in front of the KVPP
     prefill and the decode: plain and streamed completions and chat completions (plain and streamed) equal
@@ -291,11 +299,11 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
     wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") > 0, 10, "prefill holds the first attempt's blocks")
     retry = post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), logprobs=1))
     _same(tokens_and_logprobs(retry), colocated[n], "retry")
-    freed = wait_for(lambda: metric(prefill.url, "vllm:mooncake_v2_lapsed_holds_total") >= lapsed + workers,
+    freed = wait_for(lambda: _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) >= lapsed + workers,
                      HOLD_TIMEOUT_S + 15, "the abandoned hold lapses")
     assert time.monotonic() - abandoned >= HOLD_TIMEOUT_S - 2  # by the lease, not by the retry's pull
-    assert metric(prefill.url, "vllm:mooncake_v2_lapsed_holds_total") == lapsed + workers
-    wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, 10, "prefill KV usage back to 0")
+    assert _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) == lapsed + workers
+    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, 10, "prefill KV usage back to 0")
     print(f"an abandoned prefill leg's blocks freed {time.monotonic() - abandoned:.1f} s after the failed request "
           f"(initial lease {HOLD_TIMEOUT_S} s; waited {freed:.1f} s after the retry)")
 
