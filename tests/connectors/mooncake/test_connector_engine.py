@@ -283,29 +283,33 @@ def test_llm_d_sidecar_shapes_are_answered_like_colocated_engine(pd, colocated):
 
 def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, router):
     """vllm-router 0.1.17 makes one attempt per request in P/D mode (a 5xx is not retried:
-    tests/deploy/harness/test_routers.py), so a request whose decode leg fails after its prefill leg (the
-    decode refuses a max_tokens beyond its context here, 4xx, relayed) reaches the client, which retries.
-    The retry is answered like the colocated engine; the blocks the first prefill leg held, which no decode
-    claims, are freed when their initial lease (hold_timeout_s) lapses, counted on each prefill worker."""
-    prefill, model, url, n = pd["prefill"], pd["model"], router["url"], 170
-    workers = 2
-    lapsed = metric(prefill.url, "vllm:mooncake_v2_lapsed_holds_total")
+    tests/deploy/harness/test_routers.py), so a request whose decode leg fails after its prefill leg reaches
+    the client, which retries. Here the decode refuses the first attempt (a max_tokens beyond its context;
+    the router relays the 400): the refused request ends on the decode without being scheduled, and the
+    decode's connector tells the prefill to free its blocks at once, long before their initial lease
+    (hold_timeout_s) would (that path, for a decode leg that never arrives, is
+    test_prefill_frees_blocks_when_decode_never_pulls). Nothing is pulled for it, no hold lapses, and the
+    client's retry is answered like the colocated engine."""
+    prefill, decode, model, url, n = pd["prefill"], pd["decode"], pd["model"], router["url"], 170
+    lapsed = _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model)
+    pulls = metric(decode.url, "vllm:mooncake_v2_pulls_total")
     decode_errors = metric_total(engine_metrics(router["metrics"]), "vllm_router_pd_decode_errors_total")  # 0: none yet
     with pytest.raises(urllib.error.HTTPError) as failed:
         post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), max_tokens=10**6))
-    abandoned = time.monotonic()
+    refused = time.monotonic()
     assert 400 <= failed.value.code < 500, failed.value.code
     assert metric(router["metrics"], "vllm_router_pd_decode_errors_total") == decode_errors + 1
-    wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") > 0, 10, "prefill holds the first attempt's blocks")
+    freed = wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, HOLD_TIMEOUT_S / 2,
+                     "the refused request's blocks freed on the prefill")
+    assert time.monotonic() - refused < HOLD_TIMEOUT_S - 2  # by the decode's notice, not by the lease
     retry = post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), logprobs=1))
     _same(tokens_and_logprobs(retry), colocated[n], "retry")
-    freed = wait_for(lambda: _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) >= lapsed + workers,
-                     HOLD_TIMEOUT_S + 15, "the abandoned hold lapses")
-    assert time.monotonic() - abandoned >= HOLD_TIMEOUT_S - 2  # by the lease, not by the retry's pull
-    assert _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) == lapsed + workers
-    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, 10, "prefill KV usage back to 0")
-    print(f"an abandoned prefill leg's blocks freed {time.monotonic() - abandoned:.1f} s after the failed request "
-          f"(initial lease {HOLD_TIMEOUT_S} s; waited {freed:.1f} s after the retry)")
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + 1, 30, "the retry's pull counted")
+    assert metric(decode.url, "vllm:mooncake_v2_pulls_total") == pulls + 1  # the retry's only
+    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, 20, "prefill KV usage back to 0")
+    assert _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) == lapsed
+    print(f"a prefill leg whose decode leg the decode refused: its blocks freed {freed:.1f} s later (initial lease "
+          f"{HOLD_TIMEOUT_S} s), no lapse, no pull; the retry answered like the colocated engine")
 
 
 def test_no_blocks_leak_after_pulls(pd):
