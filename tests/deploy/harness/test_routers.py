@@ -5,8 +5,6 @@ release that changes it fails here first."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import urllib.error
 
 import pytest
@@ -15,22 +13,15 @@ from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.routers import start_vllm_router
 from tests.helpers.llmd_sidecar import NIXL_NULLS
 from tests.helpers.pd_http import post, post_stream
-from tests.helpers.stub_engine import REQUEST, Stub
+from tests.helpers.stub_engine import REQUEST, stubs_in_thread
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def stubs():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    started = [asyncio.run_coroutine_threadsafe(Stub(name).start(), loop).result(10) for name in ("prefill", "decode")]
-    yield started
-    for stub in started:
-        asyncio.run_coroutine_threadsafe(stub.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with stubs_in_thread("prefill", "decode") as started:
+        yield started
 
 
 def test_vllm_router_pd_legs_and_no_retry(stubs, tmp_path):
