@@ -2,7 +2,7 @@
 
 It computes reference answers on a colocated engine (then stops it), starts the local stack
 (Mooncake pool, prefill TP=2 with KVPP and a MultiConnector of MooncakeConnectorV2 and the pool,
-decode TP=1, `kvpp proxy`) or points at running instances, drives concurrent clients (plain,
+decode TP=1, `kvpp proxy` or, with --front, vllm-router) or points at running instances, drives concurrent clients (plain,
 streaming and client-cancelled completions over prompts with shared prefixes) and injects faults on
 a schedule: SIGKILL + restart and SIGSTOP/SIGCONT of the prefill, the decode, the pool master and
 the segment holder, a proxy restart, and clients abandoning long generations. Every answer is
