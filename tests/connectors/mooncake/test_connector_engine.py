@@ -285,11 +285,10 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
     """vllm-router 0.1.17 makes one attempt per request in P/D mode (a 5xx is not retried:
     tests/deploy/harness/test_routers.py), so a request whose decode leg fails after its prefill leg reaches
     the client, which retries. Here the decode refuses the first attempt (a max_tokens beyond its context;
-    the router relays the 400): the refused request ends on the decode without being scheduled, and the
-    decode's connector tells the prefill to free its blocks at once, long before their initial lease
-    (hold_timeout_s) would (that path, for a decode leg that never arrives, is
-    test_prefill_frees_blocks_when_decode_never_pulls). Nothing is pulled for it, no hold lapses, and the
-    client's retry is answered like the colocated engine."""
+    the router relays the 400), and the prefill's blocks for it are freed within half their initial lease
+    (hold_timeout_s), before it could lapse: no hold lapses and nothing is pulled for it (the lease path,
+    for a decode leg that never arrives, is test_prefill_frees_blocks_when_decode_never_pulls). The
+    client's retry is answered like the colocated engine, with one pull."""
     prefill, decode, model, url, n = pd["prefill"], pd["decode"], pd["model"], router["url"], 170
     lapsed = _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model)
     pulls = metric(decode.url, "vllm:mooncake_v2_pulls_total")
