@@ -230,8 +230,9 @@ def ttft_table(prefill_url: str, decode_url: str, model: str, lengths: list[int]
 
 
 def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len: int, num_prompts: int,
-                      concurrency: int) -> dict:
-    """vLLM's own serving benchmark (vllm.benchmarks.serve, random dataset) against one endpoint."""
+                      concurrency: int, seed: int = 7) -> dict:
+    """vLLM's own serving benchmark (vllm.benchmarks.serve, random dataset) against one endpoint; another
+    `seed` draws other prompts (none shares a prefix with an earlier run's)."""
     result = out_dir / f"serve-{label}.json"
     runner = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
               "from vllm.benchmarks.serve import add_cli_args, main; "
@@ -239,7 +240,7 @@ def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len
     argv = [sys.executable, "-c", runner, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", model, "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", "16", "--ignore-eos", "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--seed", "7", "--save-result",
+            "--max-concurrency", str(concurrency), "--seed", str(seed), "--save-result",
             "--result-dir", str(out_dir), "--result-filename", result.name, "--label", label]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=1200)
     data = json.loads(result.read_text())

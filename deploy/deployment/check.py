@@ -65,6 +65,7 @@ def check_spec(spec: Spec) -> list[Finding]:
     findings += _host_findings(spec)
     findings += _pool_layout_findings(spec, model)
     findings += _family_findings(spec)
+    findings += _router_findings(spec)
     return findings
 
 
@@ -343,6 +344,54 @@ def _family_findings(spec: Spec) -> list[Finding]:
         f"deployment ({MOONCAKE_IPV6}=1 for IPv6, in which mode it cannot reach IPv4 peers); give every host of the "
         f"P/D instances and the Mooncake pool an IPv{first[3]} address (or a name resolving to one)"))
         for where, option, host, version in dict.fromkeys(literals) if version != first[3]]
+
+
+_ROUTER_PROTOCOLS = {
+    "mooncake": "upstream Mooncake's bootstrap protocol (at startup the router asks each prefill's Mooncake "
+                "bootstrap server for its engine ids, then sends transfer_id and remote_bootstrap_addr), while "
+                f"{MOONCAKE} runs no bootstrap server and its decode pulls with the kv_transfer_params the prefill "
+                "returned",
+    "moriio": f"the MoRI-IO connector's READ/WRITE protocol, which {MOONCAKE} does not speak",
+}
+_DISCOVERY_FLAGS = ("--service-discovery", "--vllm-discovery-address", "--prefill-selector", "--decode-selector")
+
+
+def _router_findings(spec: Spec) -> list[Finding]:
+    """What the chosen P/D front (proxy.router) cannot do with the spec's instances."""
+    proxy, out = spec.proxy, []
+    if not spec.disaggregated:
+        if proxy.router != "kvpp-proxy" or proxy.extra_args or proxy.metrics_port is not None:
+            out.append(_warning("proxy", "proxy", "without decode instances there is no P/D front to render; "
+                                "remove proxy.router, proxy.extra_args and proxy.metrics_port or add decode instances"))
+        return out
+    if proxy.router == "kvpp-proxy":
+        if proxy.metrics_port is not None:
+            out.append(_warning("proxy", "metrics_port", "kvpp proxy serves /metrics on proxy.port; metrics_port "
+                                "applies to router: vllm-router only; remove it"))
+        return out
+    if proxy.max_in_flight is not None:
+        out.append(_warning("proxy", "max_in_flight", "the in-flight cap is kvpp proxy's (--max-in-flight); "
+                            "vllm-router does not read it; remove it or set router: kvpp-proxy"))
+    connector = _flag(proxy.extra_args, "--kv-connector", "nixl")
+    if connector != "nixl":
+        out.append(_error("proxy", "extra_args --kv-connector", (
+            f"vllm-router's --kv-connector {connector} is {_ROUTER_PROTOCOLS.get(connector, 'not its NIXL mode')}; "
+            f"{MOONCAKE} works with vllm-router's default mode (nixl: it forwards the prefill's kv_transfer_params "
+            "to the decode verbatim): remove --kv-connector")))
+    for flag in _DISCOVERY_FLAGS:
+        if any(arg.split("=", 1)[0] == flag for arg in proxy.extra_args):
+            out.append(_error("proxy", f"extra_args {flag}", (
+                "vllm-router would find its instances by discovery instead of the spec's prefill and decode URLs, "
+                "which kvpp render passes it: remove the discovery flags")))
+    metrics = launch.router_metrics_port(spec)
+    host = canonical_host(launch.proxy_host(spec))
+    taken = {proxy.port: "proxy.port", **{i.port: f"{i.where}'s HTTP port" for i in spec.instances
+                                          if host in map(canonical_host, i.hosts)}}
+    if metrics in taken:
+        out.append(_error("proxy", "metrics_port", (
+            f"vllm-router's metrics port {metrics} on host {host} is also {taken[metrics]}; set proxy.metrics_port "
+            "to a free port (default 29000)")))
+    return out
 
 
 def _mooncake_pool(spec: Spec) -> bool:

@@ -238,10 +238,39 @@ def proxy_host(spec: Spec) -> str:
     return spec.proxy.host or spec.prefill[0].hosts[0]
 
 
+VLLM_ROUTER_METRICS_PORT = 29000
+"""vllm-router's own default for --prometheus-port."""
+
+
+def router_metrics_port(spec: Spec) -> int | None:
+    """The port of the front's Prometheus metrics when it is not the front's own port (vllm-router)."""
+    if spec.proxy.router != "vllm-router":
+        return None
+    return spec.proxy.metrics_port or VLLM_ROUTER_METRICS_PORT
+
+
+def vllm_router_args(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, metrics_port: int,
+                     extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """`vllm-router` in its vLLM P/D mode, whose NIXL-shaped `kv_transfer_params` MooncakeConnectorV2 speaks
+    (its prefill leg asks for `do_remote_decode`, and the prefill's answer goes to the decode verbatim)."""
+    argv = ["vllm-router", "--vllm-pd-disaggregation"]
+    for url in prefill_urls:
+        argv += ["--prefill", url]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    return argv + ["--host", host, "--port", str(port), "--prometheus-host", host,
+                   "--prometheus-port", str(metrics_port), *extra_args]
+
+
 def proxy_args(spec: Spec, urls: dict[str, list[str]]) -> list[str]:
-    """`kvpp proxy` argv for the spec's P/D instances given their base URLs."""
+    """The P/D front's argv (`kvpp proxy` or `vllm-router`, proxy.router) for the spec's P/D instances given
+    their base URLs."""
+    host = wildcard([proxy_host(spec)])
+    if spec.proxy.router == "vllm-router":
+        return vllm_router_args(urls["prefill"], urls["decode"], host, spec.proxy.port, router_metrics_port(spec),
+                                spec.proxy.extra_args)
     argv = ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
-            "--host", wildcard([proxy_host(spec)]), "--port", str(spec.proxy.port)]
+            "--host", host, "--port", str(spec.proxy.port)]
     if spec.proxy.max_in_flight is not None:
         argv += ["--max-in-flight", str(spec.proxy.max_in_flight)]
-    return argv
+    return argv + list(spec.proxy.extra_args)

@@ -87,7 +87,8 @@ def render_shell(spec: Spec, launcher: str = "vllm-serve") -> dict[str, str]:
     if spec.disaggregated:
         urls = {role: [host_url("http", i.hosts[0], i.port) for i in getattr(spec, role)]
                 for role in ("prefill", "decode")}
-        files["proxy.sh"] = _script(f"P/D proxy on {launch.proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
+        front = "P/D proxy" if spec.proxy.router == "kvpp-proxy" else f"P/D router ({spec.proxy.router})"
+        files["proxy.sh"] = _script(f"{front} on {launch.proxy_host(spec)}", {}, launch.proxy_args(spec, urls))
     files.update(launch.config_files(spec))
     return files
 
@@ -248,10 +249,14 @@ def render_k8s(spec: Spec) -> dict[str, str]:
         urls = {role: [f"http://{i.name}:{i.port}" for i in getattr(spec, role)] for role in ("prefill", "decode")}
         container = _container("proxy", k8s.proxy_image or k8s.image, launch.proxy_args(spec, urls), {},
                                spec.proxy.port, None, mounts=False, probe_delay=5)
-        pod = {"containers": [container]}
-        files["proxy.yaml"] = _dump([_deployment("kvpp-proxy", spec, "proxy", pod),
-                                     _service("kvpp-proxy", spec, "proxy", spec.proxy.port,
-                                              {**_labels("proxy"), "kvpp.io/name": "kvpp-proxy"})])
+        # One Service name whichever router fronts the instances, so clients keep their address.
+        service = _service("kvpp-proxy", spec, "proxy", spec.proxy.port,
+                           {**_labels("proxy"), "kvpp.io/name": "kvpp-proxy"})
+        metrics = launch.router_metrics_port(spec)
+        if metrics is not None:  # vllm-router serves Prometheus metrics on a port of their own
+            container["ports"].append({"name": "metrics", "containerPort": metrics})
+            service["spec"]["ports"].append({"name": "metrics", "port": metrics, "targetPort": metrics})
+        files["proxy.yaml"] = _dump([_deployment("kvpp-proxy", spec, "proxy", {"containers": [container]}), service])
     return files
 
 

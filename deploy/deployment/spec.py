@@ -156,6 +156,17 @@ class Pool(_Section):
         return split_host_port(self.address)[1]
 
 
+ROUTERS = ("kvpp-proxy", "vllm-router")
+"""The P/D fronts a spec can render: `kvpp proxy` (the default) and the vLLM project's Rust router
+(`vllm-router --vllm-pd-disaggregation`)."""
+ROUTER_MANAGED_FLAGS = {
+    "kvpp-proxy": ("--prefill", "--decode", "--host", "--port"),
+    "vllm-router": ("--prefill", "--decode", "--host", "--port", "--vllm-pd-disaggregation", "--prometheus-host",
+                    "--prometheus-port", "--worker-urls"),
+}
+"""Flags of each router that kvpp render sets from the spec (proxy.host/port/metrics_port, the instances)."""
+
+
 class Proxy(_Section):
     host: str = None
     """Default: the first prefill's host."""
@@ -163,6 +174,11 @@ class Proxy(_Section):
     max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=MAX_IN_FLIGHT)] = None
     """Completions the proxy serves at once; beyond it clients get HTTP 429 with Retry-After.
     Default: `kvpp proxy`'s own (--max-in-flight)."""
+    router: Literal[ROUTERS] = "kvpp-proxy"
+    metrics_port: Port = None
+    """vllm-router's Prometheus port (default 29000); kvpp proxy serves /metrics on `port`."""
+    extra_args: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ()
+    """Flags appended to the router's command (e.g. `--policy round_robin`)."""
 
 
 class Kubernetes(_Section):
@@ -404,6 +420,13 @@ def _semantic_problems(data: dict) -> list[str]:
                 if flag in MANAGED_FLAGS:
                     problems.append(f"{where}.extra_args[{j}]: {flag} is set by kvpp render from the spec; use "
                                     f"the instance keys ({_managed_hint(flag)}) instead")
+    proxy = data.get("proxy") or {}
+    router = proxy.get("router", "kvpp-proxy")
+    for j, arg in enumerate(proxy.get("extra_args", [])):
+        flag = arg.split("=", 1)[0]
+        if flag in ROUTER_MANAGED_FLAGS[router]:
+            problems.append(f"proxy.extra_args[{j}]: {flag} is set by kvpp render from the spec; use proxy.host, "
+                            "proxy.port, proxy.metrics_port and the prefill/decode instances instead")
     return problems
 
 

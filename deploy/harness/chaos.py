@@ -2,7 +2,7 @@
 
 It computes reference answers on a colocated engine (then stops it), starts the local stack
 (Mooncake pool, prefill TP=2 with KVPP and a MultiConnector of MooncakeConnectorV2 and the pool,
-decode TP=1, `kvpp proxy`) or points at running instances, drives concurrent clients (plain,
+decode TP=1, `kvpp proxy` or, with --front, vllm-router) or points at running instances, drives concurrent clients (plain,
 streaming and client-cancelled completions over prompts with shared prefixes) and injects faults on
 a schedule: SIGKILL + restart and SIGSTOP/SIGCONT of the prefill, the decode, the pool master and
 the segment holder, a proxy restart, and clients abandoning long generations. Every answer is
@@ -24,14 +24,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deploy.harness.chaos_load import Load, Prompt, cancel_probe, reference_prompts
-from deploy.harness.chaos_stack import Stack, StackSettings, inject, progress, reference_answers, restart, start_local_stack
+from deploy.harness.chaos_stack import (Stack, StackSettings, inject, progress, reference_answers, restart, start_front,
+                                        start_local_stack)
 from deploy.harness.engines import BLOCK, LAYERS, engine_metrics, metric_total
 from deploy.services.processes import ProcessError, http_ok
+from deploy.deployment.spec import ROUTERS
 from deploy.services.proxy import PATHS
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.model import ModelSpec
@@ -120,7 +122,7 @@ class Run:
         self.page_bytes = page_bytes
         """Bytes one block of all layers takes (known for the local stack's model)."""
         self.engines = Engines(stack.engines)
-        self.load = Load(stack.proxy_url, model, prompts, clients, seed)
+        self.load = Load(stack.proxy_url, model, prompts, clients, seed, default_path=_DEFAULT_PATH[stack.front])
         self.t0 = time.monotonic()
         self.faults: list[dict] = []
         self.probes: list[dict] = []
@@ -204,17 +206,17 @@ class Run:
         """With nothing else running: every P/D request is one pull of exactly its prompt's pages."""
         if "decode" not in self.stack.engines:
             return {"consistent": True, "skipped": "no engine named decode"}
-        decode, proxy = self.stack.engines["decode"], self.stack.proxy_url
+        decode, stack = self.stack.engines["decode"], self.stack
         names = ("vllm:mooncake_v2_pulls_total", "vllm:mooncake_v2_failed_pulls_total",
                  "vllm:mooncake_v2_pulled_bytes_total")
 
         def snapshot():
             text = engine_metrics(decode)
-            return [metric_total(text, n) for n in names] + [metric_total(engine_metrics(proxy),
-                                                                           'kvpp_proxy_requests_total{path="pd"}')]
+            return [metric_total(text, n) for n in names] + [metric_total(engine_metrics(stack.front_metrics_url),
+                                                                           _PD_REQUESTS[stack.front])]
 
         before = await asyncio.to_thread(snapshot)
-        check = Load(proxy, self.model, self.prompts, 1)
+        check = Load(stack.proxy_url, self.model, self.prompts, 1, default_path=_DEFAULT_PATH[stack.front])
         await check.each_prompt_once()
         # Counters reach /metrics with the next stats interval.
         deadline = time.monotonic() + 30
@@ -238,7 +240,7 @@ class Run:
         per_fault = [{"fault": f["label"], "down_s": f["down_s"], "recovered_s": f["recovered_s"],
                       **_tally([r for r in records if _affected(r, f)], self.faults)} for f in self.faults]
         quiet = [r for r in records if not any(_affected(r, f) for f in self.faults)]
-        proxy_paths = _proxy_paths(self.stack.proxy_url)
+        proxy_paths = _front_counts(self.stack)
         problems = []
         for row in per_fault:
             if row["wrong"]:
@@ -256,6 +258,7 @@ class Run:
         if not counters["consistent"]:
             problems.append(f"P/D counters inconsistent: {counters}")
         return {
+            "front": self.stack.front,
             "duration_s": round(time.monotonic() - self.t0, 1),
             "clients": self.load.clients,
             "totals": self.load.summary(),
@@ -328,34 +331,55 @@ def _tally(records, faults: list[dict]) -> dict:
             "error_samples": sorted({r.error for r in errors})[:3]}
 
 
-def _proxy_paths(url: str) -> dict:
+_PD_REQUESTS = {"kvpp-proxy": 'kvpp_proxy_requests_total{path="pd"}', "vllm-router": "vllm_router_pd_requests_total"}
+"""Each front's count of requests it sent prefill, then decode."""
+_DEFAULT_PATH = {"kvpp-proxy": "", "vllm-router": "pd"}
+_ROUTER_COUNTS = ("requests", "prefill_errors", "decode_errors", "stream_errors")
+
+
+def _front_counts(stack: Stack) -> dict:
+    """kvpp proxy: requests per path it took; vllm-router: its P/D requests and errors per leg."""
     try:
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"{stack.front_metrics_url}/metrics", timeout=10).read().decode()
     except OSError as exc:
         return {"unreachable": str(exc)}
+    if stack.front == "vllm-router":
+        return {c: int(metric_total(text, f"vllm_router_pd_{c}_total")) for c in _ROUTER_COUNTS}
     return {p: int(metric_total(text, f'kvpp_proxy_requests_total{{path="{p}"}}'))
             for p in PATHS}
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def run_chaos(workdir: Path, schedule: Iterable[Fault], clients: int, seed: int, gap_s: float,
-              settings: StackSettings, restart_under_load: bool = False, seconds: float | None = None) -> dict:
+def run_chaos(workdir: Path, schedule: Callable[[], Iterable[Fault]], clients: int, seed: int, gap_s: float,
+              settings: StackSettings, restart_under_load: bool = False, seconds: float | None = None,
+              fronts: tuple[str, ...] = ("kvpp-proxy",)) -> dict:
+    """`schedule()`'s faults under load through each front in turn (each front gets a fresh schedule), against
+    one set of engines and references; one front: its report, several: {"fronts": [their reports], "ok"}."""
     progress("1/4 building the tiny 16-layer MLA model")
     model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
     progress("2/4 reference answers from a colocated engine (TP=2, KVPP off), then it stops")
     prompts = reference_answers(model, workdir, lambda url: asyncio.run(reference_prompts(url, model)))
-    progress("3/4 pool, prefill (TP=2, KVPP), decode (TP=1), proxy")
-    stack = start_local_stack(model, workdir, settings)
+    progress(f"3/4 pool, prefill (TP=2, KVPP), decode (TP=1), {fronts[0]}")
+    stack = start_local_stack(model, workdir, settings, fronts[0])
+    reports = []
     try:
-        progress(f"4/4 {clients} clients, " + (f"{len(schedule)} faults" if seconds is None
-                                                 else f"faults in shuffled rounds for {seconds:.0f} s"))
         spec = ModelSpec.from_hf_config(model)
-        report = asyncio.run(Run(stack, model, prompts, clients, seed, settings, spec.num_layers * spec.page_bytes(BLOCK),
-                                 restart_under_load).run(schedule, gap_s, seconds))
+        for front in fronts:
+            if front != stack.front:
+                progress(f"next front: {front}")
+                start_front(stack, front, workdir, settings)
+            faults = schedule()
+            progress(f"4/4 {front}: {clients} clients, " + (f"{len(faults)} faults" if seconds is None
+                                                             else f"faults in shuffled rounds for {seconds:.0f} s"))
+            report = asyncio.run(Run(stack, model, prompts, clients, seed, settings,
+                                     spec.num_layers * spec.page_bytes(BLOCK), restart_under_load)
+                                 .run(faults, gap_s, seconds))
+            reports.append({**report, "settings": asdict(settings)})
     finally:
         stack.stop()
-    report["settings"] = asdict(settings)
-    return report
+    if len(reports) == 1:
+        return reports[0]
+    return {"fronts": reports, "ok": all(r["ok"] for r in reports)}
 
 
 def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, model: str, clients: int,
@@ -367,7 +391,7 @@ def run_attached(proxy_url: str, engines: dict[str, str], reference_url: str, mo
         prompts = asyncio.run(reference_prompts(reference_url, model))
     except RuntimeError as exc:
         raise ValueError(f"--reference {reference_url} with --model {model}: {exc}") from None
-    stack = Stack(engines=engines, proxy_url=proxy_url)
+    stack = Stack(engines=engines, proxy_url=proxy_url, front_metrics_url=proxy_url)
     schedule = (Fault("cancel", "stream"), Fault("cancel", "plain"))
     report = asyncio.run(Run(stack, model, prompts, clients, seed, settings).run(schedule, seconds / 3))
     return report
@@ -408,7 +432,8 @@ def _engine_urls(value: str) -> dict[str, str]:
 
 def print_summary(report: dict) -> None:
     t = report["totals"]
-    print(f"kvpp chaos: {report['clients']} clients, {t['requests']} requests in {report['duration_s']:.0f} s: "
+    print(f"kvpp chaos ({report['front']}): {report['clients']} clients, {t['requests']} requests in "
+          f"{report['duration_s']:.0f} s: "
           f"{t['answered']} answered (same tokens as a colocated engine), {t['wrong']} wrong, "
           f"{t['error']} errors, {t['cancelled']} cancelled by their client")
     print(f"  {'fault':<18}{'times':>6}{'affected':>9}{'answered':>9}{'errors':>7}{'allowed':>8}{'wrong':>6}"
@@ -426,7 +451,7 @@ def print_summary(report: dict) -> None:
                                  f"{c['pulled_bytes']:,} of {c['expected_bytes']:,} bytes")
     print(f"  after the run      engines {'idle, KV usage 0' if d['idle'] else 'NOT idle'} after {d['seconds']:.1f} s; "
           f"{pulls}")
-    print(f"  proxy paths        {report['proxy_paths']}")
+    print(f"  {report['front'] + ' counts':<19}{report['proxy_paths']}")
     print("  verdict            " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(report["problems"])))
 
 
@@ -442,6 +467,10 @@ def register(subparsers) -> None:
     p.add_argument("--restart-under-load", action="store_true",
                    help="keep the clients going while a killed engine restarts (default: they pause, which "
                    "a 2-core host needs; the outage before the restart is always under load)")
+    p.add_argument("--front", action="append", choices=ROUTERS, metavar="ROUTER",
+                   help="the P/D front the clients talk to: kvpp-proxy (default) or vllm-router; give it twice "
+                   "(--front kvpp-proxy --front vllm-router) to run the schedule through each in turn against the "
+                   "same engines")
     p.add_argument("--workdir", type=Path, help="model, logs and pool state (default: a temp dir)")
     p.add_argument("--report", type=Path, help="write the whole report (every request) as JSON here")
     p.add_argument("--json", action="store_true", help="print the report (without the request list) as JSON")
@@ -468,22 +497,26 @@ def _run(args: argparse.Namespace) -> int:
     if any(attach):
         if not all(attach):
             raise ValueError("pointing at running instances needs --proxy, --engines, --reference and --model")
+        if args.front and args.front != ["kvpp-proxy"]:
+            raise ValueError("--front: running instances are checked against kvpp proxy's counters; --front "
+                             "vllm-router applies to the local stack")
         report = run_attached(args.proxy.rstrip("/"), _engine_urls(args.engines), args.reference.rstrip("/"),
                               args.model, args.clients, args.seed, args.seconds, StackSettings())
         return _output(args, report)
     soak = args.schedule == "soak"
-    schedule = soak_schedule(args.seed) if soak else SHORT_SCHEDULE
+    schedule = (lambda: soak_schedule(args.seed)) if soak else (lambda: SHORT_SCHEDULE)
     seconds = args.soak_seconds if soak else None
     settings = StackSettings()
+    fronts = tuple(dict.fromkeys(args.front or ["kvpp-proxy"]))
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-chaos-") as tmp:
                 report = run_chaos(Path(tmp), schedule, args.clients, args.seed, args.gap, settings,
-                                   args.restart_under_load, seconds)
+                                   args.restart_under_load, seconds, fronts)
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
             report = run_chaos(args.workdir, schedule, args.clients, args.seed, args.gap, settings,
-                               args.restart_under_load, seconds)
+                               args.restart_under_load, seconds, fronts)
     except ProcessError as exc:
         print(f"kvpp chaos: failed: {exc}", file=sys.stderr)
         return 1
@@ -493,8 +526,11 @@ def _run(args: argparse.Namespace) -> int:
 def _output(args: argparse.Namespace, report: dict) -> int:
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
+    reports = report.get("fronts", [report])
     if args.json:
-        print(json.dumps({k: v for k, v in report.items() if k != "requests"}, indent=2))
+        short = [{k: v for k, v in r.items() if k != "requests"} for r in reports]
+        print(json.dumps(short[0] if len(short) == 1 else {"fronts": short, "ok": report["ok"]}, indent=2))
     else:
-        print_summary(report)
+        for r in reports:
+            print_summary(r)
     return 0 if report["ok"] else 1

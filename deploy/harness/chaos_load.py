@@ -98,6 +98,9 @@ class Load:
     think_s: float = 0.5
     """A client's mean pause between two requests (uniform on 0..2x): users read answers, and a
     saturated 2-core host would starve a restarting engine for minutes."""
+    default_path: str = ""
+    """The path of an answer without the proxy's path header: vllm-router sends every request prefill, then
+    decode, and says nothing."""
     records: list[Record] = field(default_factory=list)
     in_flight: int = 0
     extra: dict = field(default_factory=dict)
@@ -155,7 +158,7 @@ class Load:
                 async with session.post(f"{self.url}/v1/completions", json=body) as resp:
                     rec.status = resp.status
                     rec.first_byte = time.monotonic() - rec.start
-                    rec.path = resp.headers.get(PATH_HEADER, "")
+                    rec.path = resp.headers.get(PATH_HEADER, self.default_path)
                     if resp.status != 200:
                         rec.outcome, rec.error = "error", _error_text(await resp.text())
                         return

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.harness.engines import engine_server, pd_servers
+from deploy.harness.routers import start_vllm_router
 from deploy.services.pool import QUIET_ENV, start_mooncake
 from deploy.services.processes import LOOPBACK, Engine, ManagedProcess, ProcessError, start_servers
 from deploy.services.proxy import start_proxy
@@ -47,6 +48,12 @@ class StackSettings:
     def proxy_args(self) -> list[str]:
         return ["--prefill-timeout", str(self.prefill_timeout_s), "--decode-timeout", str(self.read_timeout_s),
                 "--connect-timeout", "3", "--probe-interval", "1"]
+
+    def router_args(self) -> list[str]:
+        """vllm-router probes its instances' /health as often as the proxy does; everything else is its
+        own default (it has no per-leg timeouts, and in its P/D mode failed requests feed no circuit
+        breaker: only failed probes take an instance out)."""
+        return ["--health-check-interval-secs", "1"]
 
 
 class Member:
@@ -112,6 +119,10 @@ class Stack:
     engines: dict[str, str] = field(default_factory=dict)
     """Engine role -> base URL, whose /metrics the harness checks."""
     proxy_url: str = ""
+    front: str = "kvpp-proxy"
+    """Which P/D front serves proxy_url: kvpp-proxy or vllm-router."""
+    front_metrics_url: str = ""
+    """Where the front's Prometheus metrics are (proxy_url for kvpp proxy; vllm-router has a port of its own)."""
 
     def stop(self) -> None:
         for member in reversed(list(self.members.values())):
@@ -159,9 +170,10 @@ def adopt_pool(state_dir: Path) -> dict[str, Member]:
     return members
 
 
-def start_local_stack(model: str, workdir: Path, settings: StackSettings) -> Stack:
+def start_local_stack(model: str, workdir: Path, settings: StackSettings, front: str = "kvpp-proxy") -> Stack:
     """Mooncake pool (master + segment holder), prefill TP=2 with KVPP and a MultiConnector of
-    MooncakeConnectorV2 and the pool, decode TP=1, and `kvpp proxy`, on loopback and free ports."""
+    MooncakeConnectorV2 and the pool, decode TP=1, and the P/D front (`kvpp proxy` or vllm-router), on
+    loopback and free ports."""
     stack = Stack()
     try:
         stack.members.update(adopt_pool(workdir / "pool"))
@@ -178,13 +190,26 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings) -> Sta
                 stack.members[server.name] = Member.of(server, _http_ready(server.url, ENGINE_READY_S))
         for server in servers:
             stack.engines[server.name] = server.url
-        proxy, stack.proxy_url = start_proxy([servers[0].url], [servers[1].url], workdir / "proxy.log",
-                                             extra_args=settings.proxy_args())
-        stack.members["proxy"] = Member.of(proxy, _http_ready(stack.proxy_url, 60))
+        start_front(stack, front, workdir, settings)
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def start_front(stack: Stack, front: str, workdir: Path, settings: StackSettings) -> None:
+    """Put `front` (kvpp-proxy or vllm-router) in front of the stack's engines, replacing the one there."""
+    if "proxy" in stack.members:
+        stack.members.pop("proxy").stop()
+    prefill, decode = [stack.engines["prefill"]], [stack.engines["decode"]]
+    if front == "vllm-router":
+        proc, stack.proxy_url, stack.front_metrics_url = start_vllm_router(
+            prefill, decode, workdir / "vllm-router.log", extra_args=settings.router_args())
+    else:
+        proc, stack.proxy_url = start_proxy(prefill, decode, workdir / "proxy.log", extra_args=settings.proxy_args())
+        stack.front_metrics_url = stack.proxy_url
+    stack.front = front
+    stack.members["proxy"] = Member.of(proc, _http_ready(stack.proxy_url, 60))
 
 
 def inject(member: Member, kind: str, down_s: float, stack: Stack) -> None:

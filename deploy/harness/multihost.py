@@ -33,6 +33,9 @@ HTTP_PORT = {"prefill": 8100, "prefill2": 8101, "decode": 8200}
 LOOKUP_PORT = {"prefill": 5601, "prefill2": 5602}
 """Distinct although the hosts differ: the namespaces share one filesystem, where lookup sockets live."""
 POOL_PORT, PROXY_PORT = 50051, 8000
+ROUTER_HOST = "router"
+"""A further host for the same deployment rendered with vllm-router as its P/D front (router_spec)."""
+FRONTS = ("proxy", ROUTER_HOST)
 TRANSFER_TIMEOUT_S = 5
 
 
@@ -65,6 +68,13 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
     }
 
 
+def router_spec(spec: dict[str, Any], bed: Testbed, policy: str = "round_robin") -> dict[str, Any]:
+    """`spec` with vllm-router (`--policy`, round-robin by default: every prefill in turn) as its P/D front on
+    the router host."""
+    return {**spec, "proxy": {"router": "vllm-router", "host": bed.address(ROUTER_HOST), "port": PROXY_PORT,
+                              "extra_args": ["--policy", policy]}}
+
+
 class RenderedStack:
     """The spec rendered to `workdir/rendered` (render refuses a spec `kvpp check` finds errors in, with
     every error) and each script run in its host."""
@@ -86,7 +96,7 @@ class RenderedStack:
         return self.logs / f"{host}.log"
 
     def start(self, host: str) -> None:
-        script = {"pool": "pool.sh", "proxy": "proxy.sh"}.get(host, f"{host}-node0.sh")
+        script = "pool.sh" if host == "pool" else "proxy.sh" if host in FRONTS else f"{host}-node0.sh"
         self.procs[host] = self.bed.spawn(host, ["bash", self.scripts / script], self.log(host), env=self.env)
 
     def stop(self, host: str) -> None:
@@ -98,7 +108,7 @@ class RenderedStack:
         proc.wait(timeout=30)
 
     def url(self, host: str) -> str:
-        port = PROXY_PORT if host == "proxy" else HTTP_PORT[host]
+        port = PROXY_PORT if host in FRONTS else HTTP_PORT[host]
         return host_url("http", self.bed.address(host), port)
 
     def wait_ready(self, hosts: list[str], timeout: float = 600.0, progress=None) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 
 import aiohttp
@@ -140,3 +142,19 @@ async def with_proxy(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Lim
         await runner.cleanup()
         for s in stubs:
             await s.stop()
+
+
+@contextlib.contextmanager
+def stubs_in_thread(*names: str):
+    """Stubs serving from an event loop of their own, for tests whose client or front is a real process."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stubs = [asyncio.run_coroutine_threadsafe(Stub(name).start(), loop).result(10) for name in names]
+    try:
+        yield stubs
+    finally:
+        for stub in stubs:
+            asyncio.run_coroutine_threadsafe(stub.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -4,8 +4,9 @@ Every server decodes with MTP (the tiny model with one MTP layer, one speculativ
 keeps the MTP cache on both ranks, and a decode reads it from one of them and each target layer from
 its owner.
 
-One pair of servers serves every assertion, `kvpp chaos` attached to them included; the lease test
-adds a decode it kills, and the fault test kills the prefill, so they run last.
+One pair of servers serves every assertion, `kvpp chaos` attached to them and the vLLM project's
+router (`vllm-router`) in front of them included; the lease test adds a decode it kills, and the fault
+test kills the prefill, so they run last.
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 
 from deploy.harness.chaos_load import Load, reference_prompts
+from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.pd_servers import pd_server
+from deploy.harness.routers import start_vllm_router
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
-from tests.helpers.pd_http import MAX_TOKENS, completion, metric, post, tokens_and_logprobs, wait_for
+from tests.helpers import llmd_sidecar
+from tests.helpers.pd_http import (MAX_TOKENS, chat, completion, metric, post, post_stream, streamed_tokens_and_logprobs,
+                                   tokens_and_logprobs, wait_for)
 
 pytestmark = pytest.mark.engine
 
@@ -42,18 +48,23 @@ DECODE_KV_BYTES = 3 << 29  # ~2600 blocks: the load test's whole crowd decodes a
 LOAD_CLIENTS = 240  # half of them streaming
 LOAD_EXTRA = 20  # sent while the 240 fill the load proxy's --max-in-flight: each gets a 429
 LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens, under a minute
+# The tiny tokenizer has no chat template: a user message's words are the prompt.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def pd(mtp_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     started: list[ManagedProcess] = []
+    template = tmp / "chat-template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    chat_args = ("--chat-template", str(template))
     try:
         prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP])
+                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP, *chat_args])
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
-                        policy="recompute", transfer_timeout_s=5, extra_args=MTP,
+                        policy="recompute", transfer_timeout_s=5, extra_args=[*MTP, *chat_args],
                         server={"kv_cache_bytes": DECODE_KV_BYTES})
         start_servers((prefill, decode), started, timeout=400)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], tmp / "proxy.log")
@@ -149,6 +160,163 @@ def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocate
     got = completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n), kv_transfer_params=params)
     assert tokens_and_logprobs(got)[0] == tokens_and_logprobs(colocated[n])[0]
     print(f"forged side-channel requests sent to the real prefill: {tried}, all refused and counted")
+
+
+@pytest.fixture(scope="module")
+def router(pd):
+    """vllm-router (the PyPI package's launcher, unmodified) in its vLLM P/D mode in front of this module's
+    prefill and decode, started as a rendered deployment starts it."""
+    proc, url, metrics_url = start_vllm_router([pd["prefill"].url], [pd["decode"].url], pd["tmp"] / "vllm-router.log")
+    pd["started"].append(proc)
+    return {"url": url, "metrics": metrics_url}
+
+
+def _salted(**body) -> dict:
+    """A request under a fresh cache_salt: whatever prefix caching the engines do (vLLM 0.32 runs these
+    without), neither has a prefix of it, so the decode pulls the whole prompt and the answer rests on it."""
+    return {"cache_salt": uuid.uuid4().hex, "temperature": 0, "max_tokens": MAX_TOKENS, **body}
+
+
+def _same(got: tuple[list[str], list[float]], reference: dict, what: str) -> None:
+    ref_tokens, ref_lps = tokens_and_logprobs(reference)
+    tokens, lps = got
+    assert len(tokens) == MAX_TOKENS and tokens == ref_tokens, f"{what}: {tokens} vs {ref_tokens}"
+    assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, f"{what}: {lps} vs {ref_lps}"
+
+
+def _pull_counters(decode) -> dict[str, float]:
+    return {name: metric(decode.url, f"vllm:{name}") for name in
+            ("mooncake_v2_pulls_total", "mooncake_v2_pulled_bytes_total", "mooncake_v2_failed_pulls_total",
+             "external_prefix_cache_hits_total")}
+
+
+def _assert_pulled(decode, before: dict[str, float], prompt_tokens: list[int]) -> None:
+    """The decode pulled each prompt once, all of it: the 16 target layers and the MTP layer of every page,
+    and loaded its every token through the connector; no pull failed."""
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= before["mooncake_v2_pulls_total"]
+             + len(prompt_tokens), 30, "pulls counted")
+    after = _pull_counters(decode)
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["mooncake_v2_pulls_total"] == len(prompt_tokens), delta
+    assert delta["mooncake_v2_failed_pulls_total"] == 0, delta
+    assert delta["mooncake_v2_pulled_bytes_total"] == sum((LAYERS + 1) * -(-n // 16) * PAGE_BYTES
+                                                          for n in prompt_tokens), delta
+    assert delta["external_prefix_cache_hits_total"] == sum(prompt_tokens), delta
+
+
+def _current(engine, name: str, model: str) -> float:
+    """A metric as of now: an engine that only holds blocks steps without output, and its counters and gauges
+    reach /metrics with its next output, so a 1-token request without kv_transfer_params (nothing to hold)
+    goes first."""
+    post(f"{engine.url}/v1/completions", {"model": model, "prompt": "the", "max_tokens": 1, "temperature": 0})
+    return metric(engine.url, name)
+
+
+def test_vllm_router_answers_equal_colocated_engine(pd, colocated, router):
+    """vllm-router 0.1.17 (`--vllm-pd-disaggregation`, its default NIXL-shaped protocol) in front of the KVPP
+    prefill and the decode: plain and streamed completions and chat completions (plain and streamed) equal
+    the decode serving them alone, and each one was a whole-prompt pull. The router's prefill leg carries
+    NIXL's null keys, `min_tokens` and keys of its own (`no_stop_trim`, `return_hidden_states`); both legs
+    carry its X-Request-Id, which the decode's answer id is built from."""
+    decode, model, url = pd["decode"], pd["model"], router["url"]
+    chat_prompt = sample_prompt(45, seed=7)
+    chat_reference = chat(decode.url, model, chat_prompt)
+    before = _pull_counters(decode)
+    pulled = []
+    for n in PROMPT_WORDS:
+        got = post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), logprobs=1))
+        _same(tokens_and_logprobs(got), colocated[n], f"{n}-token prompt")
+        assert got["id"].startswith("cmpl-___prefill_addr_"), got["id"]  # the router's X-Request-Id
+        pulled.append(n)
+    events = post_stream(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(170, seed=170), logprobs=1))
+    _same(streamed_tokens_and_logprobs(events), colocated[170], "streamed 170-token prompt")
+    pulled.append(170)
+    messages = [{"role": "user", "content": chat_prompt}]
+    got = post(f"{url}/v1/chat/completions", _salted(model=model, messages=messages, logprobs=True))
+    _same(tokens_and_logprobs(got), chat_reference, "chat")
+    events = post_stream(f"{url}/v1/chat/completions", _salted(model=model, messages=messages, logprobs=True))
+    _same(streamed_tokens_and_logprobs(events), chat_reference, "streamed chat")
+    pulled += [chat_reference["usage"]["prompt_tokens"]] * 2
+    _assert_pulled(decode, before, pulled)
+    router_metrics = metric(router["metrics"], "vllm_router_pd_requests_total")
+    assert router_metrics >= len(pulled), router_metrics
+    print(f"vllm-router: {len(pulled)} requests (3 plain, 1 streamed, 2 chat) equal the colocated engine's; "
+          f"{len(pulled)} whole-prompt pulls")
+
+
+def test_llm_d_sidecar_shapes_are_answered_like_colocated_engine(pd, colocated):
+    """Exactly what llm-d's P/D sidecar (NIXL protocol v2) sends, to the real prefill and decode
+    (tests/helpers/llmd_sidecar.py): a prefill leg with NIXL's nulls and both token limits at 1, then the
+    client's body with the prefill's kv_transfer_params verbatim, one x-request-id on both. Plain, streamed
+    (the prefill leg loses `stream_options`) and chat completions equal the decode serving them alone, each
+    a whole-prompt pull; so does a decode leg whose params are the prefill's merged over NIXL's nulls with
+    `do_remote_prefill` forced true (the issue's description of the sidecar; its source copies them
+    verbatim, and the prefill's params already say true)."""
+    prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
+    chat_prompt = sample_prompt(45, seed=8)
+    chat_reference = chat(decode.url, model, chat_prompt)
+    before = _pull_counters(decode)
+    cases = [
+        ("/v1/completions", _salted(model=model, prompt=sample_prompt(300, seed=300), logprobs=1), colocated[300]),
+        ("/v1/completions", _salted(model=model, prompt=sample_prompt(170, seed=170), logprobs=1, stream=True,
+                                    stream_options={"include_usage": True}), colocated[170]),
+        ("/v1/chat/completions", _salted(model=model, messages=[{"role": "user", "content": chat_prompt}],
+                                         logprobs=True), chat_reference),
+    ]
+    pulled = []
+    for path, request, reference in cases:
+        headers = llmd_sidecar.request_headers()
+        first = post(f"{prefill.url}{path}", llmd_sidecar.prefill_leg(request), headers=headers)
+        params = first["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == first["usage"]["prompt_tokens"]
+        body = llmd_sidecar.decode_leg(request, first)
+        if request.get("stream"):
+            events = post_stream(f"{decode.url}{path}", body, headers=headers)
+            _same(streamed_tokens_and_logprobs(events), reference, f"{path} streamed")
+            assert events[-1]["usage"]["prompt_tokens"] == params["remote_num_tokens"]  # stream_options kept
+        else:
+            got = post(f"{decode.url}{path}", body, headers=headers)
+            _same(tokens_and_logprobs(got), reference, path)
+            assert headers["x-request-id"] in got["id"]
+        pulled.append(params["remote_num_tokens"])
+    request = _salted(model=model, prompt=sample_prompt(45, seed=45), logprobs=1)
+    first = post(f"{prefill.url}/v1/completions", llmd_sidecar.prefill_leg(request))
+    merged = {**llmd_sidecar.NIXL_NULLS, **first["kv_transfer_params"], "do_remote_prefill": True,
+              "do_remote_decode": False}
+    got = post(f"{decode.url}/v1/completions", {**request, "kv_transfer_params": merged})
+    _same(tokens_and_logprobs(got), colocated[45], "merged params")
+    pulled.append(45)
+    _assert_pulled(decode, before, pulled)
+
+
+def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, router):
+    """vllm-router 0.1.17 makes one attempt per request in P/D mode (a 5xx is not retried:
+    tests/deploy/harness/test_routers.py), so a request whose decode leg fails after its prefill leg reaches
+    the client, which retries. Here the decode refuses the first attempt (a max_tokens beyond its context;
+    the router relays the 400), and the prefill's blocks for it are freed within half their initial lease
+    (hold_timeout_s), before it could lapse: no hold lapses and nothing is pulled for it (the lease path,
+    for a decode leg that never arrives, is test_prefill_frees_blocks_when_decode_never_pulls). The
+    client's retry is answered like the colocated engine, with one pull."""
+    prefill, decode, model, url, n = pd["prefill"], pd["decode"], pd["model"], router["url"], 170
+    lapsed = _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model)
+    pulls = metric(decode.url, "vllm:mooncake_v2_pulls_total")
+    decode_errors = metric_total(engine_metrics(router["metrics"]), "vllm_router_pd_decode_errors_total")  # 0: none yet
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), max_tokens=10**6))
+    refused = time.monotonic()
+    assert 400 <= failed.value.code < 500, failed.value.code
+    assert metric(router["metrics"], "vllm_router_pd_decode_errors_total") == decode_errors + 1
+    freed = wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, HOLD_TIMEOUT_S / 2,
+                     "the refused request's blocks freed on the prefill")
+    assert time.monotonic() - refused < HOLD_TIMEOUT_S - 2  # by the decode's notice, not by the lease
+    retry = post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), logprobs=1))
+    _same(tokens_and_logprobs(retry), colocated[n], "retry")
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + 1, 30, "the retry's pull counted")
+    assert metric(decode.url, "vllm:mooncake_v2_pulls_total") == pulls + 1  # the retry's only
+    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, 20, "prefill KV usage back to 0")
+    assert _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) == lapsed
+    print(f"a prefill leg whose decode leg the decode refused: its blocks freed {freed:.1f} s later (initial lease "
+          f"{HOLD_TIMEOUT_S} s), no lapse, no pull; the retry answered like the colocated engine")
 
 
 def test_no_blocks_leak_after_pulls(pd):

@@ -410,3 +410,54 @@ def test_ascend_deployments_drop_the_vllm_032_rules(tmp_path):
     assert any("speculative_config" in e and "vLLM 0.32.0" in e for e in errors), errors
     errors, _, code = _check(tmp_path, {**_spec([mtp_pp]), "platform": "ascend"})
     assert code == 0 and errors == []
+
+
+def _routed(**proxy):
+    return _spec([_prefill(kv_port=37000)], [_decode()]) | {"proxy": {"router": "vllm-router", **proxy}}
+
+
+@pytest.mark.parametrize("args, option, reason", [
+    (["--kv-connector", "mooncake"], "--kv-connector", "upstream Mooncake's bootstrap protocol"),
+    (["--kv-connector=moriio"], "--kv-connector", "MoRI-IO"),
+    (["--vllm-discovery-address", "0.0.0.0:30001"], "--vllm-discovery-address", "discovery"),
+    (["--service-discovery"], "--service-discovery", "discovery"),
+])
+def test_vllm_router_modes_that_cannot_reach_the_connector_are_refused(tmp_path, args, option, reason):
+    errors, _, code = _check(tmp_path, _routed(extra_args=args))
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: proxy: extra_args {option}:") and reason in errors[0], errors[0]
+    assert "remove" in errors[0]
+
+
+def test_vllm_router_default_mode_passes_and_renders_the_spec_urls(tmp_path):
+    spec = _routed(extra_args=["--kv-connector", "nixl", "--policy", "round_robin"])
+    errors, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not errors and not warnings
+    argv = render(parse_spec(spec), "shell")["proxy.sh"]
+    assert "exec vllm-router \\\n    --vllm-pd-disaggregation \\\n    --prefill http://h1:8000 \\\n" \
+           "    --decode http://h1:8001 \\\n" in argv
+    assert "--prometheus-port 29000" in argv and argv.rstrip().endswith("--policy round_robin")
+
+
+def test_vllm_router_metrics_port_must_be_free_on_its_host(tmp_path):
+    errors, _, code = _check(tmp_path, _routed(metrics_port=8001))  # the decode's HTTP port on h1
+    assert code == 1 and errors == ["error: proxy: metrics_port: vllm-router's metrics port 8001 on host h1 is also "
+                                    "decode[0] (d)'s HTTP port; set proxy.metrics_port to a free port (default 29000)"]
+
+
+def test_router_flags_owned_by_render_are_refused():
+    with pytest.raises(SpecError) as err:
+        parse_spec(_routed(extra_args=["--policy", "random", "--prometheus-port=9"]))
+    assert str(err.value).splitlines() == ["spec: proxy.extra_args[2]: --prometheus-port is set by kvpp render from the spec; "
+                                           "use proxy.host, proxy.port, proxy.metrics_port and the prefill/decode "
+                                           "instances instead"]
+
+
+def test_router_settings_without_their_use_are_warnings(tmp_path):
+    _, warnings, code = _check(tmp_path, _spec([_prefill()]) | {"proxy": {"router": "vllm-router"}})
+    assert code == 0 and len(warnings) == 1 and "no P/D front to render" in warnings[0]
+    _, warnings, code = _check(tmp_path, _routed(max_in_flight=50))
+    assert code == 0 and len(warnings) == 1 and "vllm-router does not read it" in warnings[0], warnings
+    _, warnings, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode()]) | {"proxy": {"metrics_port": 9}})
+    assert code == 0 and warnings == ["warning: proxy: metrics_port: kvpp proxy serves /metrics on proxy.port; "
+                                      "metrics_port applies to router: vllm-router only; remove it"]

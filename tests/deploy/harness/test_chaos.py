@@ -13,12 +13,14 @@ import pytest
 from aiohttp import web
 
 from connectors.store.config import parse_store_config
-from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _tally, check_attached, soak_schedule
+from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _front_counts, _tally, check_attached, \
+    soak_schedule
 from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
-from deploy.harness.chaos_stack import Member, Stack, adopt_pool, inject
+from deploy.harness.chaos_stack import Member, Stack, StackSettings, adopt_pool, inject, start_front
 from deploy.services.processes import free_port, http_ok, port_open
 from deploy.services.proxy import PDProxy, Timeouts, start_proxy
-from tests.helpers.stub_engine import REQUEST, WORDS, Stub, with_proxy
+from tests.helpers.pd_http import post
+from tests.helpers.stub_engine import REQUEST, WORDS, Stub, stubs_in_thread, with_proxy
 
 
 def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, seconds=1.0):
@@ -230,3 +232,24 @@ def test_cancel_probe_leaves_and_the_decode_sees_it(stream):
     left = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
     assert d.requests[0]["body"]["max_tokens"] == 600 and d.requests[0]["body"]["ignore_eos"] is True
     assert d.cancelled and d.cancelled[0] - left < 2
+
+
+@pytest.mark.integration
+def test_the_front_is_swapped_between_kvpp_proxy_and_vllm_router_and_counted_by_each(tmp_path):
+    """`kvpp chaos --front`: start_front puts either front in front of the stack's engines (here stub engines,
+    the fronts real), replacing the one there, and the report counts each front's requests from its own
+    metrics (vllm-router's on their own port)."""
+    with stubs_in_thread("prefill", "decode") as stubs:
+        stack = Stack(engines={"prefill": stubs[0].url, "decode": stubs[1].url})
+        try:
+            counts = {}
+            for front in ("vllm-router", "kvpp-proxy"):
+                start_front(stack, front, tmp_path, StackSettings())
+                assert stack.front == front and list(stack.members) == ["proxy"]
+                post(f"{stack.proxy_url}/v1/completions", dict(REQUEST))
+                counts[front] = _front_counts(stack)
+        finally:
+            stack.stop()
+    assert counts["vllm-router"] == {"requests": 1, "prefill_errors": 0, "decode_errors": 0, "stream_errors": 0}
+    assert counts["kvpp-proxy"]["pd"] == 1
+    assert len(stubs[0].requests) == len(stubs[1].requests) == 2  # each front: prefill leg, then decode leg

@@ -7,7 +7,8 @@ The spec puts a prefill (TP=2, KVPP, MooncakeConnectorV2 + pool) on host "prefil
 through the proxy must equal the decode engine computing the prompts itself; the ports each host
 listens on must be the ones `kvpp ports` predicts; a prefix pooled by the first prefill must be hit by
 the second after the first is restarted; and a host whose link goes down costs a bounded recompute,
-never a wrong answer, with traffic resuming when the link returns.
+never a wrong answer, with traffic resuming when the link returns. The same spec rendered with
+vllm-router as its P/D front runs on a sixth host, in front of the same instances.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from connectors.store.lookup import lookup_path
 from deploy.harness.engines import engine_metrics, metric_total
-from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, TRANSFER_TIMEOUT_S, \
-    RenderedStack, cpu_spec
+from deploy.harness.multihost import HOSTS, HTTP_PORT, KV_PORT, LOOKUP_PORT, POOL_PORT, PROXY_PORT, ROUTER_HOST, \
+    TRANSFER_TIMEOUT_S, RenderedStack, cpu_spec, router_spec
 from deploy.harness.testbed import Testbed, unavailable_reason
 from deploy.harness.tiny_model import sample_prompt
 from tests.helpers.paths import REPO
@@ -59,14 +61,14 @@ def listening_ports(bed: Testbed, host: str) -> set[int]:
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
-    with Testbed(list(HOSTS)) as bed:
+    with Testbed([*HOSTS, ROUTER_HOST]) as bed:
         spec = cpu_spec(bed, tiny_model)
         stack = RenderedStack(bed, spec, tmp)
         # What an operator runs: the CLI accepts the spec that was rendered.
         check = subprocess.run([*KVPP, "check", tmp / "spec.yaml"], capture_output=True, text=True, cwd=REPO)
         assert check.returncode == 0 and "error" not in check.stdout, check.stdout + check.stderr
         stack.start_all()
-        yield {"bed": bed, "stack": stack, "proxy": stack.url("proxy"), "model": tiny_model}
+        yield {"bed": bed, "stack": stack, "proxy": stack.url("proxy"), "model": tiny_model, "spec": spec, "tmp": tmp}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,64 @@ def test_answers_through_the_proxy_equal_the_decode_computing_them(stack, refere
     took = metric(decode, "vllm:mooncake_v2_transfer_seconds_total") - read_s
     print(f"multi-host: {len(seconds)} requests through the proxy, {min(seconds):.2f}-{max(seconds):.2f} s each; "
           f"pulls across the bridge {moved / 1e6:.1f} MB in {took:.3f} s ({moved / max(took, 1e-9) / 1e6:.0f} MB/s)")
+
+
+def test_vllm_router_on_its_own_host_answers_like_the_decode_and_spreads_the_prefills(stack, reference):
+    """The same spec with `proxy.router: vllm-router` on a sixth host: `kvpp check` accepts it, its rendered
+    proxy.sh runs as written there, and answers through it equal the decode's own, each a pull across the
+    bridge (a fresh cache_salt: no host has the prompt cached, pool included), its prefill legs round-robin
+    over both KVPP prefills, and a prefix the router's first prefill leg pooled is loaded by the second's,
+    on the other prefill."""
+    bed, s = stack["bed"], stack["stack"]
+    (stack["tmp"] / "vllm-router").mkdir()
+    front = RenderedStack(bed, router_spec(stack["spec"], bed), stack["tmp"] / "vllm-router")
+    check = subprocess.run([*KVPP, "check", front.workdir / "spec.yaml"], capture_output=True, text=True, cwd=REPO)
+    assert check.returncode == 0 and "error" not in check.stdout, check.stdout + check.stderr
+    assert "exec vllm-router" in (front.scripts / "proxy.sh").read_text()
+    decode = s.url("decode")
+    counters = ("vllm:mooncake_v2_pulls_total", "vllm:mooncake_v2_failed_pulls_total")
+    before = {name: metric(decode, name) for name in counters}
+    prefill_legs = {host: metric(s.url(host), "vllm:request_success_total") for host in ("prefill", "prefill2")}
+    front.start(ROUTER_HOST)
+    try:
+        front.wait_ready([ROUTER_HOST], timeout=120)
+        router = front.url(ROUTER_HOST)
+        for n, ref in reference.items():
+            for _ in range(2):
+                got = post(f"{router}/v1/completions", completion_body(stack, n, cache_salt=uuid.uuid4().hex))
+                assert same_answer(got, ref), f"{n}-token prompt through vllm-router"
+        requests = 2 * len(reference)
+        spread = {host: metric(s.url(host), "vllm:request_success_total") - prefill_legs[host] for host in prefill_legs}
+        assert spread == {"prefill": requests / 2, "prefill2": requests / 2}, spread
+        hit_tokens = _pooled_prefix_through(router, stack)
+    finally:
+        front.stop(ROUTER_HOST)
+    wait_for(lambda: metric(decode, counters[0]) - before[counters[0]] >= requests + 2, 30, "pulls counted")
+    assert metric(decode, counters[0]) - before[counters[0]] == requests + 2
+    assert metric(decode, counters[1]) == before[counters[1]]
+    print(f"vllm-router on host {bed.address(ROUTER_HOST)}: {requests + 2} requests answered like the decode, as "
+          f"many pulls, prefill legs {spread}; a prefix pooled by one prefill was loaded by the other ({hit_tokens} "
+          "tokens)")
+
+
+def _pooled_prefix_through(router: str, stack) -> int:
+    """One prompt twice through the round-robin router: its first prefill leg saves the prefix to the pool, the
+    second, on the other prefill, loads it from there; both answers equal the decode's own. The tokens hit."""
+    s, n = stack["stack"], 250
+    body = completion_body(stack, n, prompt=sample_prompt(n, seed=11 * n), cache_salt=uuid.uuid4().hex)
+    reference = post(f"{s.url('decode')}/v1/completions", body)
+    counts = {host: (metric(s.url(host), "vllm:request_success_total"),
+                     metric(s.url(host), "vllm:kv_pool_saved_blocks_total"),
+                     metric(s.url(host), "vllm:kv_pool_hit_tokens_total")) for host in ("prefill", "prefill2")}
+    assert same_answer(post(f"{router}/v1/completions", body), reference)
+    first = next(h for h in counts if metric(s.url(h), "vllm:request_success_total") > counts[h][0])
+    other = "prefill2" if first == "prefill" else "prefill"
+    wait_for(lambda: metric(s.url(first), "vllm:kv_pool_saved_blocks_total") - counts[first][1] >= n // 16, 60,
+             f"the prefix saved to the pool by {first}")
+    assert same_answer(post(f"{router}/v1/completions", body), reference)
+    hit = metric(s.url(other), "vllm:kv_pool_hit_tokens_total") - counts[other][2]
+    assert hit == (n // 16) * 16, f"{other} loaded {hit} pooled tokens"
+    return int(hit)
 
 
 def test_a_prefix_pooled_on_one_host_is_hit_on_another_after_the_first_restarts(stack):
