@@ -5,22 +5,26 @@ keeps the MTP cache on both ranks, and a decode reads it from one of them and ea
 its owner.
 
 One pair of servers serves every assertion, `kvpp chaos` attached to them included; the lease test
-adds a decode it kills, and the fault test kills the prefill, so they run last.
+adds a decode it kills, and the fault test kills the prefill, so they run last. The prefill's KV budget
+(PREFILL_KV_BYTES) is one KVPP off could not fill with the full-capacity test's held prompts.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import re
 import signal
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from deploy.harness.engines import engine_metrics
 from deploy.harness.pd_servers import pd_server
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
@@ -35,6 +39,8 @@ PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
 LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing
 PROMPT_WORDS = (300, 45, 170)
+PREFILL_KV_BYTES = 64 << 20  # per rank: KVPP off 107 blocks, on 165 (MTP model, TP2)
+HELD_WORDS = (250,) * 8  # 8 x 16 blocks held at once: past KVPP off's 107
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def pd(mtp_model, tmp_path_factory):
     try:
         prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP])
+                         server={"kv_cache_bytes": PREFILL_KV_BYTES}, extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP])
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5, extra_args=MTP)
         start_servers((prefill, decode), started, timeout=400)
@@ -141,6 +147,36 @@ def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocate
     got = completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n), kv_transfer_params=params)
     assert tokens_and_logprobs(got)[0] == tokens_and_logprobs(colocated[n])[0]
     print(f"forged side-channel requests sent to the real prefill: {tried}, all refused and counted")
+
+
+def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
+    """Prefill legs holding more blocks than KVPP off has, all at once (block ids past its count among
+    them, read from the handles; usage from vLLM's gauge, no preemption); the decode then pulls each and
+    answers like itself serving the prompt alone."""
+    from kvpp_core.capacity import plan_capacity
+    from kvpp_core.model import ModelSpec
+    from kvpp_core.topology import Topology
+
+    prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
+    off_blocks = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), PREFILL_KV_BYTES,
+                               block_size=16).blocks_off
+    on_blocks = int(re.search(r'num_gpu_blocks="(\d+)"', engine_metrics(prefill.url)).group(1))
+    prompts = [sample_prompt(n, seed=1000 + i) for i, n in enumerate(HELD_WORDS)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reference = list(pool.map(lambda p: completion(decode.url, model, p), prompts))
+        preempted = metric(prefill.url, "vllm:num_preemptions_total")
+        handles = list(pool.map(lambda p: _prefill_leg(pd, p), prompts))
+        held = round(metric(prefill.url, "vllm:kv_cache_usage_perc") * (on_blocks - 1))
+        assert metric(prefill.url, "vllm:num_preemptions_total") == preempted
+        got = list(pool.map(lambda ph: completion(decode.url, model, ph[0], kv_transfer_params=ph[1]),
+                            zip(prompts, handles)))
+    high = max(b for h in handles for b in h["remote_block_ids"])
+    print(f"prefill held {held}/{on_blocks} blocks at once (KVPP off: {off_blocks}); highest block id pulled {high}")
+    assert held > off_blocks and high >= off_blocks
+    for want, have in zip(reference, got):
+        tokens, lps = tokens_and_logprobs(have)
+        ref_tokens, ref_lps = tokens_and_logprobs(want)
+        assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
 
 
 def test_no_blocks_leak_after_pulls(pd):
