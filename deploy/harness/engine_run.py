@@ -70,10 +70,14 @@ def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int,
         assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
 
 
-def _zero_blocks_from(worker, first: int) -> None:
-    """collective_rpc target (runs in each worker): zero blocks `first`.. of every bound KV cache."""
-    for cache in worker.model_runner.kv_caches:
-        cache[first:].zero_()
+class BlockZeroing:
+    """Worker extension (vLLM's `worker_extension_cls`, set only with --corrupt-above): a method that
+    `collective_rpc("zero_blocks_from", ...)` calls by name, so no code object crosses vLLM's IPC."""
+
+    def zero_blocks_from(self, first: int) -> None:
+        """Zero blocks `first`.. of every KV cache this worker bound."""
+        for cache in self.model_runner.kv_caches:
+            cache[first:].zero_()
 
 
 def _metric(llm, name: str) -> float:
@@ -97,7 +101,7 @@ def serve_load(llm, prompts: list[list[int]], params, tag: str, corrupt_above: i
                     "logprobs": [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)],
                 }
         if corrupt_above is not None:
-            llm.collective_rpc(_zero_blocks_from, args=(corrupt_above,))
+            llm.collective_rpc("zero_blocks_from", args=(corrupt_above,))
         peak_running = max(peak_running, _metric(llm, "vllm:num_requests_running"))
         peak_usage = max(peak_usage, _metric(llm, "vllm:kv_cache_usage_perc"))
     return {"outputs": outputs, "peak_running": peak_running, "peak_kv_usage": peak_usage,
@@ -147,6 +151,7 @@ def main() -> None:
         max_model_len=1024,
         seed=0,
         disable_log_stats=False,  # the scheduler's gauges and counters, read by --load
+        worker_extension_cls="deploy.harness.engine_run.BlockZeroing" if args.corrupt_above is not None else "",
     )
     with open(args.prompts) as f:
         prompts = json.load(f)
