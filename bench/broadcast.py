@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.summary import spread
 from deploy.harness.engine_run import run, write_prompts
 
 VARIANTS = ("on", "whole", "sync", "compiled")
@@ -90,19 +91,15 @@ def main() -> None:
     for key in ("decode_step_seconds", "prefill_seconds", "step_time_ratio_vs_off", "compiled_vs_eager",
                 "wait_seconds"):
         if key in repeats[0]:
-            result[key] = {name: _spread([r[key][name] for r in repeats]) for name in repeats[0][key]}
+            result[key] = {name: spread([r[key][name] for r in repeats]) for name in repeats[0][key]}
     for key in ("step_time_ratio_compiled_on_vs_compiled_off", "broadcast_byte_ratio_on_vs_whole_cache",
                 "hidden_fraction"):
         if key in repeats[0]:
-            result[key] = _spread([r[key] for r in repeats])
+            result[key] = spread([r[key] for r in repeats])
     result["command"] = "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.broadcast " + " ".join(sys.argv[1:])
     result["repeats"] = repeats
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "repeats"}, indent=2))
-
-
-def _spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def _figures(runs: dict, variants: list[str]) -> dict:

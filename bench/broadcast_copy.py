@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.summary import spread
 from deploy.services.processes import free_port
 
 BLOCK_TOKENS = 16
@@ -195,14 +196,13 @@ def measure(layers: int = 8, history_tokens: int = 8192, steps: int = 20, matmul
         order = names[rep % len(names):] + names[:rep % len(names)]
         print(f"[bench] repeat {rep + 1}/{repeats}: {', '.join(order)} ...", file=sys.stderr, flush=True)
         reps.append(_one_repeat(base, busy, order))
-    spread = {key: {"min": min(r[key] for r in reps), "median": statistics.median(r[key] for r in reps),
-                    "max": max(r[key] for r in reps)} for key in SUMMARISED}
+    spreads = {key: spread(r[key] for r in reps) for key in SUMMARISED}
     step = lambda name, key: statistics.median(r[name][key] for r in reps)  # noqa: E731
     return {
         "setup": {"world": WORLD, "layers": layers, "history_tokens": history_tokens, "layer_bytes": layer_bytes,
                   "row_bytes": row_bytes, "steps": steps, "threads_per_rank": 1, "repeats": repeats},
-        **{key: spread[key]["median"] for key in SUMMARISED},
-        "spread": spread,
+        **{key: spreads[key]["median"] for key in SUMMARISED},
+        "spread": spreads,
         "with_compute": {
             "compute_only_step_s": step("prefetch", "compute_s"),
             "prefetch_step_s": step("prefetch", "step_s"),

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.summary import spread
 from deploy.harness.engine_run import write_prompts
 from deploy.harness.engines import engine_metrics, metric_total
 from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec, start_servers
@@ -114,10 +114,6 @@ def num_blocks(url: str) -> int:
         raise SystemExit(f"{url}/metrics has no vllm:cache_config_info num_gpu_blocks label")
     return int(found.group(1))
 
-
-
-def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main() -> None:
