@@ -74,7 +74,7 @@ def poll_peaks(url: str, stop: threading.Event, peaks: dict) -> None:
         text = engine_metrics(url)
         peaks["running"] = max(peaks["running"], metric_total(text, "vllm:num_requests_running"))
         peaks["kv_usage"] = max(peaks["kv_usage"], metric_total(text, "vllm:kv_cache_usage_perc"))
-        stop.wait(0.05)
+        stop.wait(0.2)
 
 
 async def burst(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
