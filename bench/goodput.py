@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ import aiohttp
 
 from bench.summary import spread
 from deploy.harness.engine_run import write_prompts
-from deploy.harness.engines import engine_metrics, metric_total
+from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec, start_servers
 
 METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
@@ -107,14 +106,6 @@ def phase(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def num_blocks(url: str) -> int:
-    """The engine's block count, from vLLM's `vllm:cache_config_info` labels."""
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(url), re.M)
-    if not found:
-        raise SystemExit(f"{url}/metrics has no vllm:cache_config_info num_gpu_blocks label")
-    return int(found.group(1))
-
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,7 +135,7 @@ def main() -> None:
         started = []
         try:
             start_servers(list(engines.values()), started, timeout=600)
-            blocks = {mode: num_blocks(e.url) for mode, e in engines.items()}
+            blocks = {mode: engine_num_blocks(e.url) for mode, e in engines.items()}
             phases, reference = [], None
             for rep in range(args.repeats):
                 for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):

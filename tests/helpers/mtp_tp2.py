@@ -25,9 +25,10 @@ LOAD_PROMPTS = (260,) * 8
 BLOCK = 16
 
 
-def plan(model: str):
-    """`kvpp plan` for this shape: the blocks KVPP off and on get from KV_BYTES per rank."""
-    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
+def plan(model: str, kv_bytes: int = KV_BYTES):
+    """`kvpp plan` for a TP2 engine of `model`: the blocks KVPP off and on get from `kv_bytes` per rank (the
+    capacity tests' KVPP-off count, also for the P/D prefill and the pool engines of this shape)."""
+    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), kv_bytes, block_size=BLOCK)
 
 
 def mtp_tp2_run(model: str, tmp: Path, *extra: str, references: dict[str, list[int]] | None = None,

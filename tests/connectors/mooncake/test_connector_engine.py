@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import re
 import signal
 import sys
 import threading
@@ -24,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deploy.harness.engines import engine_metrics
+from deploy.harness.engines import engine_num_blocks
 from deploy.harness.pd_servers import pd_server
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
+from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pd_http import MAX_TOKENS, completion, metric, post, tokens_and_logprobs, wait_for
 
 pytestmark = pytest.mark.engine
@@ -153,14 +153,9 @@ def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_th
     """Prefill legs holding more blocks than KVPP off has, all at once (block ids past its count among
     them, read from the handles; usage from vLLM's gauge, no preemption); the decode then pulls each and
     answers like itself serving the prompt alone."""
-    from kvpp_core.capacity import plan_capacity
-    from kvpp_core.model import ModelSpec
-    from kvpp_core.topology import Topology
-
     prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
-    off_blocks = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), PREFILL_KV_BYTES,
-                               block_size=16).blocks_off
-    on_blocks = int(re.search(r'num_gpu_blocks="(\d+)"', engine_metrics(prefill.url)).group(1))
+    off_blocks = plan(model, PREFILL_KV_BYTES).blocks_off
+    on_blocks = engine_num_blocks(prefill.url)
     prompts = [sample_prompt(n, seed=1000 + i) for i, n in enumerate(HELD_WORDS)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         reference = list(pool.map(lambda p: completion(decode.url, model, p), prompts))

@@ -37,6 +37,7 @@ from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.processes import free_port_range
+from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, PAGE_BYTES, POOL_ENV, assert_same_output, pool_prompts, \
     run_pool_engine, store_config, worker_stats
 
@@ -268,19 +269,15 @@ def test_on_pool_saves_and_loads_blocks_past_kvpp_off_capacity(on):
     after the batch: a prefill keeps them for its decode), more than KVPP off has; prefix_plus, admitted
     last, loads its 6 pooled blocks (saved from the highest ids too) into ids past that count, and
     answers like the pool-free reference."""
-    from kvpp_core.capacity import plan_capacity
-    from kvpp_core.model import ModelSpec
-    from kvpp_core.topology import Topology
-
     sc, ref, saved, fresh = on
-    plan = plan_capacity(ModelSpec.from_hf_config(sc.model), Topology(tp=2), ON_KV_BYTES, block_size=BLOCK)
+    capacity = plan(sc.model, ON_KV_BYTES)
     on_blocks = fresh["kvpp_workers"][0]["num_blocks"]
-    assert on_blocks == saved["kvpp_workers"][0]["num_blocks"] == plan.blocks_on
+    assert on_blocks == saved["kvpp_workers"][0]["num_blocks"] == capacity.blocks_on
     held = round(fresh["kv_usage_after"][0] * (on_blocks - 1))
-    print(f"fresh P/D prefill held {held}/{on_blocks} blocks (KVPP off: {plan.blocks_off})")
+    print(f"fresh P/D prefill held {held}/{on_blocks} blocks (KVPP off: {capacity.blocks_off})")
     # Blocks the requests admitted before prefix_plus took (prompt + 1 speculative slot); block 0 is vLLM's
     # null block, so prefix_plus's first id is one past them: an id KVPP off (0 .. blocks_off - 1) lacks.
     ahead = sum(-(-(len(sc.prompts[n]) + 1) // BLOCK) for n in KVPP_SERVED[:-1])
-    assert held > plan.blocks_off and ahead + 1 >= plan.blocks_off
+    assert held > capacity.blocks_off and ahead + 1 >= capacity.blocks_off
     assert fresh["prefix_plus"]["num_cached_tokens"] == 6 * BLOCK
     assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
