@@ -6,10 +6,12 @@ hold the batch's history; the same sending every allocated block (the anchor's b
 KVPP_BROADCAST_WHOLE_CACHE=1); KVPP on with one staging buffer (no overlap: every broadcast is
 waited for in full); and KVPP off and on in compiled mode (torch.compile, no --enforce-eager), whose
 step times compare with the eager ones. Figures are ratios against the baseline of the same run,
-since this machine is noisy. Prints one JSON object.
+since this machine is noisy. The engines run interleaved, --repeats times (at least 3), the order
+rotated each repeat; ratios are taken within a repeat and reported as min/median/max. Writes one JSON
+object to --out (and prints it without the per-repeat detail).
 
-    .venv/bin/python -m bench.broadcast [--model DIR] [--prompt-tokens 900] [--decode-tokens 32]
-        [--variants on,whole,sync,compiled]
+    flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.broadcast [--model DIR] [--prompt-tokens 900]
+        [--decode-tokens 32] [--variants on,whole,sync,compiled] [--repeats 3] [--out bench/results/broadcast.json]
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.summary import spread
 from deploy.harness.engine_run import run, write_prompts
 
 VARIANTS = ("on", "whole", "sync", "compiled")
+VARIANT_ENGINES = {"on": ("on",), "whole": ("on_whole_cache",), "sync": ("on_no_prefetch",),
+                   "compiled": ("compiled_off", "compiled_on")}
 
 
 def _run(model: str, prompts: Path, kv_bytes: int, decode: int, *extra: str, whole_cache: bool = False) -> dict:
@@ -49,11 +54,16 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (KVPP off always runs)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/broadcast.json")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+
+    if args.repeats < 3:
+        ap.error("--repeats: at least 3 (min/median/max need them)")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -63,23 +73,41 @@ def main() -> None:
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))
         prompts = write_prompts(Path(tmp) / "prompts.json", model, [args.prompt_tokens])
         kv_bytes = args.kv_mib << 20
-        runs = {"off": _run(model, prompts, kv_bytes, args.decode_tokens)}
-        if "on" in variants:
-            runs["on"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp")
-        if "whole" in variants:
-            runs["on_whole_cache"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", whole_cache=True)
-        if "sync" in variants:
-            runs["on_no_prefetch"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--kvpp", "--staging", "1")
-        if "compiled" in variants:
-            runs["compiled_off"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--compiled")
-            runs["compiled_on"] = _run(model, prompts, kv_bytes, args.decode_tokens, "--compiled", "--kvpp")
+        engines = {"off": (), "on": ("--kvpp",), "on_whole_cache": ("--kvpp",), "on_no_prefetch": ("--kvpp", "--staging", "1"),
+                   "compiled_off": ("--compiled",), "compiled_on": ("--compiled", "--kvpp")}
+        wanted = ["off"] + [name for variant in variants for name in VARIANT_ENGINES[variant]]
+        repeats = []
+        for rep in range(args.repeats):
+            order = wanted[rep % len(wanted):] + wanted[:rep % len(wanted)]  # rotated: drift hits every mode
+            print(f"[bench] repeat {rep + 1}/{args.repeats}", file=sys.stderr, flush=True)
+            runs = {name: _run(model, prompts, kv_bytes, args.decode_tokens, *engines[name],
+                               whole_cache=name == "on_whole_cache") for name in order}
+            repeats.append(_figures(runs, variants))
 
+    result = {key: repeats[0][key] for key in ("blocks", "bytes_broadcast_per_step")}
+    result["workload"] = {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                          "kv_budget_bytes": kv_bytes, "tp": 2, "repeats": args.repeats}
+    result["answers_match"] = all(r["answers_match"] for r in repeats)
+    for key in ("decode_step_seconds", "prefill_seconds", "step_time_ratio_vs_off", "compiled_vs_eager",
+                "wait_seconds"):
+        if key in repeats[0]:
+            result[key] = {name: spread([r[key][name] for r in repeats]) for name in repeats[0][key]}
+    for key in ("step_time_ratio_compiled_on_vs_compiled_off", "broadcast_byte_ratio_on_vs_whole_cache",
+                "hidden_fraction"):
+        if key in repeats[0]:
+            result[key] = spread([r[key] for r in repeats])
+    result["command"] = "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.broadcast " + " ".join(sys.argv[1:])
+    result["repeats"] = repeats
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "repeats"}, indent=2))
+
+
+def _figures(runs: dict, variants: list[str]) -> dict:
+    """One repeat's figures: every ratio against the KVPP-off engine of the same repeat."""
     off = runs["off"]
     steps = {name: decode_step(r) for name, r in runs.items()}
     stats = {name: r["workers"][0].get("broadcast") for name, r in runs.items()}
     result = {
-        "workload": {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                     "kv_budget_bytes": kv_bytes, "tp": 2},
         "blocks": {name: r["workers"][0]["num_blocks"] for name, r in runs.items()},
         "decode_step_seconds": steps,
         "prefill_seconds": {name: r["step_seconds"][0] for name, r in runs.items()},
@@ -100,7 +128,7 @@ def main() -> None:
         result["wait_seconds"] = {"prefetch": stats["on"]["wait_seconds"],
                                   "no_prefetch": stats["on_no_prefetch"]["wait_seconds"]}
         result["hidden_fraction"] = 1 - stats["on"]["wait_seconds"] / stats["on_no_prefetch"]["wait_seconds"]
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

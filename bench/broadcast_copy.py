@@ -8,12 +8,18 @@ private buffer into the same staging slots (the physical limit for ranks on one 
 ratios.
 
 - transport only: steps of begin/before_layer/end with nothing else, bytes received by the group
-  per second of step time, over the reference's bytes per second (the copies rank after rank, as the
-  layer order has them at TP=2; and, for context, every rank copying at once);
+  per second of step time, over the reference's bytes per second with every rank copying at once
+  (the fair baseline: in a broadcast step both ranks receive at once; the copies rank after rank are
+  reported for context);
 - with compute: a per-layer matmul on each rank, two staging slots (prefetch) against one (every
-  copy waited for in full): how much of the transfer the prefetch hides.
+  copy waited for in full): how much of the wait the prefetch hides, and the step times of both, from
+  the same repeat.
 
-    .venv/bin/python -m bench.broadcast_copy [--layers 8] [--history-tokens 8192] [--steps 20]
+The four runs are interleaved and repeated (--repeats, at least 3; order rotated), ratios reported as
+min/median/max; the JSON goes to --out.
+
+    flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.broadcast_copy [--layers 8] [--history-tokens 8192]
+        [--steps 20] [--repeats 3] [--out bench/results/broadcast_copy.json]
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from bench.summary import spread
 from deploy.services.processes import free_port
 
 BLOCK_TOKENS = 16
@@ -147,38 +155,62 @@ def _group_run(transport: str, args: dict, staging: int = 2) -> dict:
             "wait_s_per_step": max(o["wait"] for o in out.values())}
 
 
+def _one_repeat(base: dict, busy: dict, order: list[str]) -> dict:
+    """The four group runs of one repeat, in `order`; each run's broadcast is timed against its own copies."""
+    runs = {"shm": lambda: _group_run("shm", base), "collective": lambda: _group_run("collective", base),
+            "prefetch": lambda: _group_run("shm", busy, staging=2), "no_prefetch": lambda: _group_run("shm", busy, staging=1)}
+    got = {name: runs[name]() for name in order}
+    shm, gloo, prefetch, serial = got["shm"], got["collective"], got["prefetch"], got["no_prefetch"]
+    return {
+        "order": order, "shm": shm, "collective": gloo, "prefetch": prefetch, "no_prefetch": serial,
+        # The fair baseline: both ranks copy at once, as both receive at once in a broadcast step.
+        "shm_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["all_cores_copy_bytes_per_s"],
+        "collective_copy_bandwidth_ratio": gloo["bytes_per_s"] / gloo["all_cores_copy_bytes_per_s"],
+        # For context only: copies one rank after the other (each rank then has the memory bus alone).
+        "shm_rank_after_rank_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["copy_bytes_per_s"],
+        "shm_vs_collective_speedup": gloo["step_s"] / shm["step_s"],
+        "hidden_fraction": 1 - prefetch["wait_s_per_step"] / serial["wait_s_per_step"],
+        "prefetch_step_over_no_prefetch_step": prefetch["step_s"] / serial["step_s"],
+        "prefetch_step_over_compute_only": prefetch["step_s"] / prefetch["compute_s"],
+    }
+
+
+SUMMARISED = ("shm_copy_bandwidth_ratio", "collective_copy_bandwidth_ratio", "shm_rank_after_rank_copy_bandwidth_ratio",
+              "shm_vs_collective_speedup", "hidden_fraction", "prefetch_step_over_no_prefetch_step",
+              "prefetch_step_over_compute_only")
+
+
 def measure(layers: int = 8, history_tokens: int = 8192, steps: int = 20, matmul: int = 384,
-            row_bytes: int = ROW_BYTES) -> dict:
-    """The figures anchor_table.py reports as the broadcast's share of the copy limit."""
+            row_bytes: int = ROW_BYTES, repeats: int = 3) -> dict:
+    """The figures anchor_table.py reports as the broadcast's share of the copy limit. The four runs
+    (shm, gloo, prefetch, no prefetch) are interleaved, their order rotated each repeat; every ratio is
+    taken within one repeat and reported as min/median/max, its median also at the top level."""
     blocks = -(-history_tokens // BLOCK_TOKENS)
     layer_bytes = blocks * BLOCK_TOKENS * row_bytes
     base = {"layers": layers, "blocks": blocks, "steps": steps, "matmul": matmul, "compute": False,
             "row_bytes": row_bytes}
-    print("[bench] shm and gloo transports, each against local copies of the same bytes ...", file=sys.stderr,
-          flush=True)
-    shm = _group_run("shm", base)
-    gloo = _group_run("collective", base)
-    print("[bench] with compute: prefetch (2 slots) vs none (1 slot) ...", file=sys.stderr, flush=True)
     busy = dict(base, compute=True)
-    prefetch, serial = _group_run("shm", busy, staging=2), _group_run("shm", busy, staging=1)
+    names = ["shm", "collective", "prefetch", "no_prefetch"]
+    reps = []
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        print(f"[bench] repeat {rep + 1}/{repeats}: {', '.join(order)} ...", file=sys.stderr, flush=True)
+        reps.append(_one_repeat(base, busy, order))
+    spreads = {key: spread(r[key] for r in reps) for key in SUMMARISED}
+    step = lambda name, key: statistics.median(r[name][key] for r in reps)  # noqa: E731
     return {
         "setup": {"world": WORLD, "layers": layers, "history_tokens": history_tokens, "layer_bytes": layer_bytes,
-                  "row_bytes": row_bytes, "steps": steps, "threads_per_rank": 1},
-        "shm": shm,
-        "collective": gloo,
-        "shm_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["copy_bytes_per_s"],
-        "collective_copy_bandwidth_ratio": gloo["bytes_per_s"] / gloo["copy_bytes_per_s"],
-        "shm_all_cores_copy_bandwidth_ratio": shm["bytes_per_s"] / shm["all_cores_copy_bytes_per_s"],
-        "shm_vs_collective_speedup": gloo["step_s"] / shm["step_s"],
+                  "row_bytes": row_bytes, "steps": steps, "threads_per_rank": 1, "repeats": repeats},
+        **{key: spreads[key]["median"] for key in SUMMARISED},
+        "spread": spreads,
         "with_compute": {
-            "compute_only_step_s": prefetch["compute_s"],
-            "prefetch_step_s": prefetch["step_s"],
-            "no_prefetch_step_s": serial["step_s"],
-            "prefetch_wait_s": prefetch["wait_s_per_step"],
-            "no_prefetch_wait_s": serial["wait_s_per_step"],
-            "hidden_fraction": 1 - prefetch["wait_s_per_step"] / serial["wait_s_per_step"],
-            "step_ratio_vs_compute_only": prefetch["step_s"] / prefetch["compute_s"],
+            "compute_only_step_s": step("prefetch", "compute_s"),
+            "prefetch_step_s": step("prefetch", "step_s"),
+            "no_prefetch_step_s": step("no_prefetch", "step_s"),
+            "prefetch_wait_s": step("prefetch", "wait_s_per_step"),
+            "no_prefetch_wait_s": step("no_prefetch", "wait_s_per_step"),
         },
+        "repeats": reps,
     }
 
 
@@ -188,8 +220,15 @@ def main() -> None:
     ap.add_argument("--history-tokens", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--matmul", type=int, default=384, help="side of the per-layer matmul (compute phase)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/broadcast_copy.json")
     args = ap.parse_args()
-    print(json.dumps(measure(args.layers, args.history_tokens, args.steps, args.matmul), indent=2))
+    if args.repeats < 3:
+        ap.error("--repeats: at least 3 (min/median/max need them)")
+    result = measure(args.layers, args.history_tokens, args.steps, args.matmul, repeats=args.repeats)
+    result["command"] = "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.broadcast_copy " + " ".join(sys.argv[1:])
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "repeats"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ fresh prefills with decodes that need history (the steps where KVPP broadcasts).
 same engine then answers further prompts, each alone and after the KVPP reports were taken: the
 reference answers another test needs from an engine of this shape, without starting one more.
 
+With --load the same engine then serves a capacity load: every prompt of that file submitted at once,
+with vLLM's own scheduler metrics (running requests, KV cache usage, preemptions; `LLM.get_metrics()`)
+read after every step, so a test sees how many ran together and how many blocks they held. With
+--corrupt-above N the load is served a second time while every worker zeroes each KV block numbered N
+or higher after every step: the negative control of a capacity test (answers that depended on blocks
+past N must change).
+
 Tests and benchmarks call `run()` (which starts this file in a process group of its own) and
 `write_prompts()`, and compare two runs with `assert_same_outputs()`.
 """
@@ -63,6 +70,44 @@ def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int,
         assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
 
 
+class BlockZeroing:
+    """Worker extension (vLLM's `worker_extension_cls`, set only with --corrupt-above): a method that
+    `collective_rpc("zero_blocks_from", ...)` calls by name, so no code object crosses vLLM's IPC."""
+
+    def zero_blocks_from(self, first: int) -> None:
+        """Zero blocks `first`.. of every KV cache this worker bound."""
+        for cache in self.model_runner.kv_caches:
+            cache[first:].zero_()
+
+
+def _metric(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def serve_load(llm, prompts: list[list[int]], params, tag: str, corrupt_above: int | None = None) -> dict:
+    """Every prompt submitted at once, stepped to the end; outputs plus the peaks of vLLM's own gauges
+    and the preemptions its counter added meanwhile."""
+    engine = llm.llm_engine
+    preempted_before = _metric(llm, "vllm:num_preemptions")
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, params)
+    outputs, peak_running, peak_usage = {}, 0.0, 0.0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                comp = out.outputs[0]
+                outputs[out.request_id.removeprefix(tag)] = {
+                    "token_ids": list(comp.token_ids),
+                    "logprobs": [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)],
+                }
+        if corrupt_above is not None:
+            llm.collective_rpc("zero_blocks_from", args=(corrupt_above,))
+        peak_running = max(peak_running, _metric(llm, "vllm:num_requests_running"))
+        peak_usage = max(peak_usage, _metric(llm, "vllm:kv_cache_usage_perc"))
+    return {"outputs": outputs, "peak_running": peak_running, "peak_kv_usage": peak_usage,
+            "preemptions": _metric(llm, "vllm:num_preemptions") - preempted_before}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -79,6 +124,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--references", help="JSON file: {name: token ids}, each served alone after the workload")
     ap.add_argument("--reference-max-tokens", type=int, default=8)
+    ap.add_argument("--load", help="JSON file: list of token-id prompts, all submitted at once after the workload")
+    ap.add_argument("--load-max-tokens", type=int, default=8)
+    ap.add_argument("--corrupt-above", type=int, help="serve --load again, zeroing KV blocks >= this after each step")
     args = ap.parse_args()
 
     # The engine core in this process: one Python start-up (~20 s here) less per run. With TP or PP > 1
@@ -105,6 +153,8 @@ def main() -> None:
         additional_config=additional,
         max_model_len=1024,
         seed=0,
+        disable_log_stats=False,  # the scheduler's gauges and counters, read by --load
+        worker_extension_cls="deploy.harness.engine_run.BlockZeroing" if args.corrupt_above is not None else "",
     )
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -146,8 +196,16 @@ def main() -> None:
             comp = out.outputs[0]
             references[name] = {"tokens": list(comp.token_ids),
                                 "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]}
+    load = {}
+    if args.load:
+        with open(args.load) as f:
+            load_prompts = json.load(f)
+        load_params = SamplingParams(temperature=0.0, max_tokens=args.load_max_tokens, logprobs=1, ignore_eos=True)
+        load["clean"] = serve_load(llm, load_prompts, load_params, "load-")
+        if args.corrupt_above is not None:
+            load["corrupted"] = serve_load(llm, load_prompts, load_params, "corrupt-", args.corrupt_above)
     print(RESULT_PREFIX + json.dumps({"outputs": outputs, "workers": reports, "step_seconds": step_seconds,
-                                      "references": references}), flush=True)
+                                      "references": references, "load": load}), flush=True)
 
 
 if __name__ == "__main__":

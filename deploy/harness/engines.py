@@ -31,6 +31,14 @@ def metric_total(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+def engine_num_blocks(base_url: str) -> int:
+    """The engine's KV block count, from the `num_gpu_blocks` label of vLLM's `vllm:cache_config_info`."""
+    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
+    if not found:
+        raise RuntimeError(f"{base_url}/metrics has no vllm:cache_config_info with num_gpu_blocks (stats off?)")
+    return int(found.group(1))
+
+
 def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str],
                   env: dict | None = None) -> VllmServer:
     """A lone engine of the stack's shape (the colocated reference); log_stats: the connectors' counters

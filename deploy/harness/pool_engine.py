@@ -6,7 +6,9 @@ opts?], ...]] serves several at once (one generate call: admitted, looked up and
 "kv_transfer_params" (e.g. {"do_remote_decode": true}, as a P/D proxy sends a prefill). Each prompt
 records the tokens, their logprobs, and how many prompt tokens came from outside the engine
 (num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
-configuration. Under "kvpp_workers" it adds each worker's `kvpp_stats` report (blocks, layout).
+configuration. Under "kvpp_workers" it adds each worker's `kvpp_stats` report (blocks, layout), and under
+"kv_usage_after" vLLM's own `vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still
+holds for its decode count as used).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--kv-transfer-config", default=None, help="JSON; omitted = no pool")
     ap.add_argument("--actions", required=True, help="JSON file with the action list")
     ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--kv-bytes", type=int, default=64 << 20)
+    ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
 
     # The engine core in this process: one Python start-up (~20 s here) less per run. With TP or PP > 1
@@ -44,8 +48,9 @@ def main() -> None:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
     llm = LLM(
         model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
-        kv_cache_memory_bytes=64 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
-        additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=1024, seed=0, **kwargs,
+        kv_cache_memory_bytes=args.kv_bytes, compilation_config={"custom_ops": ["-rotary_embedding"]},
+        additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=args.max_model_len, seed=0,
+        disable_log_stats=False, **kwargs,  # stats on: the KV usage gauge
     )
     base = {"temperature": 0.0, "max_tokens": args.max_tokens, "logprobs": 1, "ignore_eos": True}
     with open(args.actions) as fh:
@@ -70,8 +75,10 @@ def main() -> None:
                 "num_cached_tokens": out.num_cached_tokens,
                 "seconds": time.perf_counter() - start,
             }
+        results["kv_usage_after"].append(
+            sum(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"))
 
-    results = {}
+    results = {"kv_usage_after": []}
     for action in actions:
         if action[0] == "gen":
             serve([action[1:]])

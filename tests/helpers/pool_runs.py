@@ -20,8 +20,8 @@ POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIE
 MAX_TOKENS = 6
 OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
 """What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""
-KVPP_SERVED = ("prefix_plus", "other_plus", "torn_plus", "wrong_size")
-"""What the KVPP scenario's fresh engine serves (and its pool-free reference answers)."""
+KVPP_SERVED = ("other_plus", "torn_plus", "wrong_size", "salted_plus", "prefix_plus")
+"""What the KVPP scenario's fresh engine serves, in this order (and its pool-free reference answers)."""
 
 
 def pool_prompts(model: str) -> dict[str, list[int]]:

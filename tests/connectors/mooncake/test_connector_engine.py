@@ -6,7 +6,8 @@ its owner.
 
 One pair of servers serves every assertion, `kvpp chaos` attached to them and the vLLM project's
 router (`vllm-router`) in front of them included; the lease test adds a decode it kills, and the fault
-test kills the prefill, so they run last.
+test kills the prefill, so they run last. The prefill's KV budget (PREFILL_KV_BYTES) is one KVPP off
+could not fill with the full-capacity test's held prompts.
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from deploy.harness.chaos_load import Load, reference_prompts
-from deploy.harness.engines import engine_metrics, metric_total
+from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.harness.pd_servers import pd_server
 from deploy.harness.routers import start_vllm_router
 from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
 from tests.helpers import llmd_sidecar
+from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pd_http import (MAX_TOKENS, chat, completion, metric, post, post_stream, streamed_tokens_and_logprobs,
                                    tokens_and_logprobs, wait_for)
 
@@ -50,6 +53,8 @@ LOAD_EXTRA = 20  # sent while the 240 fill the load proxy's --max-in-flight: eac
 LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens, under a minute
 # The tiny tokenizer has no chat template: a user message's words are the prompt.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+PREFILL_KV_BYTES = 64 << 20  # per rank: KVPP off 107 blocks, on 165 (MTP model, TP2)
+HELD_WORDS = (250,) * 8  # 8 x 16 blocks held at once: past KVPP off's 107
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +67,7 @@ def pd(mtp_model, tmp_path_factory):
     try:
         prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
                          kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
+                         server={"kv_cache_bytes": PREFILL_KV_BYTES},
                          extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP, *chat_args])
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5, extra_args=[*MTP, *chat_args],
@@ -317,6 +323,31 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
     assert _current(prefill, "vllm:mooncake_v2_lapsed_holds_total", model) == lapsed
     print(f"a prefill leg whose decode leg the decode refused: its blocks freed {freed:.1f} s later (initial lease "
           f"{HOLD_TIMEOUT_S} s), no lapse, no pull; the retry answered like the colocated engine")
+
+
+def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
+    """Prefill legs holding more blocks than KVPP off has, all at once (block ids past its count among
+    them, read from the handles; usage from vLLM's gauge, no preemption); the decode then pulls each and
+    answers like itself serving the prompt alone."""
+    prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
+    off_blocks = plan(model, PREFILL_KV_BYTES).blocks_off
+    on_blocks = engine_num_blocks(prefill.url)
+    prompts = [sample_prompt(n, seed=1000 + i) for i, n in enumerate(HELD_WORDS)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reference = list(pool.map(lambda p: completion(decode.url, model, p), prompts))
+        preempted = metric(prefill.url, "vllm:num_preemptions_total")
+        handles = list(pool.map(lambda p: _prefill_leg(pd, p), prompts))
+        held = round(metric(prefill.url, "vllm:kv_cache_usage_perc") * (on_blocks - 1))
+        assert metric(prefill.url, "vllm:num_preemptions_total") == preempted
+        got = list(pool.map(lambda ph: completion(decode.url, model, ph[0], kv_transfer_params=ph[1]),
+                            zip(prompts, handles)))
+    high = max(b for h in handles for b in h["remote_block_ids"])
+    print(f"prefill held {held}/{on_blocks} blocks at once (KVPP off: {off_blocks}); highest block id pulled {high}")
+    assert held > off_blocks and high >= off_blocks
+    for want, have in zip(reference, got):
+        tokens, lps = tokens_and_logprobs(have)
+        ref_tokens, ref_lps = tokens_and_logprobs(want)
+        assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
 
 
 def test_no_blocks_leak_after_pulls(pd):

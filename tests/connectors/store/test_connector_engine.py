@@ -11,7 +11,11 @@ Tenants ride along too: a prompt saved under one cache_salt is a hit only for th
 engine is a P/D prefill as the demo runs it (MultiConnector: MooncakeConnectorV2 kv_producer + the pool
 kv_both) serving its four prompts at once, with pooled loads failing on one rank and on every rank. The
 KVPP engines decode with MTP (the tiny model with one MTP layer, one speculative token): the MTP cache is
-replicated on both ranks and rides in both owner shards, never one owner's alone.
+replicated on both ranks and rides in both owner shards, never one owner's alone. The KVPP engines run at
+full capacity: a KV budget (ON_KV_BYTES) whose blocks KVPP off could not hold, the save engine saving its
+five prompts in one batch and the fresh engine loading in one batch, the prompt they check for a clean
+hit (prefix) last each time, so its blocks are the highest ids (vLLM admits in order and hands out free
+blocks from the lowest), past KVPP off's count.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
@@ -33,6 +37,7 @@ from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.processes import free_port_range
+from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, PAGE_BYTES, POOL_ENV, assert_same_output, pool_prompts, \
     run_pool_engine, store_config, worker_stats
 
@@ -40,6 +45,7 @@ pytestmark = pytest.mark.engine
 
 LAYERS = 16
 MTP_CACHE = "model.layers.16.self_attn.attn"
+ON_KV_BYTES = 16 << 20  # per rank, MTP model, TP2: KVPP off 26 blocks, on 41
 
 
 class Scenario:
@@ -64,7 +70,7 @@ class Scenario:
 
     def run(self, tag: str, actions: list, prefill: bool = False) -> dict:
         args = ["--tp", str(self.tp), "--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
-        args += ["--kvpp"] if self.kvpp else []
+        args += ["--kvpp", "--kv-bytes", str(ON_KV_BYTES), "--max-model-len", "512"] if self.kvpp else []
         args += ["--mtp", str(self.mtp)] if self.mtp else []
         return run_pool_engine(self.model, self.tmp, tag, actions, *args, binds="0|1" if self.tp == 2 else "0")
 
@@ -89,6 +95,8 @@ class Scenario:
 
 
 TENANT_A, TENANT_B = {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}
+SAVED_ON = ("salted", "other", "torn", "after_kill", "prefix")
+"""What the KVPP save engine pools, in one batch: 7 + 7 + 7 + 4 + 7 blocks, prefix's from id 26 up."""
 PD_PREFILL = {"kv_transfer_params": {"do_remote_decode": True}}
 
 
@@ -181,7 +189,8 @@ def on(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
     p = sc.prompts
     try:
         ref = mtp_kvpp_tp2["references"]  # the same engine shape without the pool, each prompt alone
-        saved = sc.run("save", [["gen", n, p[n]] for n in ("prefix", "other", "torn")])
+        # 7 blocks each (100 tokens + 6 + 1 speculative): 35 at once, past KVPP off's 26; prefix last.
+        saved = sc.run("save", [["batch", [[n, p[n]] for n in SAVED_ON]]])
         backend = sc.backend()
         owner0, owner1 = sc.shard_keys()
         # Evict one owner's shard of block 3 of the other prompt: blocks 3.. of it must miss.
@@ -199,7 +208,7 @@ def on(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
         assert backend.put([torn_key, owner0.key(first), owner1.key(first)], [[junk.data_ptr()]] * 3,
                            [[junk.numel() * 4]] * 3) == [Status.OK] * 3
         backend.close()
-        # The four prompts at once, as a P/D prefill behind a proxy gets them.
+        # The five prompts at once, as a P/D prefill behind a proxy gets them (prefix_plus last).
         fresh = sc.run("fresh", [["batch", [[n, p[n], PD_PREFILL] for n in KVPP_SERVED]]], prefill=True)
         yield sc, ref, saved, fresh
     finally:
@@ -211,8 +220,8 @@ def test_on_each_rank_saves_its_own_layers_and_the_mtp_cache(on):
     assert [w["mtp_caches"] for w in saved["kvpp_workers"]] == [[MTP_CACHE], [MTP_CACHE]]
     for rank in (0, 1):
         s = worker_stats(sc.tmp, "save", 0, rank)
-        assert s["saved_blocks"] == 18, "6 blocks of each prompt"
-        assert s["saved_bytes"] == 18 * (LAYERS // 2 + 1) * PAGE_BYTES, "8 owned layers + MTP per object, staging never"
+        assert s["saved_blocks"] == 27, "6 blocks of 4 prompts, 3 of after_kill"
+        assert s["saved_bytes"] == 27 * (LAYERS // 2 + 1) * PAGE_BYTES, "8 owned layers + MTP per object, staging never"
 
 
 def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
@@ -227,7 +236,7 @@ def test_on_fresh_engine_loads_owner_shards_and_matches_the_reference(on):
 def test_on_a_missing_owner_shard_ends_the_hit(on):
     sc, ref, _, fresh = on
     assert fresh["other_plus"]["num_cached_tokens"] == 3 * BLOCK, "blocks 0-2 hit, block 3 lost a shard"
-    assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3 + 6 + 1
+    assert sc.stats("fresh")["lookup_hit_blocks"] == 6 + 3 + 6 + 1 + 6
     assert_same_output(fresh["other_plus"], ref["other_plus"])
 
 
@@ -245,11 +254,30 @@ def test_on_an_async_load_failing_on_every_rank_recomputes_the_whole_prompt(on):
     assert_same_output(fresh["wrong_size"], ref["wrong_size"])
 
 
-def test_on_a_pd_prefill_serving_four_at_once_answers_every_request_like_the_reference(on):
-    """Issue 11 item 4: MultiConnector (MooncakeConnectorV2 producer + pool), KVPP TP=2, four requests
+def test_on_a_pd_prefill_serving_five_at_once_answers_every_request_like_the_reference(on):
+    """Issue 11 item 4: MultiConnector (MooncakeConnectorV2 producer + pool), KVPP TP=2, five requests
     admitted together, pooled loads failing on one rank (torn) and on every rank (wrong_size)."""
     sc, ref, _, fresh = on
     rank0, rank1 = (worker_stats(sc.tmp, "fresh", 0, r) for r in (0, 1))
     assert rank1["load_failures"] > rank0["load_failures"] > 0, "a load failed on one rank only, and one on both"
-    for name in ("prefix_plus", "other_plus", "torn_plus", "wrong_size"):
+    for name in KVPP_SERVED:
         assert_same_output(fresh[name], ref[name])
+
+
+def test_on_pool_saves_and_loads_blocks_past_kvpp_off_capacity(on):
+    """Full capacity: the fresh P/D prefill holds all five requests' blocks at once (vLLM's usage gauge,
+    after the batch: a prefill keeps them for its decode), more than KVPP off has; prefix_plus, admitted
+    last, loads its 6 pooled blocks (saved from the highest ids too) into ids past that count, and
+    answers like the pool-free reference."""
+    sc, ref, saved, fresh = on
+    capacity = plan(sc.model, ON_KV_BYTES)
+    on_blocks = fresh["kvpp_workers"][0]["num_blocks"]
+    assert on_blocks == saved["kvpp_workers"][0]["num_blocks"] == capacity.blocks_on
+    held = round(fresh["kv_usage_after"][0] * (on_blocks - 1))
+    print(f"fresh P/D prefill held {held}/{on_blocks} blocks (KVPP off: {capacity.blocks_off})")
+    # Blocks the requests admitted before prefix_plus took (prompt + 1 speculative slot); block 0 is vLLM's
+    # null block, so prefix_plus's first id is one past them: an id KVPP off (0 .. blocks_off - 1) lacks.
+    ahead = sum(-(-(len(sc.prompts[n]) + 1) // BLOCK) for n in KVPP_SERVED[:-1])
+    assert held > capacity.blocks_off and ahead + 1 >= capacity.blocks_off
+    assert fresh["prefix_plus"]["num_cached_tokens"] == 6 * BLOCK
+    assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])

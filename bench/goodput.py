@@ -1,0 +1,171 @@
+"""Goodput at the capacity boundary: a KV-bound workload through real servers, KVPP off vs on.
+
+Two vLLM servers of the tiny 16-layer MLA model (TP=2, fp32, built by the project's launch builder like
+every other engine here) get the same small KV budget per rank; KVPP on fits 1.6x the blocks of KVPP off.
+Each phase sends the same burst of long prompts, all at once, as streamed completions, to one server:
+more requests than KVPP off's blocks can hold together. Phases alternate off/on (the order flips every
+repeat, so drift on this shared machine hits both modes alike) and repeat --repeats times. Per phase:
+requests/s and output tokens/s over the burst's wall time, TTFT and TPOT p50/p99 from the client's
+stream, and from the server's own /metrics the peak of `vllm:num_requests_running` and
+`vllm:kv_cache_usage_perc` (polled) and the `vllm:num_preemptions` the phase added. Every answer is
+checked against the first phase's answers (greedy: both modes must produce the same text).
+Ratios on / off are taken per repeat (the phases next to each other), reported as min/median/max.
+
+    flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput [--repeats 3] [--requests 16]
+        [--prompt-tokens 128] [--max-tokens 48] [--kv-mib 24] [--out bench/results/goodput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench.summary import spread
+from deploy.harness.engine_run import write_prompts
+from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec, start_servers
+
+METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+           "peak_running", "peak_kv_usage", "preemptions")
+
+
+def server(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, kvpp: bool) -> Engine:
+    inst = cpu_instance(name, LOOPBACK, free_port(), 2, [0, 1], kv_cache_bytes=kv_bytes, max_model_len=max_model_len,
+                        log_stats=True, enable_kvpp=kvpp, extra_args=["--served-model-name", "tiny"])
+    spec = single_instance_spec(model, inst)
+    return Engine(spec, spec.prefill[0], tmp / f"{name}.log")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: its text and the client-side arrival time of every chunk."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    sent, arrivals, text = time.perf_counter(), [], []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            piece = chunk["choices"][0]["text"]
+            if piece:
+                arrivals.append(time.perf_counter())
+                text.append(piece)
+    return {"sent": sent, "arrivals": arrivals, "text": "".join(text)}
+
+
+def poll_peaks(url: str, stop: threading.Event, peaks: dict) -> None:
+    while not stop.is_set():
+        text = engine_metrics(url)
+        peaks["running"] = max(peaks["running"], metric_total(text, "vllm:num_requests_running"))
+        peaks["kv_usage"] = max(peaks["kv_usage"], metric_total(text, "vllm:kv_cache_usage_perc"))
+        stop.wait(0.2)
+
+
+async def burst(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await asyncio.gather(*(stream_one(session, url, p, max_tokens) for p in prompts))
+
+
+def phase(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """One burst against one server, with its metrics."""
+    preempted = metric_total(engine_metrics(engine.url), "vllm:num_preemptions_total")
+    peaks, stop = {"running": 0.0, "kv_usage": 0.0}, threading.Event()
+    poller = threading.Thread(target=poll_peaks, args=(engine.url, stop, peaks), daemon=True)
+    poller.start()
+    started = time.perf_counter()
+    answers = asyncio.run(burst(engine.url, prompts, max_tokens))
+    wall = time.perf_counter() - started
+    stop.set()
+    poller.join()
+    ttft = [a["arrivals"][0] - a["sent"] for a in answers]
+    tpot = [(a["arrivals"][-1] - a["arrivals"][0]) / (len(a["arrivals"]) - 1) for a in answers]
+    return {
+        "wall_s": wall, "requests_per_s": len(prompts) / wall,
+        "output_tokens_per_s": len(prompts) * max_tokens / wall,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "peak_running": peaks["running"], "peak_kv_usage": peaks["kv_usage"],
+        "preemptions": metric_total(engine_metrics(engine.url), "vllm:num_preemptions_total") - preempted,
+        "texts": [a["text"] for a in answers],
+    }
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model dir (default: build the 16-layer tiny model)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--kv-mib", type=int, default=24, help="KV budget per rank (both modes)")
+    ap.add_argument("--out", default="bench/results/goodput.json")
+    args = ap.parse_args()
+    if args.repeats < 3:
+        ap.error("--repeats: at least 3 (min/median/max need them)")
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model = args.model
+        if model is None:
+            from deploy.harness.tiny_model import build_tiny_model
+
+            model = str(build_tiny_model(tmp / "tiny16", layers=16))
+        prompts = json.loads(write_prompts(tmp / "prompts.json", model, [args.prompt_tokens] * args.requests,
+                                           seed=3).read_text())
+        max_model_len = args.prompt_tokens + args.max_tokens + 16
+        engines = {mode: server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, mode == "on")
+                   for mode in ("off", "on")}
+        started = []
+        try:
+            start_servers(list(engines.values()), started, timeout=600)
+            blocks = {mode: engine_num_blocks(e.url) for mode, e in engines.items()}
+            phases, reference = [], None
+            for rep in range(args.repeats):
+                for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                    print(f"[goodput] repeat {rep + 1}/{args.repeats} kvpp {mode}", file=sys.stderr, flush=True)
+                    result = phase(engines[mode], prompts, args.max_tokens)
+                    texts = result.pop("texts")
+                    reference = reference or texts
+                    result.update(repeat=rep, mode=mode, answers_equal_first_phase=texts == reference)
+                    phases.append(result)
+        finally:
+            for proc in reversed(started):
+                proc.stop()
+
+    by = {(p["repeat"], p["mode"]): p for p in phases}
+    summary = {mode: {m: spread([by[(r, mode)][m] for r in range(args.repeats)]) for m in METRICS}
+               for mode in ("off", "on")}
+    ratio = {m: spread([by[(r, "on")][m] / by[(r, "off")][m] for r in range(args.repeats) if by[(r, "off")][m]])
+             for m in METRICS if all(by[(r, "off")][m] for r in range(args.repeats))}
+    out = {
+        "command": "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput " + " ".join(sys.argv[1:]),
+        "setup": {"model": "tiny 16-layer MLA, fp32", "tp": 2, "kv_mib_per_rank": args.kv_mib,
+                  "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                  "max_model_len": max_model_len, "repeats": args.repeats, "num_gpu_blocks": blocks},
+        "all_answers_equal": all(p["answers_equal_first_phase"] for p in phases),
+        "phases": phases, "summary": summary, "ratio_on_over_off": ratio,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({"num_gpu_blocks": blocks, "all_answers_equal": out["all_answers_equal"],
+                      "summary": summary, "ratio_on_over_off": ratio}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
