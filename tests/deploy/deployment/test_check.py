@@ -389,3 +389,12 @@ def test_spec_yaml_with_ipv6_round_trips(tmp_path):
     path.write_text(yaml.safe_dump(ipv6_spec()))
     findings, code = run_check(str(path))
     assert code == 0, [str(f) for f in findings]
+
+
+def test_zero_copy_refused_when_a_group_spans_hosts_and_fine_per_pp_stage(tmp_path):
+    zero_copy = {"additional_config": {"kvpp_staging_buffers": 0}}
+    errors, _, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], tp=16, **zero_copy)], model="deepseek-v3"))
+    assert code == 1 and any("kvpp_staging_buffers" in e and "splits a group across hosts" in e for e in errors)
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], pp=2, **zero_copy)],
+                                                    model="deepseek-v3"))
+    assert errors == [] and any("only where the KV cache is in host memory" in w for w in warnings)
