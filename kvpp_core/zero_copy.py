@@ -99,15 +99,18 @@ class ZeroCopyLayers(PeerWaits):
         """Wait until every peer has finished the previous step, then open this one. Every rank opens every
         step (empty ones too), so the group's epochs advance together. `active` (a step with history)
         changes nothing here: a reader waits on every step, fresh prefills included."""
-        for peer in range(self.layout.group_size):
-            if peer != self.layout.kvpp_rank:
-                self._await(None, peer,
-                            lambda f=self._shm.flags[peer]: f[FINISHED] >= self._epoch, "end of the previous step")
+        self._step_barrier()
         self._epoch += 1
         self._in_step = True
         self._seen.clear()
         self.stats.steps += 1
         self.stats.broadcast_steps += int(active)
+
+    def _step_barrier(self) -> None:
+        for peer in range(self.layout.group_size):
+            if peer != self.layout.kvpp_rank:
+                self._await(None, peer,
+                            lambda f=self._shm.flags[peer]: f[FINISHED] >= self._epoch, "end of the previous step")
 
     def before_layer(self, layer_id: int) -> None:
         """Nothing to deliver: the layer is already where this rank reads it."""

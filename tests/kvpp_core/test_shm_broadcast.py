@@ -8,7 +8,6 @@ receiver catches an owner that writes new tokens over a layer still being copied
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -16,12 +15,12 @@ import traceback
 import pytest
 import torch
 
-from deploy.services.processes import free_port
 from kvpp_core import shm_broadcast
 from kvpp_core.allocation import CacheLayer, place
 from kvpp_core.broadcast import KvppBroadcastError
 from kvpp_core.config import KvppConfigError
 from kvpp_core.ownership import rank_layout
+from tests.helpers.rank_procs import run_ranks, vllm_like_caches
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +34,6 @@ def _expected(layer: int, step: int) -> torch.Tensor:
     """The owner's history of `layer` at `step`: distinct per layer, block and step."""
     base = torch.arange(BLOCKS * PAGE, dtype=torch.int64).reshape(BLOCKS, PAGE)
     return ((base * 13 + layer * 37 + step * 89) % 251).to(torch.uint8)
-
-
-def _caches(layers, placement) -> dict[str, torch.Tensor]:
-    """What vLLM's allocate_kv_cache returns: fp32 views of one zeroed int8 buffer at planned offsets."""
-    buf = torch.zeros(placement.total_bytes, dtype=torch.int8)
-    out = {}
-    for cache in layers:
-        offset, nbytes = placement.region(cache.name)
-        out[cache.name] = buf[offset:offset + nbytes].view(torch.float32).view(BLOCKS, PAGE // 4)
-    return out
 
 
 def _rank(rank, world, port, num_layers, staging, scenario, env, results):
@@ -64,7 +53,7 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
             results.put((rank, "collective", None))
             return
         leftovers = sorted(p.name for p in shm_broadcast.SHM_DIR.glob(f"{shm.name}*"))
-        caches = shm.adopt(_caches(layers, placement))
+        caches = shm.adopt(vllm_like_caches(layers, placement, BLOCKS, PAGE))
         flat = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
         timeout = 3.0 if scenario == "stall" else 30.0
         bc = shm.broadcaster(flat, timeout)
@@ -111,27 +100,7 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
 
 
 def _run(world, num_layers, staging=2, scenario="plain", env=None, expect=None, timeout=90.0):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, num_layers, staging, scenario, env or {}, results))
-             for r in range(world)]
-    started = time.monotonic()
-    for p in procs:
-        p.start()
-    out = {}
-    while len(out) < (expect or world) and time.monotonic() - started < timeout:
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except Exception:
-            continue
-        out[rank] = (status, payload)
-    elapsed = time.monotonic() - started
-    for p in procs:
-        p.join(timeout=2)
-        if p.is_alive():
-            p.kill()
-    return out, elapsed
+    return run_ranks(_rank, world, (num_layers, staging, scenario, env or {}), expect, timeout)
 
 
 def _assert_delivered(out, world, num_layers, blocks_per_layer=BLOCKS):
