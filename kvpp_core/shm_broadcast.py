@@ -50,10 +50,11 @@ shm: shared memory or fail at startup; collective: always gloo/NCCL/HCCL (for co
 SHM_DIR = Path("/dev/shm")
 
 _MAGIC = 0x4B56505053484D31  # "KVPPSHM1"
-_HEADER = 8  # int64 slots: magic, token (2), pid, pid namespace, aborted epoch, finished step, 1 spare
+_HEADER = 8  # int64 slots: magic, token (2), pid, pid namespace, aborted epoch, finished step, forward started
 _TOKEN, _PID, _PIDNS, _ABORTED = 1, 3, 4, 5
-FINISHED = 6
-"""Control slot: the last step this rank finished (kvpp_core.zero_copy's step barrier)."""
+FINISHED, STARTED = 6, 7
+"""Control slots of kvpp_core.zero_copy: the last step this rank finished, and the last whose forward it began
+(everything it writes before the forward, such as vLLM's zeroing of new blocks, is done by then)."""
 
 
 def layer_flag(position: int) -> int:

@@ -11,6 +11,10 @@ it correct, with flags in the same control segments:
 - The owner publishes `written[layer] = step` once its write of the step's tokens returned; a reader's
   attention waits for it (`before_read`), so it sees the history (earlier steps, pool loads) and this
   step's tokens.
+- Before its first write of a step the owner waits until every peer's forward has begun (`STARTED`):
+  each rank's runner zeroes the step's new blocks in every cache it binds (vLLM's CPU runner does,
+  before the forward), the owner's pages included, and a late peer's zeroing must not land on the
+  owner's new tokens. Zeroing a block twice is harmless; over a write it is not.
 - A step barrier: no rank starts step N+1 (where freed blocks are reallocated and loads and zeroing
   write pages) until every peer has finished step N (`FINISHED`), i.e. stopped reading it.
 - A peer that abandons the step, exits or stalls past the timeout fails the wait with the layer and both
@@ -31,7 +35,7 @@ import torch
 from kvpp_core.allocation import Placement
 from kvpp_core.config import STAGING_KEY
 from kvpp_core.ownership import RankLayout
-from kvpp_core.shm_broadcast import FINISHED, PeerWaits, ShmBroadcastStats, ShmGroup, layer_flag
+from kvpp_core.shm_broadcast import FINISHED, STARTED, PeerWaits, ShmBroadcastStats, ShmGroup, layer_flag
 
 REQUIRED_BY = (f"additional_config.{STAGING_KEY} is 0 (zero-copy), which reads peers' KV pages in shared "
                f"memory, but the group cannot share them: {{reason}}; set {STAGING_KEY} to 2 (staging buffers)")
@@ -45,6 +49,8 @@ class ZeroCopyStats(ShmBroadcastStats):
     """Foreign layers read in place (each after its owner's written flag)."""
     writes_skipped: int = 0
     """New-token writes a reader left to the owner."""
+    forward_steps: int = 0
+    """Steps whose forward ran this rank's target layers (a step without scheduled tokens runs none)."""
 
 
 def adopt(shm: ShmGroup, caches: Mapping[str, torch.Tensor], placement: Placement) -> Mapping[str, torch.Tensor]:
@@ -91,6 +97,7 @@ class ZeroCopyLayers(PeerWaits):
         self._timeout_s = timeout
         self._epoch = 0
         self._in_step = False
+        self._started_wait_done = False
         self._seen: set[int] = set()
         self._position = {lid: pos for pos, lid in enumerate(layout.target_layers)}
         self.stats = ZeroCopyStats()
@@ -102,6 +109,7 @@ class ZeroCopyLayers(PeerWaits):
         self._step_barrier()
         self._epoch += 1
         self._in_step = True
+        self._started_wait_done = False
         self._seen.clear()
         self.stats.steps += 1
         self.stats.broadcast_steps += int(active)
@@ -115,11 +123,34 @@ class ZeroCopyLayers(PeerWaits):
     def before_layer(self, layer_id: int) -> None:
         """Nothing to deliver: the layer is already where this rank reads it."""
 
+    def _forward_begins(self) -> None:
+        """At this rank's first target layer of the step: its pre-forward writes are behind it."""
+        if self._in_step and not self._seen:
+            self._own_flags[STARTED] = self._epoch
+
+    def _peers_started(self, layer_id: int) -> None:
+        for peer in range(self.layout.group_size):
+            if peer != self.layout.kvpp_rank:
+                self._guarded(lambda peer=peer: self._await(
+                    layer_id, peer, lambda f=self._shm.flags[peer]: f[STARTED] >= self._epoch, "start of the forward"))
+
+    def _guarded(self, wait: Callable[[], None]) -> None:
+        try:
+            wait()
+        except Exception:
+            self._abandon()
+            raise
+
     def write(self, layer_id: int, do_write: Callable[[], None]) -> None:
         """The new tokens' KV write of a target layer: the owner writes, then flags it for this step."""
+        self._forward_begins()
         if self.layout.owner_of(layer_id) != self.layout.kvpp_rank:
             self.stats.writes_skipped += 1
+            self._seen.add(layer_id)
             return
+        if self._in_step and not self._started_wait_done:
+            self._peers_started(layer_id)
+            self._started_wait_done = True
         do_write()
         if self._in_step:
             self._own_flags[layer_flag(self._position[layer_id])] = self._epoch
@@ -130,13 +161,12 @@ class ZeroCopyLayers(PeerWaits):
         owner = self.layout.owner_of(layer_id)
         if not self._in_step or owner == self.layout.kvpp_rank:
             return
+        self._forward_begins()
         slot = layer_flag(self._position[layer_id])
         started = time.perf_counter()
         try:
-            self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[slot] >= self._epoch, "write")
-        except Exception:
-            self._abandon()
-            raise
+            self._guarded(lambda: self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[slot] >= self._epoch,
+                                              "write"))
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
         self._seen.add(layer_id)
@@ -149,4 +179,5 @@ class ZeroCopyLayers(PeerWaits):
             self._abandon()
         elif self._in_step:
             self._own_flags[FINISHED] = self._epoch
+            self.stats.forward_steps += int(bool(self._seen))
         self._in_step = False
