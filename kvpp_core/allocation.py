@@ -89,18 +89,24 @@ def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> 
         offsets[cache.name] = cursor
         persistent.append(cache.name)
         cursor += cache.page_bytes * num_blocks
-    if layout.zero_copy:
-        return _zero_copy_placement(layers, layout, grouped, offsets, persistent, cursor, num_blocks)
-    slot_bytes = max((sum(c.page_bytes for c in grouped[lid]) for lid in layout.foreign), default=0)
     staging: list[list[str]] = [[] for _ in range(layout.staging_slots)]
-    for lid in layout.foreign:
-        slot = layout.slot_of(lid)
-        inner = cursor + slot * slot_bytes * num_blocks
-        for cache in grouped[lid]:
-            offsets[cache.name] = inner
-            staging[slot].append(cache.name)
-            inner += cache.page_bytes * num_blocks
-    total = cursor + layout.staging_slots * slot_bytes * num_blocks
+    borrowed = [c for lid in layout.foreign for c in grouped[lid]] if layout.zero_copy else []
+    total = cursor
+    for cache in borrowed:  # placeholders at offset 0, rebound at startup; they must fit (each rank owns a layer)
+        if cache.page_bytes * num_blocks > cursor:
+            raise ValueError(f"zero-copy: kvpp rank {layout.kvpp_rank} keeps {cursor} bytes, less than foreign cache "
+                             f"{cache.name}'s {cache.page_bytes * num_blocks}; it must own a layer")
+        offsets[cache.name] = 0
+    if not layout.zero_copy:
+        slot_bytes = max((sum(c.page_bytes for c in grouped[lid]) for lid in layout.foreign), default=0)
+        for lid in layout.foreign:
+            slot = layout.slot_of(lid)
+            inner = cursor + slot * slot_bytes * num_blocks
+            for cache in grouped[lid]:
+                offsets[cache.name] = inner
+                staging[slot].append(cache.name)
+                inner += cache.page_bytes * num_blocks
+        total = cursor + layout.staging_slots * slot_bytes * num_blocks
     return Placement(
         num_blocks=num_blocks,
         offsets=offsets,
@@ -108,24 +114,5 @@ def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> 
         total_bytes=total,
         persistent=tuple(persistent),
         staging=tuple(tuple(s) for s in staging),
-    )
-
-
-def _zero_copy_placement(layers, layout, grouped, offsets, persistent, total, num_blocks) -> Placement:
-    """The persistent region alone; each foreign cache is a placeholder view at offset 0, which must fit
-    in it (validation refuses zero-copy where a rank owns no layer)."""
-    borrowed = [c for lid in layout.foreign for c in grouped[lid]]
-    for cache in borrowed:
-        if cache.page_bytes * num_blocks > total:
-            raise ValueError(f"zero-copy: kvpp rank {layout.kvpp_rank} keeps {total} bytes, less than foreign cache "
-                             f"{cache.name}'s {cache.page_bytes * num_blocks}; it must own a layer")
-        offsets[cache.name] = 0
-    return Placement(
-        num_blocks=num_blocks,
-        offsets=offsets,
-        page_bytes={c.name: c.page_bytes for c in layers},
-        total_bytes=total,
-        persistent=tuple(persistent),
-        staging=(),
         borrowed=tuple(c.name for c in borrowed),
     )

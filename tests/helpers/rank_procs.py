@@ -44,3 +44,41 @@ def run_ranks(target, world: int, args: tuple, expect: int | None = None, timeou
         if p.is_alive():
             p.kill()
     return out, elapsed
+
+
+def join_group(rank: int, world: int, port: int, env: dict, scenario: str, num_layers: int, staging: int,
+               page: int, blocks: int):
+    """In a rank process: the gloo group, and this rank's caches, layout and placement. The "other_host"
+    scenario gives the last rank a /dev/shm of its own (KVPP_TEST_OTHER_SHM), as on another host."""
+    import os
+
+    import torch.distributed as dist
+
+    from kvpp_core import shm_broadcast
+    from kvpp_core.allocation import CacheLayer, place
+    from kvpp_core.ownership import rank_layout
+
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if scenario == "other_host" and rank == world - 1:
+        shm_broadcast.SHM_DIR = shm_broadcast.Path(os.environ["KVPP_TEST_OTHER_SHM"])
+    layers = [CacheLayer(f"model.layers.{i}.self_attn.attn", page, i) for i in range(num_layers)]
+    layout = rank_layout(range(num_layers), world, rank, staging)
+    return layers, layout, place(layers, layout, blocks)
+
+
+def report_outcome(rank: int, results, body) -> None:
+    """Run `body()` (a rank's scenario, which puts its own "ok" result) and put any failure as its kind."""
+    import traceback
+
+    from kvpp_core.broadcast import KvppBroadcastError
+    from kvpp_core.config import KvppConfigError
+
+    try:
+        body()
+    except KvppBroadcastError as exc:
+        results.put((rank, "broadcast_error", str(exc)))
+    except KvppConfigError as exc:
+        results.put((rank, "config_error", str(exc)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))

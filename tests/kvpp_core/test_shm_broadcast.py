@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvpp_core import shm_broadcast
-from kvpp_core.allocation import CacheLayer, place
-from kvpp_core.broadcast import KvppBroadcastError
 from kvpp_core.config import KvppConfigError
-from kvpp_core.ownership import rank_layout
-from tests.helpers.rank_procs import run_ranks, vllm_like_caches
+from tests.helpers.rank_procs import join_group, report_outcome, run_ranks, vllm_like_caches
 
 pytestmark = pytest.mark.integration
 
@@ -37,16 +34,8 @@ def _expected(layer: int, step: int) -> torch.Tensor:
 
 
 def _rank(rank, world, port, num_layers, staging, scenario, env, results):
-    try:
-        import torch.distributed as dist
-
-        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        if scenario == "other_host" and rank == world - 1:
-            shm_broadcast.SHM_DIR = shm_broadcast.Path(os.environ["KVPP_TEST_OTHER_SHM"])
-        layers = [CacheLayer(f"model.layers.{i}.self_attn.attn", PAGE, i) for i in range(num_layers)]
-        layout = rank_layout(range(num_layers), world, rank, staging)
-        placement = place(layers, layout, BLOCKS)
+    def body():
+        layers, layout, placement = join_group(rank, world, port, env, scenario, num_layers, staging, PAGE, BLOCKS)
         shm = shm_broadcast.ShmGroup.negotiate(layers, layout, placement, None, list(range(world)),
                                                torch.device("cpu"))
         if shm is None:
@@ -91,12 +80,8 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
                                   "owned": list(layout.owned)}))
         dist.barrier()
         dist.destroy_process_group()
-    except KvppBroadcastError as exc:
-        results.put((rank, "broadcast_error", str(exc)))
-    except KvppConfigError as exc:
-        results.put((rank, "config_error", str(exc)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+
+    report_outcome(rank, results, body)
 
 
 def _run(world, num_layers, staging=2, scenario="plain", env=None, expect=None, timeout=90.0):

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvpp_core import shm_broadcast, zero_copy
-from kvpp_core.allocation import CacheLayer, place
-from kvpp_core.broadcast import KvppBroadcastError
-from kvpp_core.config import KvppConfigError
-from kvpp_core.ownership import rank_layout
-from tests.helpers.rank_procs import run_ranks, vllm_like_caches
+from tests.helpers.rank_procs import join_group, report_outcome, run_ranks, vllm_like_caches
 
 pytestmark = pytest.mark.integration
 
@@ -38,16 +34,8 @@ def _token(layer: int, step: int) -> int:
 
 
 def _rank(rank, world, port, num_layers, scenario, env, results):
-    try:
-        import torch.distributed as dist
-
-        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        if scenario == "other_host" and rank == world - 1:
-            shm_broadcast.SHM_DIR = shm_broadcast.Path(os.environ["KVPP_TEST_OTHER_SHM"])
-        layers = [CacheLayer(f"model.layers.{i}.self_attn.attn", PAGE, i) for i in range(num_layers)]
-        layout = rank_layout(range(num_layers), world, rank, staging=0)
-        placement = place(layers, layout, BLOCKS)
+    def body():
+        layers, layout, placement = join_group(rank, world, port, env, scenario, num_layers, 0, PAGE, BLOCKS)
         shm = shm_broadcast.ShmGroup.negotiate(layers, layout, placement, None, list(range(world)),
                                                torch.device("cpu"), zero_copy.REQUIRED_BY)
         caches = zero_copy.adopt(shm, vllm_like_caches(layers, placement, BLOCKS, PAGE), placement)
@@ -89,12 +77,8 @@ def _rank(rank, world, port, num_layers, scenario, env, results):
         results.put((rank, "ok", {"stale": stale, "stats": zc.stats.as_dict(), "owned": list(layout.owned)}))
         dist.barrier()
         dist.destroy_process_group()
-    except KvppBroadcastError as exc:
-        results.put((rank, "broadcast_error", str(exc)))
-    except KvppConfigError as exc:
-        results.put((rank, "config_error", str(exc)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+
+    report_outcome(rank, results, body)
 
 
 def _run(world, num_layers, scenario="plain", env=None, expect=None, timeout=90.0):
