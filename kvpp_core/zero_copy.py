@@ -145,8 +145,9 @@ class ZeroCopyLayers(PeerWaits):
         """The new tokens' KV write of a target layer: the owner writes, then flags it for this step."""
         self._forward_begins()
         if self.layout.owner_of(layer_id) != self.layout.kvpp_rank:
-            self.stats.writes_skipped += 1
-            self._seen.add(layer_id)
+            if self._in_step:
+                self.stats.writes_skipped += 1
+                self._seen.add(layer_id)
             return
         if self._in_step and not self._started_wait_done:
             self._peers_started(layer_id)
