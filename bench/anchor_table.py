@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
-    ap.add_argument("--waves", type=int, default=0, help="multi-prefix waves (0: none)")
+    ap.add_argument("--waves", type=int, default=4, help="multi-prefix waves (0: none)")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                     help=f"columns, KVPP off first ({', '.join(MODES)})")
     ap.add_argument("--rounds", type=int, default=1, help="engine runs per mode, interleaved across modes")
