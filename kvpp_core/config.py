@@ -13,8 +13,11 @@ import msgspec
 
 ENABLE_KEY = "enable_kvpp"
 STAGING_KEY = "kvpp_staging_buffers"
-STAGING_RANGE = range(1, 4)
+STAGING_RANGE = range(0, 4)
 DEFAULT_STAGING = 2
+ZERO_COPY = 0
+"""`kvpp_staging_buffers: 0`: no staging slot; foreign layers are read in place from their owner's pages
+(kvpp_core/zero_copy.py), where the group's ranks share host memory."""
 
 
 class KvppConfigError(ValueError):
@@ -25,6 +28,10 @@ class KvppConfigError(ValueError):
 class KvppConfig:
     enabled: bool = False
     staging_buffers: int = DEFAULT_STAGING
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.enabled and self.staging_buffers == ZERO_COPY
 
 
 def parse_bool(value: Any) -> bool | None:
@@ -138,7 +145,8 @@ def _parse_staging(value: Any) -> int:
         raise KvppConfigError(
             f"additional_config.{STAGING_KEY} must be an integer from {STAGING_RANGE.start} to "
             f"{STAGING_RANGE.stop - 1} (2 overlaps the next layer's broadcast with compute; 1 saves "
-            f"memory but serialises them), got {value!r}"
+            f"memory but serialises them; 0 copies nothing, reading foreign layers in their owner's "
+            f"shared host memory), got {value!r}"
         )
     return value
 

@@ -71,7 +71,9 @@ class RankLayout:
     """Sorted ids of the stage's target layers (MTP/draft layers are never target layers)."""
     owners: Mapping[int, int] = field(repr=False)
     staging_slots: int
-    """Number of staging buffers this rank allocates (0 when it owns every target layer)."""
+    """Number of staging buffers this rank allocates (0 when it owns every target layer, or zero-copy)."""
+    zero_copy: bool = False
+    """Foreign layers are read in place from their owner's persistent pages: no staging slot, no copy."""
 
     @property
     def owned(self) -> tuple[int, ...]:
@@ -91,6 +93,9 @@ class RankLayout:
         """Staging buffer of a foreign layer: its execution position modulo the slot count."""
         if self.owners[layer_id] == self.kvpp_rank:
             raise ValueError(f"layer {layer_id} is owned by rank {self.kvpp_rank}; it has no staging slot")
+        if self.zero_copy:
+            raise ValueError(f"layer {layer_id} is read in place from kvpp rank {self.owners[layer_id]} (zero-copy); "
+                             "it has no staging slot")
         return self.position(layer_id) % self.staging_slots
 
     @property
@@ -100,10 +105,11 @@ class RankLayout:
 
 
 def rank_layout(layer_ids: Iterable[int], group_size: int, kvpp_rank: int, staging: int = 2) -> RankLayout:
+    """This rank's layout; `staging` 0 is the zero-copy mode (kvpp_core.config.ZERO_COPY)."""
     if not 0 <= kvpp_rank < group_size:
         raise ValueError(f"kvpp rank {kvpp_rank} outside a group of {group_size}")
-    if staging < 1:
-        raise ValueError(f"staging buffer count must be >= 1, got {staging}")
+    if staging < 0:
+        raise ValueError(f"staging buffer count must be >= 0 (0: zero-copy), got {staging}")
     owners = assign_owners(layer_ids, group_size)
     targets = tuple(sorted(owners))
     foreign = sum(1 for l in targets if owners[l] != kvpp_rank)
@@ -113,6 +119,7 @@ def rank_layout(layer_ids: Iterable[int], group_size: int, kvpp_rank: int, stagi
         target_layers=targets,
         owners=owners,
         staging_slots=min(staging, foreign),
+        zero_copy=staging == 0 and group_size > 1,
     )
 
 
@@ -121,7 +128,8 @@ def rank_bytes_per_block(
 ) -> int:
     """Bytes one logical block costs on this rank: owned bundles + MTP bundles + staging slots.
 
-    A staging slot must hold any foreign bundle, so it is sized by the largest one.
+    A staging slot must hold any foreign bundle, so it is sized by the largest one. Zero-copy has no
+    slot: a block costs the owned and MTP bundles alone, the layer-granular limit L / ceil(L/G).
     """
     owned = sum(bundle_bytes[l] for l in layout.owned)
     largest_foreign = max((bundle_bytes[l] for l in layout.foreign), default=0)

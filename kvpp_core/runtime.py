@@ -6,12 +6,13 @@ send or load); the vLLM adapter drives the broadcaster from the model's attentio
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvpp_core.allocation import Placement
 from kvpp_core.broadcast import LayerBroadcaster
 from kvpp_core.ownership import RankLayout
+from kvpp_core.zero_copy import ZeroCopyLayers
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class KvppRuntime:
     """A worker's layout and the broadcaster over its allocated caches, created complete once the
     engine has bound them."""
 
-    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster) -> None:
+    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster | ZeroCopyLayers) -> None:
         self.layout = layout
         self.broadcaster = broadcaster
 
@@ -83,6 +84,20 @@ class KvppRuntime:
         layer_id = self.layout.layer_ids.get(cache_name)
         if layer_id is not None:
             self.broadcaster.before_layer(layer_id)
+
+    def write_kv(self, cache_name: str, write: Callable[[], None]) -> None:
+        """A layer's new-token KV write: zero-copy leaves a target layer's to its owner; else every rank writes."""
+        layer_id = self.layout.layer_ids.get(cache_name)
+        if layer_id is None or not isinstance(self.broadcaster, ZeroCopyLayers):
+            write()
+        else:
+            self.broadcaster.write(layer_id, write)
+
+    def before_read(self, cache_name: str) -> None:
+        """Before a layer's attention reads its cache: zero-copy waits for a foreign layer's owner."""
+        layer_id = self.layout.layer_ids.get(cache_name)
+        if layer_id is not None and isinstance(self.broadcaster, ZeroCopyLayers):
+            self.broadcaster.before_read(layer_id)
 
 
 _LAYOUT: ActiveLayout | None = None

@@ -31,6 +31,12 @@ class KvppSetup:
     """The ops vLLM splits the compiled graph at; None when unknown."""
     speculative_method: str | None = None
     """speculative_config.method (None: no speculative decoding)."""
+    device: str | None = None
+    """Where the KV cache lives (vLLM's device type: cpu, cuda, npu, ...); None when unknown (a spec)."""
+    machine: str | None = None
+    """The serving host's architecture (platform.machine()); None when unknown (checked elsewhere)."""
+    nnodes: int = 1
+    """Hosts one instance spans (vLLM's --nnodes; a spec's hosts)."""
 
 
 def _pp_partition(value: str | None) -> tuple[int, ...] | None:
@@ -47,6 +53,8 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     )
     if not kvpp.enabled:  # only the connectors' settings are checked: never describe a model KVPP does not run on
         return KvppSetup(model=None, topology=Topology(tp=1), enforce_eager=True, kvpp=kvpp, **connector)
+    import platform
+
     import vllm.envs as envs
 
     model_config = vllm_config.model_config
@@ -74,4 +82,7 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         cudagraph_mode=None if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
         splitting_ops=None if compilation.splitting_ops is None else tuple(compilation.splitting_ops),
         speculative_method=None if speculative is None else speculative.method,
+        device=vllm_config.device_config.device_type,
+        machine=platform.machine(),
+        nnodes=parallel.nnodes,
     )

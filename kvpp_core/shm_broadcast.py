@@ -50,8 +50,18 @@ shm: shared memory or fail at startup; collective: always gloo/NCCL/HCCL (for co
 SHM_DIR = Path("/dev/shm")
 
 _MAGIC = 0x4B56505053484D31  # "KVPPSHM1"
-_HEADER = 8  # int64 slots: magic, token (2), pid, pid namespace, aborted epoch, 2 spare
+_HEADER = 8  # int64 slots: magic, token (2), pid, pid namespace, aborted epoch, finished step, forward started
 _TOKEN, _PID, _PIDNS, _ABORTED = 1, 3, 4, 5
+FINISHED, STARTED = 6, 7
+"""Control slots of kvpp_core.zero_copy: the last step this rank finished, and the last whose forward it began
+(everything it writes before the forward, such as vLLM's zeroing of new blocks, is done by then)."""
+
+
+def layer_flag(position: int) -> int:
+    """Control slot of the target layer at `position`: its owner's ready (or, zero-copy, written) epoch;
+    the slot after it is the rank's read epoch."""
+    return _HEADER + 2 * position
+
 _POLL_CHECK_S = 0.05  # how often a waiter looks for a dead or aborted peer
 
 
@@ -135,9 +145,10 @@ class ShmGroup:
     @classmethod
     def negotiate(cls, layers: Sequence[CacheLayer], layout: RankLayout, placement: Placement,
                   group: dist.ProcessGroup | None, group_ranks: Sequence[int],
-                  device: torch.device) -> ShmGroup | None:
+                  device: torch.device, required_by: str | None = None) -> ShmGroup | None:
         """Collective over the group (every rank calls it): the shared-memory transport, or None for
-        the collective one. Logs the choice; raises if KVPP_BROADCAST_TRANSPORT=shm cannot be met."""
+        the collective one. Logs the choice; raises if KVPP_BROADCAST_TRANSPORT=shm cannot be met, or
+        if `required_by` (an option and its fix, e.g. zero-copy's) needs the shared segments."""
         choice = transport_choice()
         me = layout.kvpp_rank
         reason = "disabled by KVPP_BROADCAST_TRANSPORT=collective" if choice == "collective" else (
@@ -149,6 +160,8 @@ class ShmGroup:
                             "by the group)", me, layout.group_size, TRANSPORT_ENV, placement.total_bytes)
                 return shm
         reason = reason or "the group has a single rank"
+        if required_by is not None:
+            raise KvppConfigError(f"{required_by.format(reason=reason)}")
         if choice == "shm":
             raise KvppConfigError(
                 f"{TRANSPORT_ENV}=shm, but the shared-memory broadcast cannot run here: {reason}; "
@@ -224,6 +237,10 @@ class ShmGroup:
             tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
         return caches
 
+    def peer_placement(self, rank: int) -> Placement:
+        """Where kvpp rank `rank` keeps its persistent caches in its segment."""
+        return _placement_of(self.layers, self.layout, rank, self.placement.num_blocks)
+
     def broadcaster(self, bound: torch.Tensor, timeout: float) -> ShmLayerBroadcaster:
         """The broadcaster over the adopted backing; `bound` is the backing the engine's caches use."""
         me = self.layout.kvpp_rank
@@ -261,13 +278,66 @@ def _all_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(flag.item())
 
 
+class PeerWaits:
+    """Waiting on a peer's flag in the group's control segments, bounded: a peer that abandoned the step,
+    whose process is gone, or that stays silent past the timeout fails the wait with the layer and both
+    ranks named. The host class sets `layout`, `_shm`, `_epoch`, `_timeout_s`."""
+
+    _what = "shared-memory broadcast"
+    layout: RankLayout
+    _shm: ShmGroup
+    _epoch: int
+    _timeout_s: float
+
+    @property
+    def _own_flags(self) -> memoryview:
+        return self._shm.flags[self.layout.kvpp_rank]
+
+    def _await(self, layer_id: int | None, peer: int, done: Callable[[], bool], what: str) -> None:
+        """Poll a peer's flag: yield the CPU first (the peer is usually a layer away at most), then
+        sleep in growing steps; fail on timeout, on the peer's abort, or when its process is gone."""
+        if done():
+            return
+        started = time.monotonic()
+        checked, nap = started, 0.0
+        while not done():
+            now = time.monotonic()
+            if now - checked >= _POLL_CHECK_S:
+                checked = now
+                self._check_peer(layer_id, peer, what)
+                if now - started > self._timeout_s:
+                    raise self._peer_failure(layer_id, peer, f"no {what} within {self._timeout_s:g} s")
+            time.sleep(nap)
+            nap = min(nap * 2 or 1e-5, 2e-4)
+
+    def _check_peer(self, layer_id: int | None, peer: int, what: str) -> None:
+        if self._shm.flags[peer][_ABORTED] >= self._epoch:
+            raise self._peer_failure(layer_id, peer, f"kvpp rank {peer} abandoned the step")
+        pid = self._shm.pids[peer]
+        if pid is not None and _process_gone(pid):
+            raise self._peer_failure(layer_id, peer, f"kvpp rank {peer} (pid {pid}) has exited")
+
+    def _peer_failure(self, layer_id: int | None, peer: int, why: str) -> KvppBroadcastError:
+        """`layer_id` None: the wait was the step barrier, not a layer's."""
+        subject = (f"{self._what} of layer {layer_id} (owner kvpp rank {self.layout.owner_of(layer_id)})"
+                   if layer_id is not None else f"step barrier before step {self._epoch + 1}")
+        return KvppBroadcastError(
+            f"KVPP {subject} failed on kvpp rank {self.layout.kvpp_rank} waiting for kvpp rank {peer}: {why}"
+        )
+
+    def _abandon(self) -> None:
+        """Tell the peers this epoch will not complete here."""
+        self._active = False
+        self._own_flags[_ABORTED] = self._epoch
+
+
 @dataclass
 class ShmBroadcastStats(BroadcastStats):
     transport: str = "shm"
     """Named in the worker's report, so a benchmark can say which transport it measured."""
 
 
-class ShmLayerBroadcaster(LayerBroadcaster):
+class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     """LayerBroadcaster's schedule (issue, prefetch into the other slot, wait) over shared memory.
 
     A receiver copies a layer when it is issued if its owner has already published it (so a
@@ -339,10 +409,6 @@ class ShmLayerBroadcaster(LayerBroadcaster):
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    @property
-    def _own_flags(self) -> memoryview:
-        return self._shm.flags[self.layout.kvpp_rank]
-
     def _guarded(self, layer_id: int, work: Callable[[], None]) -> None:
         try:
             work()
@@ -358,38 +424,3 @@ class ShmLayerBroadcaster(LayerBroadcaster):
                 dst[r.start:r.stop].copy_(src[r.start:r.stop])
                 self.stats.bytes += (r.stop - r.start) * dst.shape[1]
         self._own_flags[ready + 1] = self._epoch
-
-    def _await(self, layer_id: int, peer: int, done: Callable[[], bool], what: str) -> None:
-        """Poll a peer's flag: yield the CPU first (the peer is usually a layer away at most), then
-        sleep in growing steps; fail on timeout, on the peer's abort, or when its process is gone."""
-        if done():
-            return
-        started = time.monotonic()
-        checked, nap = started, 0.0
-        while not done():
-            now = time.monotonic()
-            if now - checked >= _POLL_CHECK_S:
-                checked = now
-                self._check_peer(layer_id, peer, what)
-                if now - started > self._timeout_s:
-                    raise self._peer_failure(layer_id, peer, f"no {what} within {self._timeout_s:g} s")
-            time.sleep(nap)
-            nap = min(nap * 2 or 1e-5, 2e-4)
-
-    def _check_peer(self, layer_id: int, peer: int, what: str) -> None:
-        if self._shm.flags[peer][_ABORTED] >= self._epoch:
-            raise self._peer_failure(layer_id, peer, f"kvpp rank {peer} abandoned the step")
-        pid = self._shm.pids[peer]
-        if pid is not None and _process_gone(pid):
-            raise self._peer_failure(layer_id, peer, f"kvpp rank {peer} (pid {pid}) has exited")
-
-    def _peer_failure(self, layer_id: int, peer: int, why: str) -> KvppBroadcastError:
-        return KvppBroadcastError(
-            f"KVPP shared-memory broadcast of layer {layer_id} (owner kvpp rank {self.layout.owner_of(layer_id)}) "
-            f"failed on kvpp rank {self.layout.kvpp_rank} waiting for kvpp rank {peer}: {why}"
-        )
-
-    def _abandon(self) -> None:
-        """Tell the peers this epoch will not complete here."""
-        self._active = False
-        self._own_flags[_ABORTED] = self._epoch

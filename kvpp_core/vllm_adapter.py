@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvpp_core import activation, ascend, runtime
+from kvpp_core import activation, ascend, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
@@ -243,6 +243,8 @@ def _bound_storage(worker, placement: Placement) -> torch.Tensor:
     ctx = worker.vllm_config.compilation_config.static_forward_context
     base = None
     for name, offset in placement.offsets.items():
+        if name in placement.borrowed:
+            continue  # zero-copy: bound to the owner's pages (zero_copy.check_bound)
         cache = ctx[name].kv_cache
         storage = cache.untyped_storage()
         if base is None:
@@ -263,17 +265,18 @@ _ALLOCATOR_CALLERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.att
 
 
 @contextlib.contextmanager
-def _kv_backing_adopted_by(shm: ShmGroup | None):
+def _kv_backing_adopted_by(adopt):
     """vLLM allocates the KV backing in `allocate_kv_cache` (torch.zeros); the shared-memory broadcast
-    needs it in a segment the peers map, so the views it returns move there before anything binds or
-    registers them. Nothing changes with the collective transport."""
-    if shm is None:
+    needs it in a segment the peers map, so `adopt` moves the views it returns there (zero-copy also
+    rebinds foreign views onto their owner's pages) before anything binds or registers them. Nothing
+    changes with the collective transport (`adopt` None)."""
+    if adopt is None:
         yield
         return
     callers = [importlib.import_module(name) for name in _ALLOCATOR_CALLERS]
     allocate = {module: module.allocate_kv_cache for module in callers}
     for module in callers:
-        module.allocate_kv_cache = functools.partial(_adopted, shm, allocate[module])
+        module.allocate_kv_cache = functools.partial(_adopted, adopt, allocate[module])
     try:
         yield
     finally:
@@ -281,8 +284,8 @@ def _kv_backing_adopted_by(shm: ShmGroup | None):
             module.allocate_kv_cache = original
 
 
-def _adopted(shm: ShmGroup, allocate, *args, **kwargs):
-    return shm.adopt(allocate(*args, **kwargs))
+def _adopted(adopt, allocate, *args, **kwargs):
+    return adopt(allocate(*args, **kwargs))
 
 
 def _patch_determine_available_memory(orig):
@@ -314,13 +317,21 @@ def _patch_initialize_from_config(orig):
         layout = ctx.layout
         placement = place(ctx.layers, layout, kv_cache_config.num_blocks)
         active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers})
-        shm = ShmGroup.negotiate(ctx.layers, layout, placement, ctx.group, ctx.group_ranks, self.device)
+        shm = ShmGroup.negotiate(ctx.layers, layout, placement, ctx.group, ctx.group_ranks, self.device,
+                                 zero_copy.REQUIRED_BY if layout.zero_copy else None)
         # Published before allocation: connectors read the layout in register_kv_caches.
         runtime.publish_layout(active)
-        with _kv_backing_adopted_by(shm):
+        adopt = None if shm is None else shm.adopt
+        if layout.zero_copy:
+            adopt = functools.partial(zero_copy.adopt, shm, placement=placement)
+        with _kv_backing_adopted_by(adopt):
             orig(self, kvpp_cache_config(kv_cache_config, placement))
         flat = _bound_storage(self, placement)
-        if shm is not None:
+        if layout.zero_copy:
+            forward_ctx = self.vllm_config.compilation_config.static_forward_context
+            zero_copy.check_bound(shm, {n: forward_ctx[n].kv_cache for n in placement.borrowed}, placement)
+            broadcaster = zero_copy.ZeroCopyLayers(layout, shm, ctx.broadcast_timeout_s)
+        elif shm is not None:
             broadcaster = shm.broadcaster(flat, ctx.broadcast_timeout_s)
         else:
             regions: dict[int, list[torch.Tensor]] = {}
@@ -410,6 +421,33 @@ def _patch_before_kv_write(orig, cache_name_of):
     return hooked
 
 
+def _patch_kv_write(orig):
+    """Zero-copy: only a target layer's owner writes its new tokens (`MLAAttention.update_kv_cache`, called
+    in eager and compiled mode alike from the layer's KV-update op)."""
+
+    @functools.wraps(orig)
+    def update_kv_cache(self, *args, **kwargs) -> None:
+        rt = runtime.current()
+        if rt is None:
+            return orig(self, *args, **kwargs)
+        rt.write_kv(self.layer_name, lambda: orig(self, *args, **kwargs))
+
+    return update_kv_cache
+
+
+def _patch_kv_read(orig):
+    """Zero-copy: a foreign layer's attention (`MLAAttention.forward_impl`) waits for its owner's write."""
+
+    @functools.wraps(orig)
+    def forward_impl(self, *args, **kwargs):
+        rt = runtime.current()
+        if rt is not None:
+            rt.before_read(self.layer_name)
+        return orig(self, *args, **kwargs)
+
+    return forward_impl
+
+
 def kvpp_stats(worker) -> dict:
     """Worker RPC (`collective_rpc("kvpp_stats")`): this rank's KVPP report, with the bytes the
     engine really allocated for KV, measured from the bound tensors' storage."""
@@ -417,7 +455,10 @@ def kvpp_stats(worker) -> dict:
     report = {"enabled": rt is not None, "num_blocks": worker.cache_config.num_gpu_blocks}
     forward_ctx = worker.vllm_config.compilation_config.static_forward_context
     storages = {}
+    borrowed = () if rt is None else rt.layout.placement.borrowed  # zero-copy: the owners' pages
     for name in worker.model_runner.get_kv_cache_spec():
+        if name in borrowed:
+            continue
         storage = forward_ctx[name].kv_cache.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     report["allocated_kv_bytes"] = sum(storages.values())
@@ -616,6 +657,8 @@ def install(connector_rules: ConnectorRules) -> None:
     # The hook sits after the Q/KV projections and before the new tokens' KV is written: the MLA
     # layer (and, for SFA, the indexer, which writes its key cache first) takes its inputs there.
     _wrap(MLAAttention, "prepare_kv_cache_update", lambda f: _patch_before_kv_write(f, lambda layer: layer.layer_name))
+    _wrap(MLAAttention, "update_kv_cache", _patch_kv_write)
+    _wrap(MLAAttention, "forward_impl", _patch_kv_read)
     # Eager only (validation refuses SFA in compiled mode): the indexer writes its key cache inside
     # `vllm::sparse_attn_indexer`, which takes no layer object a patch could reach.
     _wrap(Indexer, "forward", lambda f: _patch_before_kv_write(f, lambda ix: ix.k_cache.prefix))

@@ -101,6 +101,23 @@ def mtp_kvpp_tp2(mtp_model, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def mtp_off_tp2(mtp_model, tmp_path_factory) -> dict:
+    """The runtime engine workload on the MTP model at TP2 with KVPP off: the reference of the staging and the
+    zero-copy runs alike (tests/kvpp_core/test_runtime_engine.py, test_zero_copy_engine.py)."""
+    from tests.helpers.mtp_tp2 import mtp_tp2_run
+
+    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-off"))
+
+
+@pytest.fixture(scope="session")
+def pp_off_eager(tiny_model, tmp_path_factory) -> dict:
+    """The TP2 x PP2 (7 + 9) eager workload with KVPP off: the reference of the staging and zero-copy PP runs."""
+    from tests.helpers.pp_pair import pp_run
+
+    return pp_run(tiny_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def plain_tiny_answers(tiny_model, tmp_path_factory) -> dict:
     """One plain vLLM server of the tiny model (no plugin, no connector, TP=1), started once for the tiny-model
     test's text prompts (held against transformers) and the store engine test's KVPP-off reference."""

@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per block (default {DEFAULT_BLOCK_SIZE} as on Ascend; vLLM's CPU MLA backend uses 16)")
     p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=2, metavar="N",
-                   help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute)")
+                   help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute; "
+                   "0 = zero-copy, foreign layers read in place where a group's ranks share a CPU host)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", type=_plot_path, default=None, metavar="FILE.png",
                    help=f"also draw the capacity ratio against TP size ({', '.join(PLOT_FORMATS)})")
@@ -111,6 +112,7 @@ def format_plan(plan: CapacityPlan, shipped_mtp: int) -> str:
         f"  blocks    {plan.block_size} tokens = {m.page_bytes(plan.block_size):,} B per layer; "
         f"{plan.staging} staging buffer(s) per rank",
         f"  memory    KV memory per rank: {memory}",
+        f"  mode      {plan.mode}",
         "",
     ]
     header = ("stage", "rank", "owned layers", "mtp", "staging", "bytes/block off", "bytes/block on",
@@ -159,8 +161,8 @@ def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[i
         if not points:
             continue
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", label=f"{count} staging buffer(s)")
-        above = count == 1  # fewer staging buffers give the upper curve: label it above, the other below
+        ax.plot(xs, ys, marker="o", label="zero-copy (0 staging buffers)" if count == 0 else f"{count} staging buffer(s)")
+        above = count == min(staging, 1)  # fewer staging buffers give the upper curve: label it above, the other below
         for x, y in points:
             ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7 if above else -13),
                         ha="center", fontsize=8)

@@ -115,7 +115,7 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
                       kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
-                      speculative_method=speculative)
+                      speculative_method=speculative, nnodes=len(inst.hosts))
     out += [Finding(where, problem) for problem in validate(setup, connector_rules, spec.platform)]
     return out
 

@@ -108,6 +108,14 @@ def serve_load(llm, prompts: list[list[int]], params, tag: str, corrupt_above: i
             "preemptions": _metric(llm, "vllm:num_preemptions") - preempted_before}
 
 
+def logprob_agreement(ref: dict, got: dict) -> dict:
+    """How closely two runs' logprobs agree: how many are bit-identical out of all, and the largest gap."""
+    pairs = [(a, b) for req, want in ref["outputs"].items()
+             for a, b in zip(want["logprobs"], got["outputs"][req]["logprobs"])]
+    return {"bit_identical": sum(a == b for a, b in pairs), "total": len(pairs),
+            "max_abs_diff": max((abs(a - b) for a, b in pairs), default=0.0)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

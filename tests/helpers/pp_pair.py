@@ -17,15 +17,19 @@ PROMPT_LENGTHS = (300, 45, 170, 90)
 PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
 
 
-def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
-    """KVPP off and on over the same prompts, TP2 x PP2 split SPLIT; `extra` engine flags for both."""
+def pp_run(model: str, tmp_path_factory, *extra: str) -> dict:
+    """One run of the workload, TP2 x PP2 split SPLIT; `extra` engine flags (--kvpp, --staging, --compiled)."""
     prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
     args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))}
-    return run(model, prompts, *args, env=env), run(model, prompts, *args, "--kvpp", env=env)
+    return run(model, prompts, *args, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
 
 
-def pp_plan(model: str):
-    """`kvpp plan` for the same model, split and memory as pp_runs."""
+def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
+    """KVPP off and on over the same prompts; `extra` engine flags for both."""
+    return pp_run(model, tmp_path_factory, *extra), pp_run(model, tmp_path_factory, *extra, "--kvpp")
+
+
+def pp_plan(model: str, staging: int = 2):
+    """`kvpp plan` for the same model, split and memory as pp_run."""
     return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2, pp=2, pp_layers=SPLIT), KV_BYTES,
-                         block_size=BLOCK)
+                         block_size=BLOCK, staging=staging)

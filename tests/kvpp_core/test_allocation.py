@@ -70,3 +70,18 @@ def test_rank_owning_nothing_keeps_only_staging():
 def test_placement_refuses_a_layout_naming_layers_without_caches():
     with pytest.raises(ValueError, match="no cache"):
         place(_mla(2), rank_layout(range(3), 2, 0), num_blocks=1)
+
+
+def test_zero_copy_keeps_only_persistent_pages_and_borrows_the_foreign_caches():
+    layers = _mla(5) + [CacheLayer("model.layers.5.self_attn.attn", PAGE, None)]  # + an MTP cache
+    layout = rank_layout(range(5), 2, 1, staging=0)
+    p = place(layers, layout, num_blocks=3)
+    assert p.staging == () and p.persistent == tuple(f"model.layers.{i}.self_attn.attn" for i in (3, 4, 5))
+    assert p.borrowed == tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2))
+    assert p.total_bytes == 3 * PAGE * 3 == 3 * bytes_per_block(layers, layout)
+    assert {p.offsets[n] for n in p.borrowed} == {0}  # placeholders until the runtime rebinds them
+
+
+def test_zero_copy_rank_owning_nothing_cannot_carve_its_views():
+    with pytest.raises(ValueError, match="it must own a layer"):
+        place(_mla(3), rank_layout(range(3), 4, 3, staging=0), num_blocks=2)

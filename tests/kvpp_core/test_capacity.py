@@ -1,5 +1,7 @@
 """Capacity plan: the anchors' structural figures and per-rank bytes from the shared ownership."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvpp_core.capacity import plan_capacity
@@ -151,3 +153,25 @@ def test_topology_groups_and_ranks():
 def test_bad_topologies(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_zero_copy_reaches_the_layer_granular_limit():
+    plan = plan_capacity(GLM, Topology(tp=8), 60 * GIB, staging=0)
+    assert plan.ratio == pytest.approx(78 / 10, rel=1e-3)
+    assert plan.zero_copy and plan.to_json()["mode"] == "zero-copy" and "one x86-64 CPU host" in plan.mode
+    assert {r.staging_slots for r in plan.stages[0].ranks} == {0}
+    even = plan_capacity(replace(PRESETS["deepseek-v2-lite"], num_layers=26), Topology(tp=2), 8 * GIB, staging=0)
+    assert even.ratio == pytest.approx(2.0, rel=1e-3)
+
+
+def test_zero_copy_with_pp_and_mtp_counts_each_stage_alone():
+    plan = plan_capacity(GLM.with_overrides(mtp_layers=1), Topology(tp=8, pp=2, pp_layers=(38, 40)), 60 * GIB,
+                         staging=0)
+    # stage 1: 40 layers + MTP replicated -> 41 / (5 + 1); stage 0: 38 / 5.
+    assert plan.binding_stages_on == (1,)
+    assert plan.ratio == pytest.approx(41 / 6, rel=1e-3)
+
+
+def test_zero_copy_refuses_a_stage_with_fewer_layers_than_ranks():
+    with pytest.raises(ValueError, match="kvpp_staging_buffers 0 .* stage 1 \\(3 layers\\).*set kvpp_staging_buffers"):
+        plan_capacity(GLM, Topology(tp=4, pp=2, pp_layers=(75, 3)), 60 * GIB, staging=0)

@@ -45,17 +45,22 @@ def test_unknown_kvpp_keys_are_named():
     assert "enable_kvpp and kvpp_staging_buffers" in msg
 
 
-@pytest.mark.parametrize("value", [1, 2, 3])
+@pytest.mark.parametrize("value", [0, 1, 2, 3])
 def test_staging_range(value):
-    assert parse_additional_config({"enable_kvpp": True, "kvpp_staging_buffers": value}).staging_buffers == value
+    cfg = parse_additional_config({"enable_kvpp": True, "kvpp_staging_buffers": value})
+    assert cfg.staging_buffers == value and cfg.zero_copy == (value == 0)
 
 
-@pytest.mark.parametrize("value", [0, 4, -1, True, "2", 2.0])
+def test_zero_copy_only_when_kvpp_is_on():
+    assert not parse_additional_config({"kvpp_staging_buffers": 0}).zero_copy
+
+
+@pytest.mark.parametrize("value", [4, -1, True, "2", 2.0])
 def test_staging_refused(value):
     with pytest.raises(KvppConfigError) as err:
         parse_additional_config({"kvpp_staging_buffers": value})
     msg = str(err.value)
-    assert "kvpp_staging_buffers must be an integer from 1 to 3" in msg and repr(value) in msg
+    assert "kvpp_staging_buffers must be an integer from 0 to 3" in msg and "0 copies nothing" in msg and repr(value) in msg
 
 
 def test_config_error_is_a_value_error():

@@ -93,9 +93,22 @@ def test_layer_index_without_index_is_an_error():
         (lambda: owner_ranges(4, 0), "group size must be >= 1"),
         (lambda: owner_ranges(-1, 2), "number of layers must be >= 0"),
         (lambda: rank_layout(range(4), 2, 2), "outside a group of 2"),
-        (lambda: rank_layout(range(4), 2, 0, staging=0), "staging buffer count must be >= 1"),
+        (lambda: rank_layout(range(4), 2, 0, staging=-1), "staging buffer count must be >= 0"),
     ],
 )
 def test_bad_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_zero_copy_layout_has_no_slot_and_costs_only_owned_bundles():
+    layout = rank_layout(range(10), 4, 3, staging=0)
+    assert layout.zero_copy and layout.staging_slots == 0 and layout.prefetch_depth == 0
+    assert layout.owned == (8, 9) and layout.foreign == tuple(range(8))
+    with pytest.raises(ValueError, match="read in place from kvpp rank 0"):
+        layout.slot_of(0)
+    assert rank_bytes_per_block(layout, {l: 100 for l in range(10)}, [100]) == 3 * 100  # 2 owned + MTP
+
+
+def test_zero_copy_is_moot_in_a_group_of_one():
+    assert not rank_layout(range(4), 1, 0, staging=0).zero_copy

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from deploy.harness.engine_run import assert_same_outputs
-from tests.helpers.mtp_tp2 import LOAD_PROMPTS, MAX_TOKENS, PROMPT_LENGTHS, mtp_tp2_run
+from tests.helpers.mtp_tp2 import LOAD_PROMPTS, MAX_TOKENS, PROMPT_LENGTHS
 from tests.helpers.mtp_tp2 import plan as plan_of
 
 from kvpp_core.model import ModelSpec
@@ -22,9 +22,10 @@ MTP_CACHE = "model.layers.16.self_attn.attn"
 
 
 @pytest.fixture(scope="module")
-def runs(mtp_model, mtp_kvpp_tp2, tmp_path_factory):
-    """KVPP off, and on (the session's run, which the store engine test shares)."""
-    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-off")), mtp_kvpp_tp2
+def runs(mtp_off_tp2, mtp_kvpp_tp2):
+    """KVPP off (the session's, which the zero-copy test shares), and on (the session's run, which the store
+    engine test shares)."""
+    return mtp_off_tp2, mtp_kvpp_tp2
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,16 @@ receiver catches an owner that writes new tokens over a layer still being copied
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from deploy.services.processes import free_port
 from kvpp_core import shm_broadcast
-from kvpp_core.allocation import CacheLayer, place
-from kvpp_core.broadcast import KvppBroadcastError
 from kvpp_core.config import KvppConfigError
-from kvpp_core.ownership import rank_layout
+from tests.helpers.rank_procs import join_group, report_outcome, run_ranks, vllm_like_caches
 
 pytestmark = pytest.mark.integration
 
@@ -37,34 +33,16 @@ def _expected(layer: int, step: int) -> torch.Tensor:
     return ((base * 13 + layer * 37 + step * 89) % 251).to(torch.uint8)
 
 
-def _caches(layers, placement) -> dict[str, torch.Tensor]:
-    """What vLLM's allocate_kv_cache returns: fp32 views of one zeroed int8 buffer at planned offsets."""
-    buf = torch.zeros(placement.total_bytes, dtype=torch.int8)
-    out = {}
-    for cache in layers:
-        offset, nbytes = placement.region(cache.name)
-        out[cache.name] = buf[offset:offset + nbytes].view(torch.float32).view(BLOCKS, PAGE // 4)
-    return out
-
-
 def _rank(rank, world, port, num_layers, staging, scenario, env, results):
-    try:
-        import torch.distributed as dist
-
-        os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        if scenario == "other_host" and rank == world - 1:
-            shm_broadcast.SHM_DIR = shm_broadcast.Path(os.environ["KVPP_TEST_OTHER_SHM"])
-        layers = [CacheLayer(f"model.layers.{i}.self_attn.attn", PAGE, i) for i in range(num_layers)]
-        layout = rank_layout(range(num_layers), world, rank, staging)
-        placement = place(layers, layout, BLOCKS)
+    def body():
+        layers, layout, placement = join_group(rank, world, port, env, scenario, num_layers, staging, PAGE, BLOCKS)
         shm = shm_broadcast.ShmGroup.negotiate(layers, layout, placement, None, list(range(world)),
                                                torch.device("cpu"))
         if shm is None:
             results.put((rank, "collective", None))
             return
         leftovers = sorted(p.name for p in shm_broadcast.SHM_DIR.glob(f"{shm.name}*"))
-        caches = shm.adopt(_caches(layers, placement))
+        caches = shm.adopt(vllm_like_caches(layers, placement, BLOCKS, PAGE))
         flat = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
         timeout = 3.0 if scenario == "stall" else 30.0
         bc = shm.broadcaster(flat, timeout)
@@ -102,36 +80,12 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
                                   "owned": list(layout.owned)}))
         dist.barrier()
         dist.destroy_process_group()
-    except KvppBroadcastError as exc:
-        results.put((rank, "broadcast_error", str(exc)))
-    except KvppConfigError as exc:
-        results.put((rank, "config_error", str(exc)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+
+    report_outcome(rank, results, body)
 
 
 def _run(world, num_layers, staging=2, scenario="plain", env=None, expect=None, timeout=90.0):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, num_layers, staging, scenario, env or {}, results))
-             for r in range(world)]
-    started = time.monotonic()
-    for p in procs:
-        p.start()
-    out = {}
-    while len(out) < (expect or world) and time.monotonic() - started < timeout:
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except Exception:
-            continue
-        out[rank] = (status, payload)
-    elapsed = time.monotonic() - started
-    for p in procs:
-        p.join(timeout=2)
-        if p.is_alive():
-            p.kill()
-    return out, elapsed
+    return run_ranks(_rank, world, (num_layers, staging, scenario, env or {}), expect, timeout)
 
 
 def _assert_delivered(out, world, num_layers, blocks_per_layer=BLOCKS):

@@ -135,3 +135,39 @@ def test_speculative_decoding_with_pp_is_refused_naming_both_fixes(method):
     assert p.option == "speculative_config" and f"({method})" in p.message and "PP 2" in p.message
     assert "drop --speculative-config" in p.message and "--pipeline-parallel-size 1" in p.message
     assert validate(setup(topology=Topology(tp=8, pp=2))) == []
+
+
+# ---- zero-copy (kvpp_staging_buffers 0) ------------------------------------------------------------------
+ZERO_COPY = KvppConfig(enabled=True, staging_buffers=0)
+V3 = PRESETS["deepseek-v3"]
+
+
+def test_zero_copy_on_one_x86_cpu_host_has_no_problems():
+    assert validate(setup(model=V3, kvpp=ZERO_COPY, device="cpu", machine="x86_64")) == []
+    # PP stages on their own hosts: each stage's group stays on one host.
+    assert validate(setup(model=V3, kvpp=ZERO_COPY, device="cpu", machine="x86_64",
+                          topology=Topology(tp=8, pp=2), nnodes=2)) == []
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(device="cuda"), "keeps its KV cache in cuda memory"),
+    (dict(device="cpu", machine="aarch64"), "x86-64 store order and this host is aarch64"),
+    (dict(device="cpu", topology=Topology(tp=16), nnodes=2), "splits a group across hosts"),
+    (dict(device="cpu", model=PRESETS["glm-5.2"]), "glm-5.2 is SFA"),
+    (dict(device="cpu", topology=Topology(tp=8, pp=2, pp_layers=(57, 4))), "stage 1 (4 layers) has fewer layers"),
+])
+def test_zero_copy_refusals_name_the_option_and_the_fix(overrides, says):
+    p = only(validate(setup(**{"model": V3, "kvpp": ZERO_COPY, **overrides})))
+    assert p.severity == "error" and p.option == "additional_config.kvpp_staging_buffers"
+    assert says in p.message and "set kvpp_staging_buffers to" in p.message
+
+
+def test_zero_copy_where_the_device_is_unknown_warns_and_plans():
+    (device,) = validate(setup(model=V3, kvpp=ZERO_COPY))
+    assert device.severity == "warning" and "only where the KV cache is in host memory" in device.message
+    sfa = validate(setup(kvpp=ZERO_COPY))  # glm-5.2: planned (kvpp plan prints 7.8x), refused at engine start
+    assert {p.severity for p in sfa} == {"warning"} and any("is SFA" in p.message for p in sfa)
+
+
+def test_zero_copy_rules_do_not_touch_the_staging_mode():
+    assert validate(setup(model=V3, device="cuda", machine="aarch64", topology=Topology(tp=16), nnodes=2)) == []

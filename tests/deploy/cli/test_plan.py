@@ -29,6 +29,7 @@ def test_glm_tp8_json(capsys):
     "args, ratio, binding_off",
     [
         (["--staging", "1"], 78 / 11, [0]),
+        (["--staging", "0"], 78 / 10, [0]),
         (["--pp-layers", "38,40"], 40 / 7, [1]),
         (["--pp", "2", "--pp-layers", "38,40", "--memory-gib", "55,60"], 38 / 7, [0]),
         (["--mtp", "1"], 79 / 13, [0]),
@@ -75,7 +76,7 @@ def test_tp1_warns_and_reports_ratio_1(capsys):
         (["--model", "glm-5.2", "--tp", "8", "--pp-layers", "38,x"], "argument --pp-layers: takes comma-separated integers like 38,40"),
         (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "-4"], "argument --memory-gib: takes a number or comma-separated numbers like 60,64: expected a number in (0, "),
         (["--model", "glm-5.2", "--tp", "8", "--memory-gib", "1,2,3"], "one value or one per PP stage (1)"),
-        (["--model", "glm-5.2", "--tp", "8", "--staging", "5"], "kvpp_staging_buffers must be an integer from 1 to 3"),
+        (["--model", "glm-5.2", "--tp", "8", "--staging", "5"], "kvpp_staging_buffers must be an integer from 0 to 3"),
         (["--model", "glm-5.2", "--tp", "8", "--pcp", "2"], "set VLLM_USE_V2_MODEL_RUNNER=1"),
         (["--model", "glm-5.2", "--tp", "8", "--mtp", "-1"], "argument --mtp: expected an integer from 0 to 64, got -1"),
         (["--model", "glm-5.2", "--tp", "0"], "argument --tp: expected an integer from 1 to 1024, got 0"),

@@ -461,3 +461,12 @@ def test_router_settings_without_their_use_are_warnings(tmp_path):
     _, warnings, code = _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode()]) | {"proxy": {"metrics_port": 9}})
     assert code == 0 and warnings == ["warning: proxy: metrics_port: kvpp proxy serves /metrics on proxy.port; "
                                       "metrics_port applies to router: vllm-router only; remove it"]
+
+
+def test_zero_copy_refused_when_a_group_spans_hosts_and_fine_per_pp_stage(tmp_path):
+    zero_copy = {"additional_config": {"kvpp_staging_buffers": 0}}
+    errors, _, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], tp=16, **zero_copy)], model="deepseek-v3"))
+    assert code == 1 and any("kvpp_staging_buffers" in e and "splits a group across hosts" in e for e in errors)
+    errors, warnings, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], pp=2, **zero_copy)],
+                                                    model="deepseek-v3"))
+    assert errors == [] and any("only where the KV cache is in host memory" in w for w in warnings)
