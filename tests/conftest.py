@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +51,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         print(f"\nwaiting for {ENGINE_LOCK} (another vLLM engine run holds it)", file=sys.stderr, flush=True)
         fcntl.flock(fd, fcntl.LOCK_EX)
     _engine_lock_fd = fd
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    """XDG_RUNTIME_DIR (where the pool's lookup sockets live) in a short private directory of its own: a Unix
+    socket address holds ~100 characters, which pytest's tmp_path can exceed (deeper still under xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="kvpp-rt-"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

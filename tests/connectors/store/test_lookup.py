@@ -25,12 +25,6 @@ HASHES = block_hashes(list(range(16 * 6)), 16)
 
 
 @pytest.fixture
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture
 def channel(runtime_dir, free_port):
     return LookupChannel(free_port, dp_rank=1)
 

@@ -18,9 +18,8 @@ PROMPT = list(range(1, 51))  # 50 tokens: three whole blocks and a partial one
 
 
 @pytest.fixture
-def pool(tmp_path, monkeypatch, free_port):
+def pool(runtime_dir, free_port):
     """The pooled block hashes, as worker rank 0's lookup server counts them."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     pooled: set[str] = set()
 
     def leading_hits(hashes):
