@@ -29,6 +29,7 @@ def _inherited_engine_lock() -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `pytest -n 2 --dist loadgroup` (make test) one worker runs the engine tier in order while the
     other runs every other test: the engines keep their start-up order and shared session fixtures, and
