@@ -29,15 +29,6 @@ def _inherited_engine_lock() -> bool:
     return False
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `pytest -n 2 --dist loadgroup` (make test) one worker runs the engine tier in order while the
-    other runs every other test: the engines keep their start-up order and shared session fixtures, and
-    the unit and integration tiers use the time engines spend waiting."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("engine" if item.get_closest_marker("engine") else "services"))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before the first `engine` test (and its module fixtures) take the machine-wide engine lock and

@@ -277,9 +277,8 @@ def test_the_shared_memory_backing_is_adopted_from_model_runner_v2s_allocator(mo
         KVCacheTensor(size=2 * spec.page_size_bytes, layers=["l0"], layer_stride=2 * spec.page_size_bytes,
                       block_stride=spec.page_size_bytes)])
     adopted = []
-    shm = SimpleNamespace(adopt=lambda caches: adopted.append(caches) or caches)
     original = attn_utils.allocate_kv_cache
-    with vllm_adapter._kv_backing_adopted_by(shm):
+    with vllm_adapter._kv_backing_adopted_by(lambda caches: adopted.append(caches) or caches):
         caches = attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
     assert adopted == [caches] and caches["l0"].nbytes == 2 * spec.page_size_bytes
     assert attn_utils.allocate_kv_cache is original, "the allocator is restored after the allocation"
