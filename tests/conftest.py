@@ -48,7 +48,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture
 def runtime_dir(monkeypatch):
     """XDG_RUNTIME_DIR (where the pool's lookup sockets live) in a short private directory of its own: a Unix
-    socket address holds ~100 characters, which pytest's tmp_path can exceed (deeper still under xdist)."""
+    socket address holds ~100 characters, which a path under pytest's tmp_path can exceed."""
     path = Path(tempfile.mkdtemp(prefix="kvpp-rt-"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
     yield path
