@@ -49,7 +49,7 @@ def test_producer_frees_an_aborted_request_at_once(tiny_model, free_port):
     producer = _scheduler(tiny_model, "kv_producer", free_port)
     total = vs.free_blocks(producer)
     producer.add_request(vs.request("r", PROMPT + PROMPT, kv_transfer_params={"do_remote_decode": True}))
-    out = producer.schedule()
+    producer.schedule()
     assert vs.free_blocks(producer) < total
     producer.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     assert vs.free_blocks(producer) == total and "r" not in producer.requests
