@@ -13,7 +13,7 @@ import argparse
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-WORKER_CLS = f"{__name__}.OwnAllocationWorker"
+WORKER_CLS = "tests.helpers.unpatched_worker.OwnAllocationWorker"  # not __name__: "__main__" when run
 
 
 class OwnAllocationWorker(CPUWorker):
