@@ -120,6 +120,11 @@ class ZeroCopyLayers(PeerWaits):
                 self._await(None, peer,
                             lambda f=self._shm.flags[peer]: f[FINISHED] >= self._epoch, "end of the previous step")
 
+    def transport(self) -> tuple[str, int]:
+        """How layers reach a reader (the start-up proof, kvpp_core.activation): in place, from every peer's
+        mapped segment."""
+        return "zero-copy shared memory", len(self._shm.kv)
+
     def before_layer(self, layer_id: int) -> None:
         """Nothing to deliver: the layer is already where this rank reads it."""
 
