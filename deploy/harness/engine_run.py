@@ -137,8 +137,9 @@ def main() -> None:
     ap.add_argument("--corrupt-above", type=int, help="serve --load again, zeroing KV blocks >= this after each step")
     args = ap.parse_args()
 
-    # The engine core in this process: one Python start-up (~20 s here) less per run. With TP or PP > 1
-    # the workers are still processes of their own, as in a served engine.
+    # The engine core in this process: one Python start-up (~20 s here) less per run, and the step at which
+    # the second wave joins no longer depends on wall-clock time, so runs that step at different speeds
+    # (KVPP off and on) batch alike. With TP or PP > 1 the workers are still processes of their own.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
