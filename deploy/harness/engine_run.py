@@ -80,7 +80,8 @@ class BlockZeroing:
             cache[first:].zero_()
 
 
-def _metric(llm, name: str) -> float:
+def llm_metric(llm, name: str) -> float:
+    """One of vLLM's own metrics of an offline engine, summed over its label sets."""
     return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
@@ -88,7 +89,7 @@ def serve_load(llm, prompts: list[list[int]], params, tag: str, corrupt_above: i
     """Every prompt submitted at once, stepped to the end; outputs plus the peaks of vLLM's own gauges
     and the preemptions its counter added meanwhile."""
     engine = llm.llm_engine
-    preempted_before = _metric(llm, "vllm:num_preemptions")
+    preempted_before = llm_metric(llm, "vllm:num_preemptions")
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, params)
     outputs, peak_running, peak_usage = {}, 0.0, 0.0
@@ -102,10 +103,10 @@ def serve_load(llm, prompts: list[list[int]], params, tag: str, corrupt_above: i
                 }
         if corrupt_above is not None:
             llm.collective_rpc("zero_blocks_from", args=(corrupt_above,))
-        peak_running = max(peak_running, _metric(llm, "vllm:num_requests_running"))
-        peak_usage = max(peak_usage, _metric(llm, "vllm:kv_cache_usage_perc"))
+        peak_running = max(peak_running, llm_metric(llm, "vllm:num_requests_running"))
+        peak_usage = max(peak_usage, llm_metric(llm, "vllm:kv_cache_usage_perc"))
     return {"outputs": outputs, "peak_running": peak_running, "peak_kv_usage": peak_usage,
-            "preemptions": _metric(llm, "vllm:num_preemptions") - preempted_before}
+            "preemptions": llm_metric(llm, "vllm:num_preemptions") - preempted_before}
 
 
 def logprob_agreement(ref: dict, got: dict) -> dict:

@@ -19,6 +19,8 @@ import os
 import signal
 import time
 
+from deploy.harness.engine_run import llm_metric
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -75,8 +77,7 @@ def main() -> None:
                 "num_cached_tokens": out.num_cached_tokens,
                 "seconds": time.perf_counter() - start,
             }
-        results["kv_usage_after"].append(
-            sum(m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"))
+        results["kv_usage_after"].append(llm_metric(llm, "vllm:kv_cache_usage_perc"))
 
     results = {"kv_usage_after": []}
     for action in actions:
