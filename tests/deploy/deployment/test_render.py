@@ -160,6 +160,15 @@ def test_pcp_on_runner_v2_sets_the_v2_runner_env(tmp_path):
     assert flags["--prefill-context-parallel-size"] == "2"
 
 
+def test_runner_v1_is_pinned_since_vllm_s_default_differs_by_platform(tmp_path):
+    """A spec validated for V1 must not run V2 on a CUDA host, where an unset variable means V2."""
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "model": {"path": "/m", "preset": "glm-5.2"},
+        "prefill": [{"name": "p", "hosts": ["h"], "tp": 4, "enable_kvpp": True, "enforce_eager": True}]}))
+    assert "export VLLM_USE_V2_MODEL_RUNNER=0" in render(load_spec(spec_file), "shell")["p-node0.sh"]
+
+
 def test_render_refuses_a_spec_with_errors(tmp_path, capsys):
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text(yaml.safe_dump({

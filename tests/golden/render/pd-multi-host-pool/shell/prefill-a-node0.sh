@@ -4,6 +4,7 @@
 set -euo pipefail
 KVPP_CONFIG_DIR="${KVPP_CONFIG_DIR:-$(cd "$(dirname "$0")" && pwd)}"
 export VLLM_HOST_IP=198.51.100.11
+export VLLM_USE_V2_MODEL_RUNNER=0
 export PYTHONHASHSEED=0
 export MOONCAKE_CONFIG_PATH="$KVPP_CONFIG_DIR"/mooncake.json
 exec vllm serve /models/GLM-5.2 \

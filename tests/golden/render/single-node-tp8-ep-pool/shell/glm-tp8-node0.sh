@@ -4,6 +4,7 @@
 set -euo pipefail
 KVPP_CONFIG_DIR="${KVPP_CONFIG_DIR:-$(cd "$(dirname "$0")" && pwd)}"
 export VLLM_HOST_IP=10.0.0.11
+export VLLM_USE_V2_MODEL_RUNNER=0
 export PYTHONHASHSEED=0
 export MMC_LOCAL_CONFIG_PATH="$KVPP_CONFIG_DIR"/mmc-local.conf
 exec vllm serve /models/GLM-5.2-W4A8C8 \
