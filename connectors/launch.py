@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvpp_core import startup
+from kvpp_core import ascend, startup
+from kvpp_core.config import KvppConfigError
 from kvpp_core.setup import KvppSetup
 from kvpp_core.startup import ConnectorSettings, LaunchCheck
 from kvpp_core.validation import DISABLE, Problem, error
@@ -77,5 +78,14 @@ def check_launch(vllm_config) -> LaunchCheck:
 
 
 def launch_check(vllm_config) -> LaunchCheck:
-    """This process's check of `vllm_config` (or of the MultiConnector config it is a child copy of)."""
-    return startup.checked(vllm_config, connector_rules)
+    """This process's check of `vllm_config` (or of the MultiConnector config it is a child copy of), as one
+    of this project's connectors starts. Under vllm-ascend the caches are laid out by its own KVPP, which
+    these connectors cannot read: only `kv_connector_module_path` reaches them there, so that is refused."""
+    check = startup.checked(vllm_config, connector_rules)
+    if check.kvpp.enabled and ascend.installed() is not None:
+        raise KvppConfigError(
+            f"kv_connector_module_path: this project's {vllm_config.kv_transfer_config.kv_connector} was loaded "
+            f"under vllm-ascend, whose own KVPP ({ascend.implementation()}) lays out the KV caches, and this "
+            "connector reads only the layout of this project's adapter, which patches nothing there; remove "
+            "kv_connector_module_path to use vllm-ascend's connector of that name")
+    return check

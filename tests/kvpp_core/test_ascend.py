@@ -79,6 +79,25 @@ def test_the_launch_check_applies_vllm_ascends_matrix_under_its_kvpp(fake_ascend
         check_launch(cfg)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("kvpp", [True, False])
+def test_our_connector_forced_in_under_vllm_ascends_kvpp_is_refused(fake_ascend, store_engine_config, kvpp):
+    """Under vllm-ascend only kv_connector_module_path reaches this project's connectors, and vllm-ascend's
+    KVPP lays out caches they cannot read; without KVPP the layout is vLLM's and they may serve."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connectors.store.connector import AscendStoreConnector
+
+    fake_ascend(native=True)
+    cfg = pool_config(store_engine_config, {"load_async": True}, kvpp=kvpp)
+    if not kvpp:
+        assert AscendStoreConnector(cfg, KVConnectorRole.SCHEDULER) is not None
+        return
+    with pytest.raises(KvppConfigError, match="kv_connector_module_path: this project's AscendStoreConnector was "
+                       f"loaded under vllm-ascend, whose own KVPP \\(vllm-ascend \\(native\\) {VERSION}\\)"):
+        AscendStoreConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
 @pytest.mark.integration
 def test_the_plugin_patches_nothing_and_leaves_the_connector_names_to_vllm_ascend(tmp_path):
     """A fresh process (install() runs once per process) with the stand-in on its path."""
