@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.summary import interleaved
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
@@ -102,12 +104,6 @@ def _engine(model: str, mode: str, workload: Path, a: argparse.Namespace, tmp: P
         if line.startswith("ANCHOR_RESULT "):
             return json.loads(line.removeprefix("ANCHOR_RESULT "))
     raise SystemExit(f"engine ({mode}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
-
-
-def _interleaved(modes: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, mode) in run order: every round runs every mode, each round starting one mode later, so no
-    mode always runs first (cold caches) or last (a warmer, busier machine)."""
-    return [(r, modes[(r + i) % len(modes)]) for r in range(rounds) for i in range(len(modes))]
 
 
 @contextlib.contextmanager
@@ -186,7 +182,7 @@ def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: a
             "model": {"shape": "deepseek-v2-lite", "layers": a.layers, **shape, "dtype": "float32"},
             "tp": 2, "cores": os.cpu_count(), "block_size": BLOCK, "kv_budget_bytes": a.kv_mib << 20,
             "lengths": a.lengths, "pooled_fraction": 0.9, "reps": a.reps, "rounds": a.rounds,
-            "run_order": [f"{r}:{m}" for r, m in _interleaved(list(runs), a.rounds)],
+            "run_order": [f"{r}:{m}" for r, m in interleaved(list(runs), a.rounds)],
             "decode": {"contexts": list(contexts), "batches": a.batches, "tokens": a.decode_tokens},
             "pool": "mooncake store, kv_both, load_async",
         },
@@ -274,7 +270,7 @@ def main() -> None:
         plans = {mode: plan.blocks_off if MODES[mode] is None else plan.blocks_on for mode, plan in plans.items()}
         runs: dict[str, list[dict]] = {mode: [] for mode in a.modes}
         with _engine_lock():
-            for r, mode in _interleaved(a.modes, a.rounds):
+            for r, mode in interleaved(a.modes, a.rounds):
                 runs[mode].append(_engine(model, mode, workload, a, tmp, r))
     shape = vars(SHAPES["deepseek-v2-lite"])
     result = table(runs, plans, broadcast, a, dict(shape))

@@ -1,18 +1,21 @@
-"""Goodput at the capacity boundary: a KV-bound workload through real servers, KVPP off vs on.
+"""Goodput at the capacity boundary: a KV-bound workload through real servers, per KVPP mode.
 
-Two vLLM servers of the tiny 16-layer MLA model (TP=2, fp32, built by the project's launch builder like
-every other engine here) get the same small KV budget per rank; KVPP on fits 1.6x the blocks of KVPP off.
-Each phase sends the same burst of long prompts, all at once, as streamed completions, to one server:
-more requests than KVPP off's blocks can hold together. Phases alternate off/on (the order flips every
-repeat, so drift on this shared machine hits both modes alike) and repeat --repeats times. Per phase:
+One vLLM server per mode (`--modes`, the anchor table's columns: KVPP off, staging = 2 staging buffers,
+zero-copy = `kvpp_staging_buffers` 0) of the tiny 16-layer MLA model (TP=2, fp32, built by the project's
+launch builder like every other engine here), all with the same small KV budget per rank; staging fits
+1.6x the blocks of KVPP off, zero-copy about 2x. Each phase sends the same burst of long prompts, all at once,
+as streamed completions, to one server: more requests than KVPP off's blocks can hold together. Every
+repeat runs every mode once, each repeat starting one mode later (bench/summary.py's `interleaved`, so
+drift on this shared machine hits every mode alike), --repeats times. Per phase:
 requests/s and output tokens/s over the burst's wall time, TTFT and TPOT p50/p99 from the client's
 stream, and from the server's own /metrics the peak of `vllm:num_requests_running` and
 `vllm:kv_cache_usage_perc` (polled) and the `vllm:num_preemptions` the phase added. Every answer is
-checked against the first phase's answers (greedy: both modes must produce the same text).
-Ratios on / off are taken per repeat (the phases next to each other), reported as min/median/max.
+checked against the first phase's answers (greedy: every mode must produce the same text).
+Ratios mode / off are taken per repeat (the phases next to each other), reported as min/median/max.
 
-    flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput [--repeats 3] [--requests 16]
-        [--prompt-tokens 128] [--max-tokens 48] [--kv-mib 24] [--out bench/results/goodput.json]
+    flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput [--modes off,staging,zero-copy]
+        [--repeats 3] [--requests 16] [--prompt-tokens 128] [--max-tokens 48] [--kv-mib 24]
+        [--out bench/results/goodput.json]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import tempfile
 import threading
@@ -28,7 +32,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.summary import spread
+from bench.anchor_table import MODES
+from bench.summary import host, interleaved, spread
 from deploy.harness.engine_run import write_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec, start_servers
@@ -37,9 +42,12 @@ METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", 
            "peak_running", "peak_kv_usage", "preemptions")
 
 
-def server(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, kvpp: bool) -> Engine:
+def server(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, mode: str) -> Engine:
+    staging = MODES[mode]
     inst = cpu_instance(name, LOOPBACK, free_port(), 2, [0, 1], kv_cache_bytes=kv_bytes, max_model_len=max_model_len,
-                        log_stats=True, enable_kvpp=kvpp, extra_args=["--served-model-name", "tiny"])
+                        log_stats=True, enable_kvpp=staging is not None,
+                        additional_config={} if staging is None else {"kvpp_staging_buffers": staging},
+                        extra_args=["--served-model-name", "tiny"])
     spec = single_instance_spec(model, inst)
     return Engine(spec, spec.prefill[0], tmp / f"{name}.log")
 
@@ -106,7 +114,6 @@ def phase(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model dir (default: build the 16-layer tiny model)")
@@ -114,11 +121,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--kv-mib", type=int, default=24, help="KV budget per rank (both modes)")
+    ap.add_argument("--kv-mib", type=int, default=24, help="KV budget per rank (every mode)")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                    help=f"servers, KVPP off first ({', '.join(MODES)})")
     ap.add_argument("--out", default="bench/results/goodput.json")
+    ap.add_argument("--note", default="", help="what the results file says about the host (e.g. shared)")
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error("--repeats: at least 3 (min/median/max need them)")
+    if args.modes[0] != "off" or not set(args.modes) <= set(MODES) or len(set(args.modes)) != len(args.modes):
+        ap.error(f"--modes: off first, then any of {', '.join(MODES)} once each, got {','.join(args.modes)}")
+    modes = args.modes
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -130,41 +143,44 @@ def main() -> None:
         prompts = json.loads(write_prompts(tmp / "prompts.json", model, [args.prompt_tokens] * args.requests,
                                            seed=3).read_text())
         max_model_len = args.prompt_tokens + args.max_tokens + 16
-        engines = {mode: server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, mode == "on")
-                   for mode in ("off", "on")}
+        engines = {mode: server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, mode)
+                   for mode in modes}
         started = []
         try:
             start_servers(list(engines.values()), started, timeout=600)
             blocks = {mode: engine_num_blocks(e.url) for mode, e in engines.items()}
             phases, reference = [], None
-            for rep in range(args.repeats):
-                for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                    print(f"[goodput] repeat {rep + 1}/{args.repeats} kvpp {mode}", file=sys.stderr, flush=True)
-                    result = phase(engines[mode], prompts, args.max_tokens)
-                    texts = result.pop("texts")
-                    reference = reference or texts
-                    result.update(repeat=rep, mode=mode, answers_equal_first_phase=texts == reference)
-                    phases.append(result)
+            for rep, mode in interleaved(modes, args.repeats):
+                print(f"[goodput] repeat {rep + 1}/{args.repeats} kvpp {mode}", file=sys.stderr, flush=True)
+                result = phase(engines[mode], prompts, args.max_tokens)
+                texts = result.pop("texts")
+                reference = reference or texts
+                result.update(repeat=rep, mode=mode, answers_equal_first_phase=texts == reference)
+                phases.append(result)
         finally:
             for proc in reversed(started):
                 proc.stop()
 
     by = {(p["repeat"], p["mode"]): p for p in phases}
-    summary = {mode: {m: spread([by[(r, mode)][m] for r in range(args.repeats)]) for m in METRICS}
-               for mode in ("off", "on")}
-    ratio = {m: spread([by[(r, "on")][m] / by[(r, "off")][m] for r in range(args.repeats) if by[(r, "off")][m]])
-             for m in METRICS if all(by[(r, "off")][m] for r in range(args.repeats))}
+    repeats = range(args.repeats)
+    summary = {mode: {m: spread([by[(r, mode)][m] for r in repeats]) for m in METRICS} for mode in modes}
+    ratio = {mode: {m: spread([by[(r, mode)][m] / by[(r, "off")][m] for r in repeats])
+                    for m in METRICS if all(by[(r, "off")][m] for r in repeats)}
+             for mode in modes[1:]}
     out = {
-        "command": "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput " + " ".join(sys.argv[1:]),
+        "command": "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput " + shlex.join(sys.argv[1:]),
         "setup": {"model": "tiny 16-layer MLA, fp32", "tp": 2, "kv_mib_per_rank": args.kv_mib,
+                  "modes": {mode: MODES[mode] for mode in modes},
+                  "run_order": [f"{r}:{m}" for r, m in interleaved(modes, args.repeats)],
                   "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                   "max_model_len": max_model_len, "repeats": args.repeats, "num_gpu_blocks": blocks},
+        "host": host(args.note),
         "all_answers_equal": all(p["answers_equal_first_phase"] for p in phases),
-        "phases": phases, "summary": summary, "ratio_on_over_off": ratio,
+        "phases": phases, "summary": summary, "ratio_over_off": ratio,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({"num_gpu_blocks": blocks, "all_answers_equal": out["all_answers_equal"],
-                      "summary": summary, "ratio_on_over_off": ratio}, indent=2))
+                      "summary": summary, "ratio_over_off": ratio}, indent=2))
 
 
 if __name__ == "__main__":
