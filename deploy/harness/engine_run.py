@@ -6,6 +6,9 @@ fresh prefills with decodes that need history (the steps where KVPP broadcasts).
 same engine then answers further prompts, each alone and after the KVPP reports were taken: the
 reference answers another test needs from an engine of this shape, without starting one more.
 
+With --worker-extension CLS every worker imports CLS (vLLM's `worker_extension_cls`): a test's patches in
+the worker processes, e.g. a negative control's (tests/helpers/early_reader.py).
+
 With --load the same engine then serves a capacity load: every prompt of that file submitted at once,
 with vLLM's own scheduler metrics (running requests, KV cache usage, preemptions; `LLM.get_metrics()`)
 read after every step, so a test sees how many ran together and how many blocks they held. With
@@ -80,6 +83,13 @@ class BlockZeroing:
             cache[first:].zero_()
 
 
+def kvpp_config(kvpp: bool, staging: int | None) -> dict:
+    """The engine's additional_config for --kvpp and --staging (None: the default staging buffers)."""
+    if not kvpp:
+        return {}
+    return {"enable_kvpp": True} if staging is None else {"enable_kvpp": True, "kvpp_staging_buffers": staging}
+
+
 def llm_metric(llm, name: str) -> float:
     """One of vLLM's own metrics of an offline engine, summed over its label sets."""
     return sum(m.value for m in llm.get_metrics() if m.name == name)
@@ -136,7 +146,11 @@ def main() -> None:
     ap.add_argument("--load", help="JSON file: list of token-id prompts, all submitted at once after the workload")
     ap.add_argument("--load-max-tokens", type=int, default=8)
     ap.add_argument("--corrupt-above", type=int, help="serve --load again, zeroing KV blocks >= this after each step")
+    ap.add_argument("--worker-extension", default="",
+                    help="a worker_extension_cls (qualified name) every worker imports: a test's patches there")
     args = ap.parse_args()
+    if args.worker_extension and args.corrupt_above is not None:
+        ap.error("--worker-extension and --corrupt-above each set the worker extension; pass one of them")
 
     # The engine core in this process: one Python start-up (~20 s here) less per run, and the step at which
     # the second wave joins no longer depends on wall-clock time, so runs that step at different speeds
@@ -144,11 +158,6 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    additional = {}
-    if args.kvpp:
-        additional["enable_kvpp"] = True
-        if args.staging is not None:
-            additional["kvpp_staging_buffers"] = args.staging
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
@@ -160,11 +169,12 @@ def main() -> None:
         block_size=16,
         kv_cache_memory_bytes=args.kv_bytes,
         compilation_config={"custom_ops": ["-rotary_embedding"]},
-        additional_config=additional,
+        additional_config=kvpp_config(args.kvpp, args.staging),
         max_model_len=1024,
         seed=0,
         disable_log_stats=False,  # the scheduler's gauges and counters, read by --load
-        worker_extension_cls="deploy.harness.engine_run.BlockZeroing" if args.corrupt_above is not None else "",
+        worker_extension_cls=("deploy.harness.engine_run.BlockZeroing" if args.corrupt_above is not None
+                              else args.worker_extension),
     )
     with open(args.prompts) as f:
         prompts = json.load(f)

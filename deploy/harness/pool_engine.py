@@ -6,8 +6,9 @@ opts?], ...]] serves several at once (one generate call: admitted, looked up and
 "kv_transfer_params" (e.g. {"do_remote_decode": true}, as a P/D proxy sends a prefill). Each prompt
 records the tokens, their logprobs, and how many prompt tokens came from outside the engine
 (num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
-configuration. Under "kvpp_workers" it adds each worker's `kvpp_stats` report (blocks, layout), and under
-"kv_usage_after" vLLM's own `vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still
+configuration, and the KV block ids the scheduler gave it (block_ids: its first KV cache group's when first
+scheduled, loaded blocks included), so a test reads where a load landed. Under "kvpp_workers" it adds each
+worker's `kvpp_stats` report (blocks, layout), and under "kv_usage_after" vLLM's own `vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still
 holds for its decode count as used).
 """
 
@@ -19,7 +20,24 @@ import os
 import signal
 import time
 
-from deploy.harness.engine_run import llm_metric
+from deploy.harness.engine_run import kvpp_config, llm_metric
+
+
+def record_block_ids(llm) -> dict[str, list[int]]:
+    """Each request's block ids (first KV cache group) when the scheduler first schedules it, by the request id
+    its output carries (vLLM appends 8 random characters inside the engine), as the workers receive them."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # the engine core runs in this process
+    seen: dict[str, list[int]] = {}
+    schedule = scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for req in out.scheduled_new_reqs:
+            seen.setdefault(req.req_id.rsplit("-", 1)[0], list(req.block_ids[0]))
+        return out
+
+    scheduler.schedule = recording
+    return seen
 
 
 def main() -> None:
@@ -28,6 +46,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1, help="PP stages (the split: VLLM_PP_LAYER_PARTITION)")
     ap.add_argument("--kvpp", action="store_true")
+    ap.add_argument("--staging", type=int, default=None, help="kvpp_staging_buffers (0 = zero-copy)")
     ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (the model needs MTP layers)")
     ap.add_argument("--kv-transfer-config", default=None, help="JSON; omitted = no pool")
     ap.add_argument("--actions", required=True, help="JSON file with the action list")
@@ -51,9 +70,10 @@ def main() -> None:
     llm = LLM(
         model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
         kv_cache_memory_bytes=args.kv_bytes, compilation_config={"custom_ops": ["-rotary_embedding"]},
-        additional_config={"enable_kvpp": True} if args.kvpp else {}, max_model_len=args.max_model_len, seed=0,
+        additional_config=kvpp_config(args.kvpp, args.staging), max_model_len=args.max_model_len, seed=0,
         disable_log_stats=False, **kwargs,  # stats on: the KV usage gauge
     )
+    block_ids = record_block_ids(llm)
     base = {"temperature": 0.0, "max_tokens": args.max_tokens, "logprobs": 1, "ignore_eos": True}
     with open(args.actions) as fh:
         actions = json.load(fh)
@@ -76,6 +96,7 @@ def main() -> None:
                 "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
                 "num_cached_tokens": out.num_cached_tokens,
                 "seconds": time.perf_counter() - start,
+                "block_ids": block_ids.get(out.request_id),
             }
         results["kv_usage_after"].append(llm_metric(llm, "vllm:kv_cache_usage_perc"))
 

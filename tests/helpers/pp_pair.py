@@ -1,5 +1,5 @@
-"""The TP2 x PP2 KVPP off/on pair of offline engine runs and its `kvpp plan`, shared by the eager and the
-compiled PP engine tests: the tiny model split unevenly (7 + 9 layers, VLLM_PP_LAYER_PARTITION), fp32."""
+"""The TP2 x PP2 offline engine run (KVPP off, staging or zero-copy) and its `kvpp plan`, shared by the eager
+and the compiled PP engine tests: the tiny model split unevenly (7 + 9 layers, VLLM_PP_LAYER_PARTITION), fp32."""
 
 from __future__ import annotations
 
@@ -22,11 +22,6 @@ def pp_run(model: str, tmp_path_factory, *extra: str) -> dict:
     prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
     args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
     return run(model, prompts, *args, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
-
-
-def pp_runs(model: str, tmp_path_factory, *extra: str) -> tuple[dict, dict]:
-    """KVPP off and on over the same prompts; `extra` engine flags for both."""
-    return pp_run(model, tmp_path_factory, *extra), pp_run(model, tmp_path_factory, *extra, "--kvpp")
 
 
 def pp_plan(model: str, staging: int = 2):

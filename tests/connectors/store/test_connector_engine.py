@@ -15,7 +15,8 @@ replicated on both ranks and rides in both owner shards, never one owner's alone
 full capacity: a KV budget (ON_KV_BYTES) whose blocks KVPP off could not hold, the save engine saving its
 five prompts in one batch and the fresh engine loading in one batch, the prompt they check for a clean
 hit (prefix) last each time, so its blocks are the highest ids (vLLM admits in order and hands out free
-blocks from the lowest), past KVPP off's count.
+blocks from the lowest), past KVPP off's count. The fresh engine reports the ids its scheduler gave: its
+pooled loads all land below KVPP off's count (hit blocks are allocated first), its computed blocks past it.
 
 Logprobs: the pool run computes only the suffix against loaded KV while the reference computes the whole
 prompt in one forward (vLLM turns chunked prefill and prefix caching off for MLA on CPU, so no
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,9 @@ class Scenario:
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"connectors": [pd, cfg]}}
 
-    def run(self, tag: str, actions: list, prefill: bool = False) -> dict:
-        args = ["--tp", str(self.tp), "--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill))]
+    def run(self, tag: str, actions: list, prefill: bool = False, *extra: str) -> dict:
+        """One engine of the scenario over `actions`; `extra` engine flags (e.g. --staging 0)."""
+        args = ["--tp", str(self.tp), "--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill)), *extra]
         args += ["--kvpp", "--kv-bytes", str(ON_KV_BYTES), "--max-model-len", "512"] if self.kvpp else []
         args += ["--mtp", str(self.mtp)] if self.mtp else []
         return run_pool_engine(self.model, self.tmp, tag, actions, *args, binds="0|1" if self.tp == 2 else "0")
@@ -264,20 +267,62 @@ def test_on_a_pd_prefill_serving_five_at_once_answers_every_request_like_the_ref
         assert_same_output(fresh[name], ref[name])
 
 
-def test_on_pool_saves_and_loads_blocks_past_kvpp_off_capacity(on):
+def test_on_pool_batch_holds_blocks_past_kvpp_off_capacity(on):
     """Full capacity: the fresh P/D prefill holds all five requests' blocks at once (vLLM's usage gauge,
-    after the batch: a prefill keeps them for its decode), more than KVPP off has; prefix_plus, admitted
-    last, loads its 6 pooled blocks (saved from the highest ids too) into ids past that count, and
-    answers like the pool-free reference."""
+    after the batch: a prefill keeps them for its decode), more than KVPP off has, in block ids (read from
+    the engine's scheduler) past KVPP off's count; the requests holding those ids answer like the pool-free
+    reference. The pooled loads do not land there (measured): the scheduler gives each request its hit
+    blocks when its lookup returns (ids 1-22, prefix_plus 17-22) and the computed ones after (23-37)."""
     sc, ref, saved, fresh = on
     capacity = plan(sc.model, ON_KV_BYTES)
     on_blocks = fresh["kvpp_workers"][0]["num_blocks"]
     assert on_blocks == saved["kvpp_workers"][0]["num_blocks"] == capacity.blocks_on
     held = round(fresh["kv_usage_after"][0] * (on_blocks - 1))
-    print(f"fresh P/D prefill held {held}/{on_blocks} blocks (KVPP off: {capacity.blocks_off})")
-    # Blocks the requests admitted before prefix_plus took (prompt + 1 speculative slot); block 0 is vLLM's
-    # null block, so prefix_plus's first id is one past them: an id KVPP off (0 .. blocks_off - 1) lacks.
-    ahead = sum(-(-(len(sc.prompts[n]) + 1) // BLOCK) for n in KVPP_SERVED[:-1])
-    assert held > capacity.blocks_off and ahead + 1 >= capacity.blocks_off
+    ids = {name: fresh[name]["block_ids"] for name in KVPP_SERVED}
+    loaded_past = {name: [i for i in ids[name][:fresh[name]["num_cached_tokens"] // BLOCK] if i >= capacity.blocks_off]
+                   for name in KVPP_SERVED}
+    print(f"fresh P/D prefill held {held}/{on_blocks} blocks (KVPP off: {capacity.blocks_off}); ids {ids}; "
+          f"pooled blocks loaded past KVPP off's count: {loaded_past}")
+    past = [name for name in KVPP_SERVED if max(ids[name]) >= capacity.blocks_off]
+    assert held > capacity.blocks_off and past
     assert fresh["prefix_plus"]["num_cached_tokens"] == 6 * BLOCK
-    assert_same_output(fresh["prefix_plus"], ref["prefix_plus"])
+    for name in past:
+        assert_same_output(fresh[name], ref[name])
+
+
+# ---- zero-copy KVPP over the KVPP scenario's pool ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zero_copy(on):
+    """One zero-copy engine (`--staging 0`), started once the scenario's engines have exited, over their pool:
+    it loads the prefix the staging engine saved and saves a prompt of its own (6 whole blocks)."""
+    sc = on[0]
+    rng = random.Random(11)
+    vocab = json.loads(Path(sc.model, "config.json").read_text())["vocab_size"]
+    own = [rng.randrange(5, vocab) for _ in range(100)]
+    return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own]], False,
+                       "--staging", "0")
+
+
+def test_zero_copy_keeps_the_owner_shards_and_loads_what_staging_saved(on, zero_copy):
+    """Owner shards are the staging mode's: each rank owns the same layers, loads the staging engine's shard
+    objects (owned layers + MTP, no more) and saves under the same shard keys, so one pool serves both
+    modes; the pooled prefix gives the pool-free reference's tokens."""
+    sc, ref, saved, _ = on
+    own, run = zero_copy
+    workers = run["kvpp_workers"]
+    assert [w["owned_layers"] for w in workers] == [w["owned_layers"] for w in saved["kvpp_workers"]]
+    assert [(w["staging_slots"], w["mtp_caches"]) for w in workers] == [(0, [MTP_CACHE])] * 2
+    per_object = (LAYERS // 2 + 1) * PAGE_BYTES
+    for rank in (0, 1):
+        s = worker_stats(sc.tmp, "zero-copy", 0, rank)
+        assert s["loaded_blocks"] >= 6 and s["loaded_bytes"] == s["loaded_blocks"] * per_object
+        assert s["saved_blocks"] >= 6 and s["saved_bytes"] == s["saved_blocks"] * per_object
+        assert s["load_failures"] == s["save_failures"] == 0
+    hashes = block_hashes(own, BLOCK)
+    backend = sc.backend()
+    try:
+        assert backend.exists([k for shard in sc.shard_keys() for k in shard.keys(hashes)]) == [Status.OK] * 12
+    finally:
+        backend.close()
+    assert run["prefix_plus"]["num_cached_tokens"] >= 6 * BLOCK
+    assert_same_output(run["prefix_plus"], ref["prefix_plus"])
