@@ -7,7 +7,9 @@ its owner.
 One pair of servers serves every assertion, `kvpp chaos` attached to them and the vLLM project's
 router (`vllm-router`) in front of them included; the lease test adds a decode it kills, and the fault
 test kills the prefill, so they run last. The prefill's KV budget (PREFILL_KV_BYTES) is one KVPP off
-could not fill with the full-capacity test's held prompts.
+could not fill with the full-capacity test's held prompts. The prefill runs vLLM's dev-mode routes and a
+worker extension that zeroes KV blocks on request, which only the full-capacity test's negative control
+calls. The zero-copy test starts a second prefill (KVPP zero-copy) feeding the same decode, for itself only.
 """
 
 from __future__ import annotations
@@ -50,11 +52,29 @@ PROMPT_WORDS = (300, 45, 170)
 DECODE_KV_BYTES = 3 << 29  # ~2600 blocks: the load test's whole crowd decodes at once, unpreempted
 LOAD_CLIENTS = 240  # half of them streaming
 LOAD_EXTRA = 20  # sent while the 240 fill the load proxy's --max-in-flight: each gets a 429
-LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens, under a minute
+LOAD_PLAIN = {"max_tokens": 64, "ignore_eos": True}
+LOAD_STREAM = {"max_tokens": 256, "ignore_eos": True}  # the streaming half: long answers, streams open together
+LOAD_TIMEOUT_S = 600  # per client; the one decode core decodes the whole crowd in one batch
 # The tiny tokenizer has no chat template: a user message's words are the prompt.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 PREFILL_KV_BYTES = 64 << 20  # per rank: KVPP off 107 blocks, on 165 (MTP model, TP2)
 HELD_WORDS = (250,) * 8  # 8 x 16 blocks held at once: past KVPP off's 107
+
+
+def _prefill_server(name: str, model: str, tmp, additional: dict, extra_args: tuple[str, ...] = ()):
+    """A KVPP prefill (TP2, MTP, PREFILL_KV_BYTES per rank) with vLLM's dev-mode routes and BlockZeroing
+    (deploy/harness/engine_run.py), so the full-capacity test's negative control can zero its blocks while
+    it runs (`POST /collective_rpc`) and reset its prefix cache afterwards; neither acts unless called."""
+    return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
+                     hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S, server={"kv_cache_bytes": PREFILL_KV_BYTES},
+                     env={"VLLM_SERVER_DEV_MODE": "1"},
+                     extra_args=["--additional-config", json.dumps(additional), *MTP, *extra_args,
+                                 "--worker-extension-cls", "deploy.harness.engine_run.BlockZeroing"])
+
+
+def _worker_rpc(engine, method: str, *args) -> list:
+    """Each worker's answer to `method` (vLLM's dev-mode `POST /collective_rpc`)."""
+    return post(f"{engine.url}/collective_rpc", {"method": method, "args": list(args)})["results"]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +85,7 @@ def pd(mtp_model, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     chat_args = ("--chat-template", str(template))
     try:
-        prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
-                         kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
-                         server={"kv_cache_bytes": PREFILL_KV_BYTES},
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP, *chat_args])
+        prefill = _prefill_server("prefill", mtp_model, tmp, {"enable_kvpp": True}, chat_args)
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5, extra_args=[*MTP, *chat_args],
                         server={"kv_cache_bytes": DECODE_KV_BYTES})
@@ -89,16 +106,23 @@ def colocated(pd):
     return {n: completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n)) for n in PROMPT_WORDS}
 
 
-def test_proxy_completions_equal_colocated_engine(pd, colocated):
+def _assert_proxy_equals_colocated(pd, proxy_url: str, colocated) -> None:
+    """Each prompt through `kvpp proxy` is answered like the colocated engine, each one pulled whole."""
+    before = _pull_counters(pd["decode"])
     for n in PROMPT_WORDS:
-        got = completion(pd["proxy"], pd["model"], sample_prompt(n, seed=n))
+        got = completion(proxy_url, pd["model"], sample_prompt(n, seed=n))
         ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
         tokens, lps = tokens_and_logprobs(got)
         assert len(tokens) == MAX_TOKENS and tokens == ref_tokens, f"{n}-token prompt"
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, f"{n}-token prompt: {lps} vs {ref_lps}"
+    _assert_pulled(pd["decode"], before, list(PROMPT_WORDS))
 
 
-def test_decode_really_loaded_the_prefill_kv(pd, colocated):
+def test_proxy_completions_equal_colocated_engine(pd, colocated):
+    _assert_proxy_equals_colocated(pd, pd["proxy"], colocated)
+
+
+def _assert_decode_loaded_the_prefill_kv(pd, prefill, colocated) -> None:
     """Swap the first word of the decode's prompt: the answer must follow the prefill's KV (prompt A),
     not the decode's own text (prompt B) - impossible unless the KV was pulled - and the connector's
     counters and the engine's external-cache-hit count must account for exactly the prompt's pages."""
@@ -113,7 +137,7 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     pulls_before = metric(decode.url, "vllm:mooncake_v2_pulls_total")
     hits_before = metric(decode.url, "vllm:external_prefix_cache_hits_total")
     failed_before = metric(decode.url, "vllm:mooncake_v2_failed_pulls_total")
-    first = post(f"{pd['prefill'].url}/v1/completions",
+    first = post(f"{prefill.url}/v1/completions",
                  {"model": pd["model"], "prompt": prompt_a, "max_tokens": 1, "temperature": 0,
                   "kv_transfer_params": {"do_remote_decode": True}})
     params = first["kv_transfer_params"]
@@ -131,6 +155,41 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     # The 16 target layers, each from its owner, and the MTP layer once.
     assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == (LAYERS + 1) * pages * PAGE_BYTES
     assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed_before
+
+
+def test_decode_really_loaded_the_prefill_kv(pd, colocated):
+    _assert_decode_loaded_the_prefill_kv(pd, pd["prefill"], colocated)
+
+
+@pytest.fixture
+def zero_copy_prefill(pd):
+    """A second prefill, KVPP zero-copy (`kvpp_staging_buffers: 0`: each rank reads the other's layers in
+    place), beside the module's own on the same two cores, with a `kvpp proxy` joining it to the module's
+    decode; started for the one test that uses it and stopped after it (~3 GiB while it runs)."""
+    engine = _prefill_server("prefill-zero-copy", pd["model"], pd["tmp"],
+                             {"enable_kvpp": True, "kvpp_staging_buffers": 0})
+    try:
+        engine.start()
+        engine.wait_ready(timeout=400)
+        proxy, url = start_proxy([engine.url], [pd["decode"].url], pd["tmp"] / "proxy-zero-copy.log")
+        try:
+            yield {"prefill": engine, "proxy": url}
+        finally:
+            proxy.stop()
+    finally:
+        engine.stop()
+
+
+def test_a_zero_copy_prefill_feeds_the_decode_like_the_colocated_engine(pd, colocated, zero_copy_prefill):
+    """The decode pulls from whichever prefill a handle names: from a zero-copy prefill the answers through
+    the proxy and the prompt-swap proof are those of the module's staged KVPP prefill (same helpers), each
+    request pulled whole with the same bytes (16 target layers from their owners, the MTP layer once)."""
+    zc = zero_copy_prefill
+    # No staging slot on either rank: each reads the other's layers in place (the module's prefill has 2).
+    assert [r["staging_slots"] for r in _worker_rpc(zc["prefill"], "kvpp_stats")] == [0, 0]
+    assert [r["staging_slots"] for r in _worker_rpc(pd["prefill"], "kvpp_stats")] == [2, 2]
+    _assert_proxy_equals_colocated(pd, zc["proxy"], colocated)
+    _assert_decode_loaded_the_prefill_kv(pd, zc["prefill"], colocated)
 
 
 def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocated):
@@ -325,29 +384,63 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
           f"{HOLD_TIMEOUT_S} s), no lapse, no pull; the retry answered like the colocated engine")
 
 
-def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
-    """Prefill legs holding more blocks than KVPP off has, all at once (block ids past its count among
-    them, read from the handles; usage from vLLM's gauge, no preemption); the decode then pulls each and
-    answers like itself serving the prompt alone."""
+def _held_past_kvpp_off_and_pulled(pd, seed: int, before_pulls=lambda: None) -> tuple[list, list, list[dict]]:
+    """Prefill legs for HELD_WORDS prompts (`seed` on) holding more blocks than KVPP off has, all at once
+    (block ids past its count among them, read from the handles; usage from vLLM's gauge, no preemption),
+    `before_pulls()`, then the decode pulls each: (the decode's own answers, the P/D answers, the handles)."""
     prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
     off_blocks = plan(model, PREFILL_KV_BYTES).blocks_off
     on_blocks = engine_num_blocks(prefill.url)
-    prompts = [sample_prompt(n, seed=1000 + i) for i, n in enumerate(HELD_WORDS)]
+    prompts = [sample_prompt(n, seed=seed + i) for i, n in enumerate(HELD_WORDS)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         reference = list(pool.map(lambda p: completion(decode.url, model, p), prompts))
         preempted = metric(prefill.url, "vllm:num_preemptions_total")
         handles = list(pool.map(lambda p: _prefill_leg(pd, p), prompts))
         held = round(metric(prefill.url, "vllm:kv_cache_usage_perc") * (on_blocks - 1))
         assert metric(prefill.url, "vllm:num_preemptions_total") == preempted
+        before_pulls()
         got = list(pool.map(lambda ph: completion(decode.url, model, ph[0], kv_transfer_params=ph[1]),
                             zip(prompts, handles)))
     high = max(b for h in handles for b in h["remote_block_ids"])
     print(f"prefill held {held}/{on_blocks} blocks at once (KVPP off: {off_blocks}); highest block id pulled {high}")
     assert held > off_blocks and high >= off_blocks
-    for want, have in zip(reference, got):
+    return reference, got, handles
+
+
+def _assert_answered_alike(reference: list[dict], got: list[dict]) -> None:
+    for want, have in zip(reference, got, strict=True):
         tokens, lps = tokens_and_logprobs(have)
         ref_tokens, ref_lps = tokens_and_logprobs(want)
         assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+
+
+def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
+    """Prefill legs holding more blocks than KVPP off has at once; the decode then pulls each and answers
+    like itself serving the prompt alone."""
+    _assert_answered_alike(*_held_past_kvpp_off_and_pulled(pd, seed=1000)[:2])
+
+
+def test_full_capacity_check_fails_when_the_blocks_past_kvpp_off_are_zeroed(pd):
+    """The negative control of the test above: the same legs (other prompts), but every prefill worker
+    zeroes its KV blocks numbered KVPP off's count or higher while they are held, before the decode pulls
+    (BlockZeroing through vLLM's dev-mode collective_rpc). The same comparison then fails for the requests
+    holding such blocks and still passes for the others (so nothing else broke them). The prefill's prefix
+    cache is reset afterwards, so no later request can reuse a zeroed block's content."""
+    prefill = pd["prefill"]
+    off_blocks = plan(pd["model"], PREFILL_KV_BYTES).blocks_off
+
+    def zero_high_blocks():
+        assert _worker_rpc(prefill, "zero_blocks_from", off_blocks) == [None, None]
+
+    reference, got, handles = _held_past_kvpp_off_and_pulled(pd, seed=2000, before_pulls=zero_high_blocks)
+    hit = [max(h["remote_block_ids"]) >= off_blocks for h in handles]
+    with pytest.raises(AssertionError):
+        _assert_answered_alike([r for r, h in zip(reference, hit) if h], [g for g, h in zip(got, hit) if h])
+    _assert_answered_alike([r for r, h in zip(reference, hit) if not h], [g for g, h in zip(got, hit) if not h])
+    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", pd["model"]) == 0, 20, "pulled blocks freed")
+    assert post(f"{prefill.url}/reset_prefix_cache", {}) == {"success": True}
+    print(f"blocks >= {off_blocks} zeroed: {sum(hit)} of {len(hit)} requests held such blocks and answered "
+          "otherwise; the rest answered alike")
 
 
 def test_no_blocks_leak_after_pulls(pd):
@@ -429,30 +522,32 @@ def _rss_kib(pid: int) -> dict[str, int]:
 
 
 def test_a_crowd_of_240_through_the_proxy_is_answered_like_the_colocated_engine(pd):
-    """240 clients at once through a `kvpp proxy --max-in-flight 240` (half streaming, 64-token answers,
-    so streams stay open together for tens of seconds): every answer equals the decode's own greedy
-    answer for its prompt, every one went P/D and was pulled, none failed; the 20 clients arriving while
-    the 240 are in flight get a 429 with Retry-After, not a 502; the proxy's memory is reported."""
+    """240 clients at once through a `kvpp proxy --max-in-flight 240`: 120 streaming 256-token answers
+    (open together for tens of seconds) and 120 plain 64-token ones. Every answer equals the decode's own
+    greedy answer for its prompt, every one went P/D and was pulled, none failed; the 20 clients arriving
+    while the 240 are in flight get a 429 with Retry-After, not a 502; the proxy's memory is reported."""
     decode, model = pd["decode"], pd["model"]
     texts = [sample_prompt(n, seed=500 + n) for n in (16, 20, 24, 28, 32, 36, 40, 44)]
-    prompts = asyncio.run(reference_prompts(decode.url, model, texts, **LOAD_BODY))
     proxy, url = start_proxy([pd["prefill"].url], [decode.url], pd["tmp"] / "proxy-load.log",
                              extra_args=["--max-in-flight", str(LOAD_CLIENTS)])
     pd["started"].append(proxy)
+    plain, stream = (Load(url, model, asyncio.run(reference_prompts(decode.url, model, texts, **body)), clients=0,
+                          extra=body, timeout_s=LOAD_TIMEOUT_S) for body in (LOAD_PLAIN, LOAD_STREAM))
     idle = _rss_kib(proxy.pid)
     pulls, failed = (metric(decode.url, f"vllm:mooncake_v2_{what}_total") for what in ("pulls", "failed_pulls"))
-    load = Load(url, model, prompts, clients=0, extra=LOAD_BODY)
 
     async def crowd():
         start = time.monotonic()
-        main = asyncio.create_task(load.burst(["plain", "stream"] * (LOAD_CLIENTS // 2)))
+        main = asyncio.gather(plain.burst(["plain"] * (LOAD_CLIENTS // 2)),
+                              stream.burst(["stream"] * (LOAD_CLIENTS // 2)))
         while await asyncio.to_thread(metric, url, "kvpp_proxy_requests_in_flight") < LOAD_CLIENTS:
             assert not main.done() and time.monotonic() - start < 60, "the crowd never filled the proxy"
             await asyncio.sleep(0.05)
-        extra = await load.burst(["plain"] * LOAD_EXTRA)
+        extra = await plain.burst(["plain"] * LOAD_EXTRA)
         return await main, extra, time.monotonic() - start
 
-    served, extra, seconds = asyncio.run(crowd())
+    (plains, streams), extra, seconds = asyncio.run(crowd())
+    served = plains + streams
     peak = _rss_kib(proxy.pid)
     outcomes = collections.Counter(r.outcome for r in served)
     assert outcomes == {"answered": LOAD_CLIENTS}, [(r.status, r.error) for r in served if r.outcome != "answered"][:5]
@@ -463,14 +558,16 @@ def test_a_crowd_of_240_through_the_proxy_is_answered_like_the_colocated_engine(
     wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + LOAD_CLIENTS, 30, "pulls counted")
     assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed
     # P/D still in use afterwards: one more request through the proxy is pulled and answered alike.
-    after = asyncio.run(load.burst(["stream"]))
+    after = asyncio.run(stream.burst(["stream"]))
     assert after[0].outcome == "answered" and after[0].path == "pd"
     wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + LOAD_CLIENTS + 1, 30,
              "the pull after the crowd counted")
-    longest = max(r.seconds for r in served)
-    print(f"proxy load: {LOAD_CLIENTS} clients ({LOAD_CLIENTS // 2} streaming, {LOAD_BODY['max_tokens']} tokens each), "
-          f"{outcomes['answered']} answered like the reference, {LOAD_EXTRA} beyond the cap got 429; "
-          f"{seconds:.1f} s wall, longest request {longest:.1f} s; proxy RSS {idle['VmRSS'] / 1024:.1f} MiB idle, "
+    together = min(r.end for r in streams) - max(r.start for r in streams)
+    print(f"proxy load: {LOAD_CLIENTS} clients ({len(streams)} streaming {LOAD_STREAM['max_tokens']} tokens, "
+          f"{len(plains)} plain {LOAD_PLAIN['max_tokens']}), {outcomes['answered']} answered like the reference, "
+          f"{LOAD_EXTRA} beyond the cap got 429; {seconds:.1f} s wall, longest plain "
+          f"{max(r.seconds for r in plains):.1f} s, longest stream {max(r.seconds for r in streams):.1f} s, all "
+          f"streams open together {together:.1f} s; proxy RSS {idle['VmRSS'] / 1024:.1f} MiB idle, "
           f"{peak['VmHWM'] / 1024:.1f} MiB peak")
 
 
