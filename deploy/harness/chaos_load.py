@@ -105,8 +105,6 @@ class Load:
     in_flight: int = 0
     extra: dict = field(default_factory=dict)
     """Further body fields of every request (e.g. max_tokens, ignore_eos), as the references had."""
-    timeout_s: float = CLIENT_TIMEOUT_S
-    """A request still open after this is recorded as an error (long answers to a crowd take longer)."""
 
     def __post_init__(self):
         self._go = asyncio.Event()
@@ -115,7 +113,7 @@ class Load:
         self._rng = random.Random(self.seed)
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
             await asyncio.gather(*(self._client(session) for _ in range(self.clients)))
 
     async def _client(self, session: aiohttp.ClientSession) -> None:
@@ -204,13 +202,13 @@ class Load:
         recs = [Record(len(self.records) + i, i % len(self.prompts), mode, start) for i, mode in enumerate(modes)]
         self.records += recs
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+                                         timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
             await asyncio.gather(*(self._timed(session, rec) for rec in recs))
         return recs
 
     async def each_prompt_once(self) -> None:
         """Every prompt once, plain, one after the other."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
             for i in range(len(self.prompts)):
                 rec = Record(len(self.records), i, "plain", time.monotonic())
                 self.records.append(rec)
