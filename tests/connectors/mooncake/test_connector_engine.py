@@ -7,7 +7,9 @@ its owner.
 One pair of servers serves every assertion, `kvpp chaos` attached to them and the vLLM project's
 router (`vllm-router`) in front of them included; the lease test adds a decode it kills, and the fault
 test kills the prefill, so they run last. The prefill's KV budget (PREFILL_KV_BYTES) is one KVPP off
-could not fill with the full-capacity test's held prompts.
+could not fill with the full-capacity test's held prompts. The prefill runs vLLM's dev-mode routes and a
+worker extension that zeroes KV blocks on request, which only the full-capacity test's negative control
+calls. The zero-copy test starts a second prefill (KVPP zero-copy) feeding the same decode, for itself only.
 """
 
 from __future__ import annotations
@@ -50,11 +52,30 @@ PROMPT_WORDS = (300, 45, 170)
 DECODE_KV_BYTES = 3 << 29  # ~2600 blocks: the load test's whole crowd decodes at once, unpreempted
 LOAD_CLIENTS = 240  # half of them streaming
 LOAD_EXTRA = 20  # sent while the 240 fill the load proxy's --max-in-flight: each gets a 429
-LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens, under a minute
+LOAD_BODY = {"max_tokens": 64, "ignore_eos": True}  # 2 cores, one decode core: 15k tokens
+# Longer answers measured once (issue 20 item 3): 120 streams of 256 tokens beside 120 plain of 64 (client
+# timeouts 600 s) decoded 78 tok/s at first, 30 tok/s with 120 streams at ~250-token contexts (the decode
+# runs 128 at once): ~24k of the 38k tokens in 490 s, so a few hundred tokens each would add over 8 min.
 # The tiny tokenizer has no chat template: a user message's words are the prompt.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 PREFILL_KV_BYTES = 64 << 20  # per rank: KVPP off 107 blocks, on 165 (MTP model, TP2)
 HELD_WORDS = (250,) * 8  # 8 x 16 blocks held at once: past KVPP off's 107
+
+
+def _prefill_server(name: str, model: str, tmp, additional: dict, extra_args: tuple[str, ...] = ()):
+    """A KVPP prefill (TP2, MTP, PREFILL_KV_BYTES per rank) with vLLM's dev-mode routes and BlockZeroing
+    (deploy/harness/engine_run.py), so the full-capacity test's negative control can zero its blocks while
+    it runs (`POST /collective_rpc`) and reset its prefix cache afterwards; neither acts unless called."""
+    return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
+                     hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S, server={"kv_cache_bytes": PREFILL_KV_BYTES},
+                     env={"VLLM_SERVER_DEV_MODE": "1"},
+                     extra_args=["--additional-config", json.dumps(additional), *MTP, *extra_args,
+                                 "--worker-extension-cls", "deploy.harness.engine_run.BlockZeroing"])
+
+
+def _worker_rpc(engine, method: str, *args) -> list:
+    """Each worker's answer to `method` (vLLM's dev-mode `POST /collective_rpc`)."""
+    return post(f"{engine.url}/collective_rpc", {"method": method, "args": list(args)})["results"]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +86,7 @@ def pd(mtp_model, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     chat_args = ("--chat-template", str(template))
     try:
-        prefill = pd_server("prefill", mtp_model, tmp, tp=2, cores=[0, 1], role="kv_producer",
-                         kv_port=free_port_range(3), hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S,
-                         server={"kv_cache_bytes": PREFILL_KV_BYTES},
-                         extra_args=["--additional-config", json.dumps({"enable_kvpp": True}), *MTP, *chat_args])
+        prefill = _prefill_server("prefill", mtp_model, tmp, {"enable_kvpp": True}, chat_args)
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5, extra_args=[*MTP, *chat_args],
                         server={"kv_cache_bytes": DECODE_KV_BYTES})
@@ -89,16 +107,23 @@ def colocated(pd):
     return {n: completion(pd["decode"].url, pd["model"], sample_prompt(n, seed=n)) for n in PROMPT_WORDS}
 
 
-def test_proxy_completions_equal_colocated_engine(pd, colocated):
+def _assert_proxy_equals_colocated(pd, proxy_url: str, colocated) -> None:
+    """Each prompt through `kvpp proxy` is answered like the colocated engine, each one pulled whole."""
+    before = _pull_counters(pd["decode"])
     for n in PROMPT_WORDS:
-        got = completion(pd["proxy"], pd["model"], sample_prompt(n, seed=n))
+        got = completion(proxy_url, pd["model"], sample_prompt(n, seed=n))
         ref_tokens, ref_lps = tokens_and_logprobs(colocated[n])
         tokens, lps = tokens_and_logprobs(got)
         assert len(tokens) == MAX_TOKENS and tokens == ref_tokens, f"{n}-token prompt"
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4, f"{n}-token prompt: {lps} vs {ref_lps}"
+    _assert_pulled(pd["decode"], before, list(PROMPT_WORDS))
 
 
-def test_decode_really_loaded_the_prefill_kv(pd, colocated):
+def test_proxy_completions_equal_colocated_engine(pd, colocated):
+    _assert_proxy_equals_colocated(pd, pd["proxy"], colocated)
+
+
+def _assert_decode_loaded_the_prefill_kv(pd, prefill, colocated) -> None:
     """Swap the first word of the decode's prompt: the answer must follow the prefill's KV (prompt A),
     not the decode's own text (prompt B) - impossible unless the KV was pulled - and the connector's
     counters and the engine's external-cache-hit count must account for exactly the prompt's pages."""
@@ -113,7 +138,7 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     pulls_before = metric(decode.url, "vllm:mooncake_v2_pulls_total")
     hits_before = metric(decode.url, "vllm:external_prefix_cache_hits_total")
     failed_before = metric(decode.url, "vllm:mooncake_v2_failed_pulls_total")
-    first = post(f"{pd['prefill'].url}/v1/completions",
+    first = post(f"{prefill.url}/v1/completions",
                  {"model": pd["model"], "prompt": prompt_a, "max_tokens": 1, "temperature": 0,
                   "kv_transfer_params": {"do_remote_decode": True}})
     params = first["kv_transfer_params"]
@@ -131,6 +156,41 @@ def test_decode_really_loaded_the_prefill_kv(pd, colocated):
     # The 16 target layers, each from its owner, and the MTP layer once.
     assert metric(decode.url, "vllm:mooncake_v2_pulled_bytes_total") - bytes_before == (LAYERS + 1) * pages * PAGE_BYTES
     assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed_before
+
+
+def test_decode_really_loaded_the_prefill_kv(pd, colocated):
+    _assert_decode_loaded_the_prefill_kv(pd, pd["prefill"], colocated)
+
+
+@pytest.fixture
+def zero_copy_prefill(pd):
+    """A second prefill, KVPP zero-copy (`kvpp_staging_buffers: 0`: each rank reads the other's layers in
+    place), beside the module's own on the same two cores, with a `kvpp proxy` joining it to the module's
+    decode; started for the one test that uses it and stopped after it (~3 GiB while it runs)."""
+    engine = _prefill_server("prefill-zero-copy", pd["model"], pd["tmp"],
+                             {"enable_kvpp": True, "kvpp_staging_buffers": 0})
+    try:
+        engine.start()
+        engine.wait_ready(timeout=400)
+        proxy, url = start_proxy([engine.url], [pd["decode"].url], pd["tmp"] / "proxy-zero-copy.log")
+        try:
+            yield {"prefill": engine, "proxy": url}
+        finally:
+            proxy.stop()
+    finally:
+        engine.stop()
+
+
+def test_a_zero_copy_prefill_feeds_the_decode_like_the_colocated_engine(pd, colocated, zero_copy_prefill):
+    """The decode pulls from whichever prefill a handle names: from a zero-copy prefill the answers through
+    the proxy and the prompt-swap proof are those of the module's staged KVPP prefill (same helpers), each
+    request pulled whole with the same bytes (16 target layers from their owners, the MTP layer once)."""
+    zc = zero_copy_prefill
+    # No staging slot on either rank: each reads the other's layers in place (the module's prefill has 2).
+    assert [r["staging_slots"] for r in _worker_rpc(zc["prefill"], "kvpp_stats")] == [0, 0]
+    assert [r["staging_slots"] for r in _worker_rpc(pd["prefill"], "kvpp_stats")] == [2, 2]
+    _assert_proxy_equals_colocated(pd, zc["proxy"], colocated)
+    _assert_decode_loaded_the_prefill_kv(pd, zc["prefill"], colocated)
 
 
 def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocated):
@@ -325,29 +385,63 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
           f"{HOLD_TIMEOUT_S} s), no lapse, no pull; the retry answered like the colocated engine")
 
 
-def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
-    """Prefill legs holding more blocks than KVPP off has, all at once (block ids past its count among
-    them, read from the handles; usage from vLLM's gauge, no preemption); the decode then pulls each and
-    answers like itself serving the prompt alone."""
+def _held_past_kvpp_off_and_pulled(pd, seed: int, before_pulls=lambda: None) -> tuple[list, list, list[dict]]:
+    """Prefill legs for HELD_WORDS prompts (`seed` on) holding more blocks than KVPP off has, all at once
+    (block ids past its count among them, read from the handles; usage from vLLM's gauge, no preemption),
+    `before_pulls()`, then the decode pulls each: (the decode's own answers, the P/D answers, the handles)."""
     prefill, decode, model = pd["prefill"], pd["decode"], pd["model"]
     off_blocks = plan(model, PREFILL_KV_BYTES).blocks_off
     on_blocks = engine_num_blocks(prefill.url)
-    prompts = [sample_prompt(n, seed=1000 + i) for i, n in enumerate(HELD_WORDS)]
+    prompts = [sample_prompt(n, seed=seed + i) for i, n in enumerate(HELD_WORDS)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         reference = list(pool.map(lambda p: completion(decode.url, model, p), prompts))
         preempted = metric(prefill.url, "vllm:num_preemptions_total")
         handles = list(pool.map(lambda p: _prefill_leg(pd, p), prompts))
         held = round(metric(prefill.url, "vllm:kv_cache_usage_perc") * (on_blocks - 1))
         assert metric(prefill.url, "vllm:num_preemptions_total") == preempted
+        before_pulls()
         got = list(pool.map(lambda ph: completion(decode.url, model, ph[0], kv_transfer_params=ph[1]),
                             zip(prompts, handles)))
     high = max(b for h in handles for b in h["remote_block_ids"])
     print(f"prefill held {held}/{on_blocks} blocks at once (KVPP off: {off_blocks}); highest block id pulled {high}")
     assert held > off_blocks and high >= off_blocks
-    for want, have in zip(reference, got):
+    return reference, got, handles
+
+
+def _assert_answered_alike(reference: list[dict], got: list[dict]) -> None:
+    for want, have in zip(reference, got, strict=True):
         tokens, lps = tokens_and_logprobs(have)
         ref_tokens, ref_lps = tokens_and_logprobs(want)
         assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+
+
+def test_prefill_at_full_capacity_holds_blocks_past_kvpp_off_and_decodes_pull_them(pd):
+    """Prefill legs holding more blocks than KVPP off has at once; the decode then pulls each and answers
+    like itself serving the prompt alone."""
+    _assert_answered_alike(*_held_past_kvpp_off_and_pulled(pd, seed=1000)[:2])
+
+
+def test_full_capacity_check_fails_when_the_blocks_past_kvpp_off_are_zeroed(pd):
+    """The negative control of the test above: the same legs (other prompts), but every prefill worker
+    zeroes its KV blocks numbered KVPP off's count or higher while they are held, before the decode pulls
+    (BlockZeroing through vLLM's dev-mode collective_rpc). The same comparison then fails for the requests
+    holding such blocks and still passes for the others (so nothing else broke them). The prefill's prefix
+    cache is reset afterwards, so no later request can reuse a zeroed block's content."""
+    prefill = pd["prefill"]
+    off_blocks = plan(pd["model"], PREFILL_KV_BYTES).blocks_off
+
+    def zero_high_blocks():
+        assert _worker_rpc(prefill, "zero_blocks_from", off_blocks) == [None, None]
+
+    reference, got, handles = _held_past_kvpp_off_and_pulled(pd, seed=2000, before_pulls=zero_high_blocks)
+    hit = [max(h["remote_block_ids"]) >= off_blocks for h in handles]
+    with pytest.raises(AssertionError):
+        _assert_answered_alike([r for r, h in zip(reference, hit) if h], [g for g, h in zip(got, hit) if h])
+    _assert_answered_alike([r for r, h in zip(reference, hit) if not h], [g for g, h in zip(got, hit) if not h])
+    wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", pd["model"]) == 0, 20, "pulled blocks freed")
+    assert post(f"{prefill.url}/reset_prefix_cache", {}) == {"success": True}
+    print(f"blocks >= {off_blocks} zeroed: {sum(hit)} of {len(hit)} requests held such blocks and answered "
+          "otherwise; the rest answered alike")
 
 
 def test_no_blocks_leak_after_pulls(pd):
