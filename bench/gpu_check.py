@@ -293,7 +293,7 @@ def _ipc_reader(rank: int, queue, done, device_name: str, repeats: int, results)
     try:
         shared = queue.get(timeout=120)
         staging = torch.empty_like(shared)
-        seconds = [_timed(lambda: staging.copy_(shared), device) for _ in range(repeats)]
+        seconds = [_timed(lambda src=shared: staging.copy_(src), device) for _ in range(repeats)]
         ok = torch.equal(staging.cpu(), _pattern(shared.numel(), 7, torch.device("cpu")))
         del shared
         results.put((rank, {"seconds": seconds, "bytes_checked": ok}))
