@@ -195,14 +195,15 @@ class Load:
             tokens += event["choices"][0]["logprobs"]["tokens"]
         return tokens
 
-    async def burst(self, modes: Sequence[str]) -> list[Record]:
+    async def burst(self, modes: Sequence[str], timeout_s: float = CLIENT_TIMEOUT_S) -> list[Record]:
         """A crowd arriving together: one request per entry of `modes`, all at once, each on its own
-        connection (no client-side pool limit), cycling through the prompts; returns their records."""
+        connection (no client-side pool limit), cycling through the prompts, each given `timeout_s`;
+        returns their records."""
         start = time.monotonic()
         recs = [Record(len(self.records) + i, i % len(self.prompts), mode, start) for i, mode in enumerate(modes)]
         self.records += recs
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)) as session:
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             await asyncio.gather(*(self._timed(session, rec) for rec in recs))
         return recs
 
