@@ -17,11 +17,12 @@ PROMPT_LENGTHS = (300, 45, 170, 90)
 PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
 
 
-def pp_run(model: str, tmp_path_factory, *extra: str) -> dict:
-    """One run of the workload, TP2 x PP2 split SPLIT; `extra` engine flags (--kvpp, --staging, --compiled)."""
+def pp_run(model: str, tmp_path_factory, *extra: str, env: dict[str, str] | None = None) -> dict:
+    """One run of the workload, TP2 x PP2 split SPLIT; `extra` engine flags (--kvpp, --staging, --compiled),
+    `env` further environment."""
     prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
     args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    return run(model, prompts, *args, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
+    return run(model, prompts, *args, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT)), **(env or {})})
 
 
 def pp_plan(model: str, staging: int = 2):
