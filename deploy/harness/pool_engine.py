@@ -8,8 +8,9 @@ records the tokens, their logprobs, and how many prompt tokens came from outside
 (num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
 configuration, and the KV block ids the scheduler gave it (block_ids: its first KV cache group's when first
 scheduled, loaded blocks included), so a test reads where a load landed. Under "kvpp_workers" it adds each
-worker's `kvpp_stats` report (blocks, layout), and under "kv_usage_after" vLLM's own `vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still
-holds for its decode count as used).
+worker's `kvpp_stats` report (blocks, layout), and under "kv_usage_after" vLLM's own
+`vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still holds for its decode count
+as used).
 """
 
 from __future__ import annotations
