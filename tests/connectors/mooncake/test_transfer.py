@@ -54,7 +54,9 @@ def test_batches_beyond_transport_limit_are_split(peers, free_port):
         kv, puller = make_puller(te, layers=1, blocks=2100)
         remote = list(range(0, 4200, 2))  # every other page: 2100 entries that cannot coalesce
         _, entries, _, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
-        assert entries == 2100 and torch.equal(kv[0], pages(1, 4200, 3)[0, remote])
+        expected = pages(1, 4200, 3)[0, remote]
+        wrong = [i for i in range(2100) if not torch.equal(kv[0, i], expected[i])]
+        assert entries == 2100 and not wrong, f"{entries} entries; {len(wrong)} pages differ, first {wrong[:8]}"
     finally:
         te.close()
 
