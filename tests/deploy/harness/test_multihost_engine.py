@@ -159,25 +159,35 @@ def test_vllm_router_on_its_own_host_answers_like_the_decode_and_spreads_the_pre
 
 
 SAVE_ATTEMPTS = 3
+PREFILL_RANKS = 2  # both prefills are TP=2 KVPP: a block's save is one owner-shard object on each rank
 
 
 def save_counts(url: str) -> tuple[float, float]:
     return metric(url, "vllm:kv_pool_saved_blocks_total"), metric(url, "vllm:kv_pool_save_failures_total")
 
 
-def wait_for_save(url: str, before: tuple[float, float], blocks: int, what: str) -> bool:
-    """True once the instance at `url` saved `blocks` more blocks; False if its save was counted as failed
-    instead: a store call past its bound on this starved host, a dropped save that the product reports and
-    later answers as a miss, so the caller pools a fresh prompt."""
-    def outcome() -> bool | None:
+def whole_save(url: str, before: tuple[float, float], blocks: int, what: str) -> bool:
+    """Wait until the instance at `url` settled the save of `blocks` blocks on every rank: True if every object
+    was saved, False if any was counted as failed (a store call past its bound on this starved host: a dropped
+    save, which the product reports and later answers as a miss)."""
+    def settled() -> tuple[float, float]:
         saved, failed = save_counts(url)
-        return True if saved - before[0] >= blocks else False if failed > before[1] else None
+        return saved - before[0], failed - before[1]
 
-    wait_for(lambda: outcome() is not None, 60, what)
-    if outcome():
+    wait_for(lambda: sum(settled()) >= PREFILL_RANKS * blocks, 60, what)
+    if not settled()[1]:
         return True
     print(f"{what}: the save was counted as failed; pooling a fresh prompt")
     return False
+
+
+def pooled_in_attempts(attempt_once):
+    """`attempt_once(attempt)`'s first result that is not None (a prompt it pooled), and that attempt's number."""
+    for attempt in range(SAVE_ATTEMPTS):
+        result = attempt_once(attempt)
+        if result is not None:
+            return result, attempt + 1
+    raise AssertionError(f"no prefix was pooled in {SAVE_ATTEMPTS} attempts: every save was counted as failed")
 
 
 def _pooled_prefix_through(router: str, stack) -> tuple[int, int]:
@@ -186,7 +196,8 @@ def _pooled_prefix_through(router: str, stack) -> tuple[int, int]:
     the attempt that pooled them (each attempt is two requests)."""
     s, n = stack["stack"], 250
     hosts = ("prefill", "prefill2")
-    for attempt in range(1, SAVE_ATTEMPTS + 1):
+
+    def attempt_once(_attempt: int) -> int | None:
         body = completion_body(stack, n, prompt=sample_prompt(n, seed=11 * n), cache_salt=uuid.uuid4().hex)
         reference = post(f"{s.url('decode')}/v1/completions", body)
         served = {h: metric(s.url(h), "vllm:request_success_total") for h in hosts}
@@ -195,28 +206,30 @@ def _pooled_prefix_through(router: str, stack) -> tuple[int, int]:
         assert same_answer(post(f"{router}/v1/completions", body), reference)
         first = next(h for h in hosts if metric(s.url(h), "vllm:request_success_total") > served[h])
         other = hosts[1 - hosts.index(first)]
-        pooled = wait_for_save(s.url(first), saves[first], n // 16, f"the prefix saved to the pool by {first}")
+        pooled = whole_save(s.url(first), saves[first], n // 16, f"the prefix saved to the pool by {first}")
         assert same_answer(post(f"{router}/v1/completions", body), reference)
-        if pooled:
-            hit = metric(s.url(other), "vllm:kv_pool_hit_tokens_total") - hits[other]
-            assert hit == (n // 16) * 16, f"{other} loaded {hit} pooled tokens"
-            return int(hit), attempt
-    raise AssertionError(f"no prefix was pooled in {SAVE_ATTEMPTS} attempts: every save was counted as failed")
+        if not pooled:
+            return None
+        hit = metric(s.url(other), "vllm:kv_pool_hit_tokens_total") - hits[other]
+        assert hit == (n // 16) * 16, f"{other} loaded {hit} pooled tokens"
+        return int(hit)
+
+    return pooled_in_attempts(attempt_once)
 
 
 def test_a_prefix_pooled_on_one_host_is_hit_on_another_after_the_first_restarts(stack):
     s, n = stack["stack"], 250
     prefill, prefill2, decode = s.url("prefill"), s.url("prefill2"), s.url("decode")
-    for attempt in range(SAVE_ATTEMPTS):
+
+    def attempt_once(attempt: int) -> tuple[dict, dict] | None:
         # A prompt no earlier test (or attempt) sent.
         body = {**completion_body(stack, n), "prompt": sample_prompt(n, seed=10 * n + attempt)}
         reference = post(f"{decode}/v1/completions", body)
         before = save_counts(prefill)
         post(f"{prefill}/v1/completions", {**body, "max_tokens": 1})
-        if wait_for_save(prefill, before, n // 16, "the prefix saved to the pool"):
-            break
-    else:
-        raise AssertionError(f"no prefix was pooled in {SAVE_ATTEMPTS} attempts: every save was counted as failed")
+        return (body, reference) if whole_save(prefill, before, n // 16, "the prefix saved to the pool") else None
+
+    (body, reference), _ = pooled_in_attempts(attempt_once)
     s.stop("prefill")  # the writer is gone: the segment holder on the pool host keeps the data
     s.start("prefill")
     hits = metric(prefill2, "vllm:kv_pool_hit_tokens_total")
