@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.summary import spread
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 
 BLOCK_TOKENS = 16
 ROW_BYTES = (512 + 64) * 2  # kv_lora_rank + rope dims, bf16

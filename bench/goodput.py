@@ -36,7 +36,8 @@ from bench.anchor_table import MODES
 from bench.summary import host, interleaved, spread
 from deploy.harness.engine_run import write_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
-from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec, start_servers
+from deploy.services.ports import free_port
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance_spec, start_servers
 
 METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
            "peak_running", "peak_kv_usage", "preemptions")

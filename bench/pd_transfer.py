@@ -47,7 +47,7 @@ from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages
 from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
@@ -256,7 +256,8 @@ def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len
 
 def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int, float], readers: str) -> dict:
     from deploy.harness.pd_servers import pd_server
-    from deploy.services.processes import ManagedProcess, free_port_range, start_servers
+    from deploy.services.ports import free_port_range
+    from deploy.services.processes import ManagedProcess, start_servers
     from deploy.services.proxy import start_proxy
     from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 

@@ -26,7 +26,8 @@ from bench.pd_transfer import serving_benchmark
 from deploy.harness.pd_servers import pd_server
 from deploy.harness.routers import start_vllm_router
 from deploy.harness.tiny_model import build_tiny_model
-from deploy.services.processes import ManagedProcess, free_port_range, start_servers
+from deploy.services.ports import free_port_range
+from deploy.services.processes import ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routers.json"

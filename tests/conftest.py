@@ -58,7 +58,7 @@ def runtime_dir(monkeypatch):
 @pytest.fixture
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
-    from deploy.services.processes import free_port as pick
+    from deploy.services.ports import free_port as pick
 
     return pick()
 

@@ -12,7 +12,8 @@ import msgspec
 
 from deploy.deployment import launch
 from deploy.deployment.spec import Model, Pool, Spec, placed
-from deploy.services.processes import LOOPBACK, Engine, VllmServer, cpu_instance, free_port, free_port_range
+from deploy.services.ports import free_port, free_port_range
+from deploy.services.processes import LOOPBACK, Engine, VllmServer, cpu_instance
 
 LAYERS = 16
 KV_BYTES = 64 << 20

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deploy.services.processes import LOOPBACK, Engine, cpu_instance, free_port, single_instance_spec
+from deploy.services.ports import free_port
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance_spec
 
 
 def mooncake_config(role: str, kv_port: int, policy: str = "fail", **extra) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Sequence
 
 from deploy.deployment.launch import vllm_router_args
-from deploy.services.processes import LOOPBACK, ManagedProcess, free_port
+from deploy.services.ports import free_port
+from deploy.services.processes import LOOPBACK, ManagedProcess
 
 STARTUP_TIMEOUT_S = 60
 

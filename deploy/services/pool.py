@@ -27,8 +27,9 @@ from connectors.hosts import join_host_port, mooncake_family
 from connectors.store.config import BACKENDS, MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 
 from deploy import args as cli_args
-from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, free_port,
-                              port_open, stop_recorded)
+from deploy.services.ports import NoFreePorts, free_port
+from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, port_open,
+                                       stop_recorded)
 
 DEFAULT_STATE_DIR = Path(os.environ.get("KVPP_POOL_DIR", Path.home() / ".cache" / "kvpp" / "pool"))
 STATE_FILE = "pool.json"
@@ -334,7 +335,7 @@ def meta_service(meta_port: int, config_store_port: int, metrics_port: int, log_
 def _cmd_up(args) -> int:
     try:
         info = pool_up(args.backend, Path(args.state_dir), args.segment_size)
-    except ProcessError as exc:
+    except (ProcessError, NoFreePorts) as exc:
         raise ValueError(str(exc)) from exc
     if args.json:
         out = {"kv_connector_extra_config": info.kv_connector_extra_config, "pids": info.pids}

@@ -22,12 +22,12 @@ from typing import Annotated
 
 import msgspec
 
-from connectors.hosts import host_url, is_ipv6
+from connectors.hosts import host_url
 
 from deploy.deployment import launch
 from deploy.deployment.spec import Instance, InstanceSettings, Memory, Model, Spec, placed
+from deploy.services.ports import LOOPBACK
 
-LOOPBACK = "127.0.0.1"
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
 PROGRESS_AFTER_S = 5.0
 PROGRESS_EVERY_S = 10.0
@@ -160,39 +160,6 @@ def _group_members(pgid: int) -> list[int]:
             if stat is not None and stat.pgrp == pgid and stat.state not in ("Z", "X"):
                 members.append(int(entry))
     return members
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free on `host` a moment ago (chosen by the OS)."""
-    with _socket(host) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _socket(host: str) -> socket.socket:
-    """A TCP socket of the host's address family (IPv6 literals need AF_INET6)."""
-    return socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM)
-
-
-def free_port_range(n: int, host: str = LOOPBACK) -> int:
-    """Base of `n` consecutive ports free on `host` a moment ago (one instance's kv_port range)."""
-    for _ in range(100):
-        base = free_port(host)
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = _socket(host)
-                socks.append(sock)
-                sock.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise ProcessError(f"no {n} consecutive free ports on {host}")
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

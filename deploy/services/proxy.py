@@ -39,7 +39,8 @@ from aiohttp import web
 from connectors.hosts import host_url
 
 from deploy import args as cli_args
-from deploy.services.processes import LOOPBACK, ManagedProcess, free_port
+from deploy.services.ports import free_port
+from deploy.services.processes import LOOPBACK, ManagedProcess
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -63,6 +64,9 @@ class Timeouts:
     """Seconds between /health probes of instances out of rotation."""
     body_read: float = 30.0
     """Longest a client may take to send its request body (a slow sender then gets a 408)."""
+    keepalive: float = 2.0
+    """An idle upstream connection is closed after this, before vLLM closes it under a new request
+    (its VLLM_HTTP_TIMEOUT_KEEP_ALIVE is 5 s)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ class PDProxy:
         self.outcomes: collections.Counter[str] = collections.Counter({p: 0 for p in PATHS})
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
         self._probe_session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
@@ -227,15 +232,18 @@ class PDProxy:
         # No total limit: a decode stream may legitimately last long; reads are bounded per chunk. The pool
         # holds a connection for every completion the proxy admits, and only the socket connect counts
         # against the connect timeout: waiting for a pool slot must never pass for an instance's failure.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.limits.connections, limit_per_host=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=self.limits.connections, limit_per_host=0, keepalive_timeout=self.timeouts.keepalive))
+        # For the one resend of a request whose pooled connection turned out closed (see _post).
+        self._fresh = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=self.limits.connections, limit_per_host=0, force_close=True))
         self._prober = asyncio.create_task(self._probe_loop())
 
     async def _stop(self, _app) -> None:
         if self._prober is not None:
             self._prober.cancel()
-        for session in (self._session, self._probe_session):
+        for session in (self._session, self._fresh, self._probe_session):
             if session is not None:
                 await session.close()
 
@@ -431,8 +439,7 @@ class PDProxy:
     async def _prefill(self, backend: Backend, path: str, body: dict, headers: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.timeouts.prefill, connect=self.timeouts.connect)
         try:
-            async with self._session.post(f"{backend.url}{path}", json=prefill_body(body), headers=headers,
-                                          timeout=timeout) as resp:
+            async with await self._post(backend, path, prefill_body(body), headers, timeout) as resp:
                 data = await self._read_upstream(backend, resp)
                 _check_status(backend, resp.status, data)
         except asyncio.TimeoutError:
@@ -455,8 +462,7 @@ class PDProxy:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_read=self.timeouts.decode_read)
         silent = f"no answer within {self.timeouts.decode_read:g} s"
         try:
-            resp = await self._session.post(f"{backend.url}{request.path}", json=body, headers=headers,
-                                            timeout=timeout)
+            resp = await self._post(backend, request.path, body, headers, timeout)
         except asyncio.TimeoutError:
             raise BackendFailure(backend, silent) from None
         except aiohttp.ClientError as exc:
@@ -482,6 +488,26 @@ class PDProxy:
             return await self._relay(request, resp, backend, first, path)
         finally:
             resp.close()  # a no-op after release(); otherwise it cuts the connection, which aborts the request
+
+    async def _post(self, backend: Backend, path: str, body: dict, headers: dict,
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """POST to `backend`, on a pooled connection. One the instance closed while it sat idle fails
+        before any answer (it closes idle ones after its keep-alive, and all at once on waking from a
+        stall): the request then goes once more on a new connection before the instance is blamed.
+        aiohttp resends only idempotent methods so; a completion whose answer reached no one is safe
+        to run again."""
+        url = f"{backend.url}{path}"
+        try:
+            return await self._session.post(url, json=body, headers=headers, timeout=timeout)
+        except aiohttp.ClientConnectorError:
+            raise  # no connection at all: nothing stale to blame
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError) as exc:
+            first = _reason(exc)
+        try:
+            return await self._fresh.post(url, json=body, headers=headers, timeout=timeout)
+        except aiohttp.ClientError as exc:
+            raise BackendFailure(backend, f"connection lost ({first}; again on a new connection: {_reason(exc)})") \
+                from None
 
     async def _read_upstream(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
         """A whole answer body, refused as the instance's failure past `max_upstream_bytes` (announced

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,23 +17,6 @@ from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta
 from tests.helpers.paths import REPO
 
 PEER = REPO / "deploy" / "harness" / "mooncake_peer.py"
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (a TP=2 prefill's handshake range)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return base
-    raise RuntimeError("no free port pair")
 
 
 class Peer:

@@ -8,7 +8,8 @@ import urllib.request
 from pathlib import Path
 
 from deploy.harness.tiny_model import sample_prompt
-from deploy.services.processes import VllmServer, free_port
+from deploy.services.ports import free_port
+from deploy.services.processes import VllmServer
 
 TEXT_PROMPTS = (sample_prompt(5, seed=1), sample_prompt(70, seed=2))  # one block; several blocks
 TEXT_MAX_TOKENS = 8

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 
 
 def vllm_like_caches(layers, placement, blocks: int, page: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 from deploy.services.proxy import Limits, PDProxy, Timeouts
 
 
@@ -37,13 +37,16 @@ class Stub:
 
     A request with `kv_transfer_params.do_remote_decode` gets a prefill answer; any other gets a full
     answer, streamed when asked (every instance is a full engine); a "slow_stream" backend takes
-    SLOW_STREAM_S over it, a "huge" one answers HUGE bytes. Handlers are cancelled when the
-    proxy drops the connection, as vLLM aborts a request whose client left; `cancelled` records that.
+    SLOW_STREAM_S over it, a "huge" one answers HUGE bytes; a "drop_reused" one closes a connection
+    when a second request comes on it, unread (what vLLM's keep-alive timeout does to an idle connection
+    just as a request comes), and counts that in `dropped`. Handlers are cancelled when the proxy drops
+    the connection, as vLLM aborts a request whose client left; `cancelled` records that.
     """
 
     def __init__(self, name, mode="ok"):
         self.name, self.mode = name, mode
         self.requests, self.cancelled = [], []
+        self.dropped, self._served_on = 0, set()
         self.port = free_port()
         self.url = f"http://{LOOP}:{self.port}"
 
@@ -60,6 +63,12 @@ class Stub:
         return web.json_response({}, status=200 if self.mode == "ok" else 503)
 
     async def complete(self, request):
+        if self.mode == "drop_reused":
+            if request.transport in self._served_on:
+                self.dropped += 1
+                request.transport.abort()
+                await asyncio.sleep(1)
+            self._served_on.add(request.transport)
         body = await request.json()
         self.requests.append({"body": body, "request_id": request.headers.get("X-Request-Id"),
                               "auth": request.headers.get("Authorization")})

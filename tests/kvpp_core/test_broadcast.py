@@ -10,7 +10,7 @@ import traceback
 import pytest
 import torch
 
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 from kvpp_core.broadcast import KvppBroadcastError, LayerBroadcaster, coalesce
 from kvpp_core.ownership import rank_layout
 

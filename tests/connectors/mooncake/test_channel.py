@@ -353,7 +353,7 @@ def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
 def test_the_side_channel_over_ipv6():
     """A prefill on an IPv6 host binds tcp://[::1]:port and a decode dials it from the bare host a
     handle carries (remote_host "::1")."""
-    from deploy.services.processes import free_port
+    from deploy.services.ports import free_port
 
     port = free_port("::1")
     seen = []
@@ -390,7 +390,7 @@ def test_refusal_log_lines_are_rate_limited(caplog):
 def test_the_decode_keeps_the_metadata_of_a_bounded_number_of_prefills(monkeypatch):
     """Least recently used first out: a prefill whose metadata was dropped is simply asked again."""
     from connectors.mooncake import puller as puller_module
-    from deploy.services.processes import free_port
+    from deploy.services.ports import free_port
 
     monkeypatch.setattr(puller_module, "MAX_PEERS", 2)
     servers = []

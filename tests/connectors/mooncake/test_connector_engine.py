@@ -33,7 +33,8 @@ from deploy.harness.chaos_load import Load, reference_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.harness.pd_servers import pd_server
 from deploy.harness.routers import start_vllm_router
-from deploy.services.processes import ManagedProcess, free_port, free_port_range, run_in_group, start_servers
+from deploy.services.ports import free_port, free_port_range
+from deploy.services.processes import ManagedProcess, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
 from tests.helpers import llmd_sidecar

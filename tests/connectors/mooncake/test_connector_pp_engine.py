@@ -10,7 +10,8 @@ import json
 import pytest
 
 from deploy.harness.pd_servers import kv_config, pd_server
-from deploy.services.processes import ManagedProcess, VllmServer, free_port, free_port_range, start_servers
+from deploy.services.ports import free_port, free_port_range
+from deploy.services.processes import ManagedProcess, VllmServer, start_servers
 from deploy.harness.tiny_model import sample_prompt
 from tests.helpers.pd_http import completion, metric, post, tokens_and_logprobs, wait_for
 

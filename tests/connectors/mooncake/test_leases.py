@@ -7,7 +7,8 @@ import time
 import pytest
 
 from connectors.mooncake.leases import LeaseKeeper
-from tests.helpers.mooncake_peers import free_port_pair, handle
+from deploy.services.ports import free_port_range
+from tests.helpers.mooncake_peers import handle
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,7 @@ def test_a_handle_that_cannot_be_renewed_costs_no_other_request_its_lease(peers,
     """A handle that parses but names a PCP prefill (no ports this decode can renew on) comes first in
     every round; the next request's renewals still go out every lease / 3, so its blocks outlive the
     initial lease many times over, and lapse once the keeper stops."""
-    port = free_port_pair()
+    port = free_port_range(2)
     peer = peers(port, "--hold", "r", "--hold-timeout", str(LEASE_S), "--lease", str(LEASE_S))
     keeper = LeaseKeeper(timeout_s=2.0)
     try:

@@ -17,7 +17,8 @@ from deploy.harness.mooncake_peer import TOKEN, layer_name, pages
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, TransferError, coalesce, cut_entries, split_batches
-from tests.helpers.mooncake_peers import free_port_pair, handle, make_puller
+from deploy.services.ports import free_port_range
+from tests.helpers.mooncake_peers import handle, make_puller
 from tests.helpers.paths import REPO
 
 
@@ -63,7 +64,7 @@ def test_batches_beyond_transport_limit_are_split(peers, free_port):
 
 @pytest.mark.integration
 def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
-    base = free_port_pair()
+    base = free_port_range(2)
     # A TP=2 KVPP prefill: rank 0 owns layers 0-1, rank 1 layers 2-3; different content per rank
     # proves each layer came from its owner.
     peers(base, "--layers", "4", "--blocks", "16", "--seed", "100", "--tp-rank", "0", "--tp-size", "2", "--owned", "0,1",

@@ -21,7 +21,7 @@ from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.settings import Settings
 from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.worker import MooncakeV2Worker
-from deploy.services.processes import free_port
+from deploy.services.ports import free_port
 from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, V, issued, names
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

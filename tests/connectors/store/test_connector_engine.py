@@ -38,7 +38,7 @@ from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
-from deploy.services.processes import free_port_range
+from deploy.services.ports import free_port_range
 from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, PAGE_BYTES, POOL_ENV, assert_same_output, pool_prompts, \
     run_pool_engine, store_config, worker_stats

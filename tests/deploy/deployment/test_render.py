@@ -201,7 +201,8 @@ def test_rendered_pool_script_starts_the_real_service(backend, host, tmp_path):
     on an IPv4 or an IPv6 address."""
     import time
 
-    from deploy.services.processes import ManagedProcess, ProcessError, free_port
+    from deploy.services.ports import free_port
+    from deploy.services.processes import ManagedProcess, ProcessError
 
     port, extra = free_port(host), (free_port(host), free_port(host))
     out = tmp_path / "out"

@@ -17,7 +17,8 @@ from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _front_
     soak_schedule
 from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.harness.chaos_stack import Member, Stack, StackSettings, adopt_pool, inject, start_front
-from deploy.services.processes import free_port, http_ok, port_open
+from deploy.services.ports import free_port
+from deploy.services.processes import http_ok, port_open
 from deploy.services.proxy import PDProxy, Timeouts, start_proxy
 from tests.helpers.pd_http import post
 from tests.helpers.stub_engine import REQUEST, WORDS, Stub, stubs_in_thread, with_proxy

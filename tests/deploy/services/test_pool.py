@@ -19,7 +19,8 @@ import pytest
 
 from deploy.cli.main import main
 from deploy.services.pool import STATE_FILE, PoolInfo, pool_down
-from deploy.services.processes import ProcessIdentity, boot_id, free_port, running
+from deploy.services.ports import free_port
+from deploy.services.processes import ProcessIdentity, boot_id, running
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from deploy.services.processes import ManagedProcess, ProcessError, VllmServer, cpu_bind, free_port, port_open
+from deploy.services.ports import free_port
+from deploy.services.processes import ManagedProcess, ProcessError, VllmServer, cpu_bind, port_open
 
 
 @pytest.mark.unit
@@ -104,14 +105,3 @@ def test_stop_kills_grandchildren_and_escalates_to_sigkill(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail(f"grandchild {child} survived stop()")
-
-
-@pytest.mark.unit
-def test_free_ports_on_an_ipv6_host():
-    import socket
-
-    from deploy.services.processes import free_port
-
-    port = free_port("::1")
-    with socket.socket(socket.AF_INET6) as sock:
-        sock.bind(("::1", port))

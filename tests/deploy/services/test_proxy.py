@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from deploy.services.processes import ManagedProcess, free_port
+from deploy.services.ports import free_port
+from deploy.services.processes import ManagedProcess
 from deploy.services.proxy import Limits, PDProxy, Timeouts, decode_body, plain_body, prefill_body, start_proxy
 from tests.helpers.stub_engine import LOOP, REQUEST, WORDS, Stub, with_proxy
 
@@ -171,6 +172,28 @@ def test_no_decode_answering_means_a_prefill_serves_the_whole_request(fault, str
     # First the prefill leg, then the whole request, plain, with the client's max_tokens and stream flag.
     assert [r["body"] for r in p.requests][-1] == {**REQUEST, "stream": stream}
     assert m['kvpp_proxy_requests_total{path="prefill_only"}'] == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pooled_connection_the_instance_closed_is_resent_fresh_and_nobody_is_blamed(role):
+    """The second request finds its pooled connection closed under it (vLLM's keep-alive race): it is
+    sent again on a new connection, served P/D as usual, and the instance stays in rotation."""
+    p, d = (Stub("p0", mode="drop_reused"), Stub("d0")) if role == "prefill" else (Stub("p0"), Stub("d0", "drop_reused"))
+
+    async def go(session, url, proxy):
+        paths = []
+        for _ in range(2):
+            async with session.post(f"{url}/v1/completions", json=REQUEST) as r:
+                assert r.status == 200 and (await r.json())["served_by"] == "d0"
+                paths.append(r.headers["X-Kvpp-Path"])
+        return paths, await metrics(session, url)
+
+    paths, m = asyncio.run(with_proxy([p], [d], go, FAST))
+    stale = p if role == "prefill" else d
+    assert stale.dropped == 1 and paths == ["pd", "pd"]
+    assert m[f'kvpp_proxy_backend_up{{role="{role}",backend="{stale.url}"}}'] == 1
+    assert m[f'kvpp_proxy_backend_failures_total{{role="{role}",backend="{stale.url}"}}'] == 0
 
 
 @pytest.mark.integration
