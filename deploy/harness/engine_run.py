@@ -74,13 +74,18 @@ def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int,
 
 
 class BlockZeroing:
-    """Worker extension (vLLM's `worker_extension_cls`, set only with --corrupt-above): a method that
-    `collective_rpc("zero_blocks_from", ...)` calls by name, so no code object crosses vLLM's IPC."""
+    """Worker extension (vLLM's `worker_extension_cls`, set only for a negative control): methods that
+    `collective_rpc` calls by name, so no code object crosses vLLM's IPC."""
 
     def zero_blocks_from(self, first: int) -> None:
         """Zero blocks `first`.. of every KV cache this worker bound."""
         for cache in self.model_runner.kv_caches:
             cache[first:].zero_()
+
+    def zero_blocks(self, ids: list[int]) -> None:
+        """Zero blocks `ids` of every KV cache this worker bound."""
+        for cache in self.model_runner.kv_caches:
+            cache[ids] = 0
 
 
 def kvpp_config(kvpp: bool, staging: int | None) -> dict:

@@ -1,16 +1,17 @@
 """One vLLM engine (offline LLM) running a scripted sequence against the KV pool; prints JSON.
 
 Actions (a JSON list): ["gen", name, token_ids, opts?] serves one prompt; ["batch", [[name, token_ids,
-opts?], ...]] serves several at once (one generate call: admitted, looked up and loaded concurrently);
-["kill", pid] kills a process (the pool's master) mid-run. opts may hold "cache_salt" and
-"kv_transfer_params" (e.g. {"do_remote_decode": true}, as a P/D proxy sends a prefill). Each prompt
-records the tokens, their logprobs, and how many prompt tokens came from outside the engine
-(num_cached_tokens), so tests compare runs made in separate processes: one process hosts one engine
-configuration, and the KV block ids the scheduler gave it (block_ids: its first KV cache group's when first
-scheduled, loaded blocks included), so a test reads where a load landed. Under "kvpp_workers" it adds each
-worker's `kvpp_stats` report (blocks, layout), and under "kv_usage_after" vLLM's own
-`vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill still holds for its decode count
-as used).
+opts?], ...], batch_opts?] serves several at once (admitted in this order, looked up and loaded
+concurrently; batch_opts {"zero_blocks_of": name} zeroes that request's KV blocks after every engine step
+from its first schedule until it ends: a negative control); ["kill", pid] kills a process (the pool's
+master) mid-run. opts may hold "cache_salt" and "kv_transfer_params" (e.g. {"do_remote_decode": true}, as
+a P/D proxy sends a prefill). Each prompt records the tokens, their logprobs, and how many prompt tokens
+came from outside the engine (num_cached_tokens), so tests compare runs made in separate processes: one
+process hosts one engine configuration, and the KV block ids the scheduler gave it (block_ids: its first
+KV cache group's when first scheduled, loaded blocks included), so a test reads where a load landed.
+Under "kvpp_workers" it adds each worker's `kvpp_stats` report (blocks, layout), and under
+"kv_usage_after" vLLM's own `vllm:kv_cache_usage_perc` after each gen or batch (blocks a P/D prefill
+still holds for its decode count as used).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import signal
 import time
 
-from deploy.harness.engine_run import kvpp_config, llm_metric
+from deploy.harness.engine_run import BlockZeroing, kvpp_config, llm_metric
 
 
 def record_block_ids(llm) -> dict[str, list[int]]:
@@ -61,7 +62,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    with open(args.actions) as fh:
+        actions = json.load(fh)
     kwargs = {}
+    if any(len(a) > 2 and a[0] == "batch" and "zero_blocks_of" in a[2] for a in actions):
+        kwargs["worker_extension_cls"] = f"{BlockZeroing.__module__}.{BlockZeroing.__qualname__}"
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.pp > 1:
@@ -76,28 +81,33 @@ def main() -> None:
     )
     block_ids = record_block_ids(llm)
     base = {"temperature": 0.0, "max_tokens": args.max_tokens, "logprobs": 1, "ignore_eos": True}
-    with open(args.actions) as fh:
-        actions = json.load(fh)
-    def serve(items: list) -> None:
-        prompts, per_prompt = [], []
+    engine = llm.llm_engine
+
+    def serve(items: list, zero_blocks_of: str | None = None) -> None:
+        """The items as requests named by their names, stepped to the end (what LLM.generate does)."""
+        block_ids.clear()
+        start = time.perf_counter()
         for name, ids, *rest in items:
             opts = rest[0] if rest else {}
             prompt = {"prompt_token_ids": ids}
             if "cache_salt" in opts:
                 prompt["cache_salt"] = opts["cache_salt"]
-            prompts.append(prompt)
             extra = {"kv_transfer_params": opts["kv_transfer_params"]} if "kv_transfer_params" in opts else None
-            per_prompt.append(SamplingParams(**base, extra_args=extra))
-        start = time.perf_counter()
-        outs = llm.generate(prompts, per_prompt, use_tqdm=False)
-        for (name, *_), out in zip(items, outs):
+            engine.add_request(name, prompt, SamplingParams(**base, extra_args=extra))
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((out.request_id, out) for out in engine.step() if out.finished)
+            if zero_blocks_of in block_ids and zero_blocks_of not in outs:  # then they are someone else's
+                llm.collective_rpc("zero_blocks", args=(block_ids[zero_blocks_of],))
+        for name, *_ in items:
+            out = outs[name]
             comp = out.outputs[0]
             results[name] = {
                 "tokens": list(comp.token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)],
                 "num_cached_tokens": out.num_cached_tokens,
                 "seconds": time.perf_counter() - start,
-                "block_ids": block_ids.get(out.request_id),
+                "block_ids": block_ids.get(name),
             }
         results["kv_usage_after"].append(llm_metric(llm, "vllm:kv_cache_usage_perc"))
 
@@ -106,7 +116,7 @@ def main() -> None:
         if action[0] == "gen":
             serve([action[1:]])
         elif action[0] == "batch":
-            serve(action[1])
+            serve(action[1], (action[2] if len(action) > 2 else {}).get("zero_blocks_of"))
         elif action[0] == "kill":
             os.kill(int(action[1]), signal.SIGKILL)
         else:

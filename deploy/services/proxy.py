@@ -503,6 +503,8 @@ class PDProxy:
             raise  # no connection at all: nothing stale to blame
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError) as exc:
             first = _reason(exc)
+        logger.info("%s %s closed the connection under a request (%s): sending it again on a new connection",
+                    backend.role, backend.url, first)
         try:
             return await self._fresh.post(url, json=body, headers=headers, timeout=timeout)
         except aiohttp.ClientError as exc:
