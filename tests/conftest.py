@@ -98,11 +98,11 @@ def mtp_kvpp_tp2(mtp_model, tmp_path_factory) -> dict:
     engine test's workload (its KVPP-on run), then answers the store engine test's KVPP prompts one at a
     time (their pool-free reference, under "references")."""
     from tests.helpers.mtp_tp2 import mtp_tp2_run
-    from tests.helpers.pool_runs import KVPP_SERVED, MAX_TOKENS, pool_prompts
+    from tests.helpers.pool_runs import KVPP_REFERENCED, MAX_TOKENS, pool_prompts
 
     prompts = pool_prompts(mtp_model)
     return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-kvpp-tp2"), "--kvpp",
-                       references={name: prompts[name] for name in KVPP_SERVED}, reference_max_tokens=MAX_TOKENS)
+                       references={name: prompts[name] for name in KVPP_REFERENCED}, reference_max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,10 @@ MAX_TOKENS = 6
 OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
 """What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""
 KVPP_SERVED = ("other_plus", "torn_plus", "wrong_size", "salted_plus", "prefix_plus")
-"""What the KVPP scenario's fresh engine serves, in this order (and its pool-free reference answers)."""
+"""What the KVPP scenario's fresh engine serves, in this order."""
+KVPP_REFERENCED = (*KVPP_SERVED, "salted")
+"""What the pool-free reference answers for the KVPP scenario: the fresh engine's prompts and the saved
+"salted" prompt, the negative control's."""
 
 
 def pool_prompts(model: str) -> dict[str, list[int]]:
