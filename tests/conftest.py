@@ -57,7 +57,7 @@ def runtime_dir(monkeypatch):
 
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
+    """A TCP port free on 127.0.0.1, outside the ephemeral range and leased to this process (deploy.services.ports)."""
     from deploy.services.ports import free_port as pick
 
     return pick()
