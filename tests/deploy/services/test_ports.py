@@ -1,7 +1,6 @@
 """Service ports: outside the ephemeral range, bindable, and never handed to two processes at once."""
 
 import random
-import socket
 import subprocess
 import sys
 
@@ -22,11 +21,6 @@ sys.stdin.read()
 """
 
 
-def _bind(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, port))
-
-
 def _unused(candidates: range) -> bool:
     """No one binds or leases these ports now (their leases are taken and given back at once)."""
     for port in candidates:
@@ -40,9 +34,8 @@ def test_ports_come_from_outside_the_ephemeral_range_and_bind():
     low, high = (int(v) for v in ports.EPHEMERAL_RANGE.read_text().split())
     base = ports.free_port_range(3)
     assert not (low <= base + 2 and base <= high), f"{base}-{base + 2} is inside the ephemeral range {low}-{high}"
-    for port in range(base, base + 3):
-        _bind(ports.LOOPBACK, port)
-    _bind("::1", ports.free_port("::1"))
+    assert all(ports._bindable(ports.LOOPBACK, port) for port in range(base, base + 3))
+    assert ports._bindable("::1", ports.free_port("::1"))
 
 
 def test_a_port_leased_by_one_process_goes_to_no_other_until_it_exits(monkeypatch):
