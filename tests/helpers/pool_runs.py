@@ -17,6 +17,11 @@ BLOCK = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
 LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+POOL_TIMERS = {"lease_ttl_ms": 500, "client_ttl_s": 10}
+"""Test pools' master timers: a read's lease lapses in 0.5 s, so a test can remove a block it just checked;
+a client is dropped 10 s after its last heartbeat (Mooncake's default). The pool's segment holder is such
+a client: at 2 s, a holder starved by the engine tier on 2 cores missed its heartbeats, and the master
+unmounted its segment with every pooled block in it (CI, the store PP module)."""
 MAX_TOKENS = 6
 OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
 """What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""

@@ -40,8 +40,8 @@ from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.ports import free_port_range
 from tests.helpers.mtp_tp2 import plan
-from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, LOGPROB_TOL, PAGE_BYTES, POOL_ENV, assert_same_output, \
-    pool_prompts, run_pool_engine, store_config, worker_stats
+from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, LOGPROB_TOL, PAGE_BYTES, POOL_ENV, POOL_TIMERS, \
+    assert_same_output, pool_prompts, run_pool_engine, store_config, worker_stats
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +56,7 @@ class Scenario:
         self.load_async = load_async
         self.prompts = pool_prompts(model)
         os.environ.update(POOL_ENV)
-        self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
+        self.pool = pool_up("mooncake", tmp / "pool", 128 << 20, **POOL_TIMERS)
 
     def transfer_config(self, tag: str, prefill: bool = False) -> dict:
         """The pool connector alone, or (prefill) inside a MultiConnector after MooncakeConnectorV2 as a

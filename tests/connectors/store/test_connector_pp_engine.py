@@ -21,7 +21,7 @@ from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
-from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, assert_same_output, run_pool_engine, \
+from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, POOL_TIMERS, assert_same_output, run_pool_engine, \
     store_config, worker_stats
 
 pytestmark = pytest.mark.engine
@@ -48,7 +48,7 @@ def pooled(tiny_model, tmp_path_factory):
     vocab = json.loads(Path(tiny_model, "config.json").read_text())["vocab_size"]
     prompts = {name: [rng.randrange(5, vocab) for _ in range(PROMPT_TOKENS)] for name in ("first", "second")}
     os.environ.update(POOL_ENV)
-    pool = pool_up("mooncake", tmp / "pool", 128 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    pool = pool_up("mooncake", tmp / "pool", 128 << 20, **POOL_TIMERS)
 
     def engine(tag: str) -> dict:
         actions = [["gen", name, ids] for name, ids in prompts.items()]

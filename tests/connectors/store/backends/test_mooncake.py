@@ -26,16 +26,17 @@ from deploy.services.pool import pool_down, pool_up
 from deploy.services.processes import running
 
 from tests.helpers.paths import REPO as ROOT
-FAST_TIMERS = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+from tests.helpers.pool_runs import POOL_ENV, POOL_TIMERS
+
 BOUND_S = 4.0
 LAYERS, BLOCKS, PAGE = 3, 8, (16, 576)
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    os.environ.update(FAST_TIMERS)
+    os.environ.update(POOL_ENV)
     state = tmp_path_factory.mktemp("pool")
-    info = pool_up("mooncake", state, 256 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    info = pool_up("mooncake", state, 256 << 20, **POOL_TIMERS)
     yield info
     pool_down(state)
 
@@ -119,10 +120,10 @@ b.close()
 @pytest.mark.integration
 def test_pooled_objects_outlive_the_process_that_wrote_them(pool, backend):
     address = pool.store_config.mooncake.master_server_address
-    out = subprocess.run([sys.executable, "-c", _WRITER, address], cwd=ROOT, env={**os.environ, **FAST_TIMERS},
+    out = subprocess.run([sys.executable, "-c", _WRITER, address], cwd=ROOT, env={**os.environ, **POOL_ENV},
                          capture_output=True, text=True, timeout=60)
     assert "[<Status.OK: 0>]" in out.stdout, out.stderr[-2000:]
-    time.sleep(3)  # beyond the master's client_ttl: the writer is gone for good
+    time.sleep(POOL_TIMERS["client_ttl_s"] + 1)  # beyond the master's client_ttl: the writer is gone for good
     dst = torch.zeros(4096)
     _REGISTERED.append(dst)
     backend.register(dst.data_ptr(), dst.numel() * 4)
@@ -147,7 +148,7 @@ def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
 
 @pytest.mark.integration
 def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
-    info = pool_up("mooncake", tmp_path / "doomed", 16 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    info = pool_up("mooncake", tmp_path / "doomed", 16 << 20, **POOL_TIMERS)
     try:
         b = open_backend(info.store_config, call_timeout_s=BOUND_S)
         caches = _caches(4)
@@ -240,7 +241,7 @@ def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, mon
     Mooncake bounds a stalled transfer by MC_TCP_PROGRESS_TIMEOUT_SEC (default 30 s; measured 20-60 s
     for a 4-object batch against a stopped holder, 5 s for one object with the setting at 5)."""
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")  # read by each new store client
-    pool = pool_up("mooncake", tmp_path / "stalled", 64 << 20, lease_ttl_ms=500, client_ttl_s=2)
+    pool = pool_up("mooncake", tmp_path / "stalled", 64 << 20, **POOL_TIMERS)
     holder = pool.pids[1]
     try:
         hashes = tuple(block_hashes(list(range(7, 7 + 16 * BIG_BLOCKS)), 16))
@@ -303,7 +304,7 @@ def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(p
 
 @pytest.mark.integration
 def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
-    env = {**os.environ, **FAST_TIMERS}
+    env = {**os.environ, **POOL_ENV}
     kvpp = [sys.executable, "-m", "deploy.cli.main", "pool"]
     up = subprocess.run([*kvpp, "up", "--backend", "mooncake", "--segment-size", "32MB", "--json",
                          "--state-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
