@@ -21,7 +21,8 @@ POOL_TIMERS = {"lease_ttl_ms": 500, "client_ttl_s": 10}
 """Test pools' master timers: a read's lease lapses in 0.5 s, so a test can remove a block it just checked;
 a client is dropped 10 s after its last heartbeat (Mooncake's default). The pool's segment holder is such
 a client: at 2 s, a holder starved by the engine tier on 2 cores missed its heartbeats, and the master
-unmounted its segment with every pooled block in it (CI, the store PP module)."""
+unmounted its segment with every pooled block in it (CI, the store PP module; what that costs is
+test_mooncake's stalled-holder test)."""
 MAX_TOKENS = 6
 OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
 """What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""

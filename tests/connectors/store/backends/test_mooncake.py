@@ -1,7 +1,8 @@
 """The Mooncake store backend against a real `mooncake_master` plus the pool's own segment holder
 (`kvpp pool up`): bytes intact through zero-copy multi-page objects, wrong sizes refused, pooled
-objects outliving the client that wrote them, the shard hit rule on real keys, and a killed master
-turning every call into a failure within a bounded time."""
+objects outliving the client that wrote them, the shard hit rule on real keys, a killed master
+turning every call into a failure within a bounded time, and a holder stalled past the client TTL
+costing its blocks but not the pool."""
 
 from __future__ import annotations
 
@@ -165,6 +166,37 @@ def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
         b.close()
     finally:
         pool_down(tmp_path / "doomed")
+
+
+@pytest.mark.integration
+def test_a_holder_stalled_past_the_client_ttl_costs_its_blocks_not_the_pool(tmp_path):
+    """A segment holder that misses its heartbeats for the master's client_ttl (in CI: starved by the
+    engine tier, at 2 s) has its segment unmounted with every block in it. That must cost misses only:
+    the holder mounts its segment again on its next heartbeat and the pool takes saves again."""
+    ttl = 2
+    info = pool_up("mooncake", tmp_path / "starved", 16 << 20, lease_ttl_ms=500, client_ttl_s=ttl)
+    holder = info.pids[1]
+    try:
+        b = open_backend(info.store_config, call_timeout_s=BOUND_S)
+        src, dst = _caches(6), [torch.zeros(BLOCKS, *PAGE) for _ in range(LAYERS)]
+        src_pages, dst_pages = _register(b, src), _register(b, dst)
+        assert b.put(["test/before"], *_objects(src_pages, [0])) == [Status.OK]
+        os.kill(holder, signal.SIGSTOP)
+        time.sleep(ttl + 3)
+        os.kill(holder, signal.SIGCONT)
+        wait = time.monotonic() + 20
+        while b.exists(["test/before"]) != [Status.MISSING]:
+            assert time.monotonic() < wait, "the stalled holder's segment was never unmounted"
+            time.sleep(0.5)
+        while (saved := b.put(["test/after"], *_objects(src_pages, [1]))) != [Status.OK]:
+            assert time.monotonic() < wait, f"the pool took no save after the holder woke: {saved}"
+            time.sleep(0.5)
+        assert b.get(["test/after"], *_objects(dst_pages, [2])) == [Status.OK]
+        assert all(torch.equal(d[2], s[1]) for s, d in zip(src, dst))
+        b.close()
+    finally:
+        os.kill(holder, signal.SIGCONT)
+        pool_down(tmp_path / "starved")
 
 
 # ---- calls that outlive their bound -------------------------------------------------------------------
