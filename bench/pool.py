@@ -101,12 +101,11 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
 
 
 def ttft(model: str, prompt_tokens: int, suffix_tokens: int) -> dict:
+    from deploy.harness.engine_run import token_draws
     from deploy.services.pool import pool_down, pool_up
 
     os.environ.update(POOL_ENV)
-    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    rng = random.Random(11)
-    draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
+    draw = token_draws(model, 11)
     prefix, cold, warm = draw(prompt_tokens), draw(prompt_tokens + suffix_tokens), draw(20)
     hot = prefix + draw(suffix_tokens)
     state = Path(tempfile.mkdtemp(prefix="kvpp-bench-ttft-"))

@@ -28,17 +28,24 @@ import os
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 RESULT_PREFIX = "KVPP_RESULT "
 
 
-def write_prompts(path: Path, model: str, lengths: Sequence[int], seed: int = 0) -> Path:
-    """Random token-id prompts of the given lengths, drawn from the model's vocabulary."""
+def token_draws(model: str, seed: int) -> Callable[[int], list[int]]:
+    """`draw(n)`: the next n token ids of one seeded stream over the model's vocabulary (ids 5 and up:
+    never a special token), so a test's prompts are the same in every process that draws them."""
     rng = random.Random(seed)
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    path.write_text(json.dumps([[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]))
+    return lambda n: [rng.randrange(5, vocab) for _ in range(n)]
+
+
+def write_prompts(path: Path, model: str, lengths: Sequence[int], seed: int = 0) -> Path:
+    """Random token-id prompts of the given lengths, drawn from the model's vocabulary."""
+    draw = token_draws(model, seed)
+    path.write_text(json.dumps([draw(n) for n in lengths]))
     return path
 
 

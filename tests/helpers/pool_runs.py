@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
+from deploy.harness.engine_run import token_draws
 from deploy.services.processes import run_in_group
 from tests.helpers.paths import REPO
 
@@ -35,9 +35,7 @@ KVPP_REFERENCED = (*KVPP_SERVED, "salted")
 
 def pool_prompts(model: str) -> dict[str, list[int]]:
     """The store engine test's prompts: saved prefixes, each with a 20-token continuation, and loners."""
-    rng = random.Random(7)
-    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
+    draw = token_draws(model, 7)
     prefix, other, torn, salted = draw(100), draw(100), draw(100), draw(100)  # 6 whole blocks + 4 tokens each
     return {
         "prefix": prefix, "prefix_plus": prefix + draw(20),

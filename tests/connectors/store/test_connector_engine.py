@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -37,6 +36,7 @@ import torch
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
+from deploy.harness.engine_run import token_draws
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.ports import free_port_range
 from tests.helpers.mtp_tp2 import plan
@@ -297,9 +297,7 @@ def zero_copy(on):
     """One zero-copy engine (`--staging 0`), started once the scenario's engines have exited, over their pool:
     it loads the prefix the staging engine saved and saves a prompt of its own (6 whole blocks)."""
     sc = on[0]
-    rng = random.Random(11)
-    vocab = json.loads(Path(sc.model, "config.json").read_text())["vocab_size"]
-    own = [rng.randrange(5, vocab) for _ in range(100)]
+    own = token_draws(sc.model, 11)(100)
     return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own]], False,
                        "--staging", "0")
 
@@ -343,9 +341,7 @@ def high(on):
     every step from its first schedule. (KVPP runs only where the pool saves too: salted computes no whole
     block, so nothing zeroed is pooled.)"""
     sc = on[0]
-    rng = random.Random(13)
-    vocab = json.loads(Path(sc.model, "config.json").read_text())["vocab_size"]
-    filler = [rng.randrange(5, vocab) for _ in range(FILLER_TOKENS)]
+    filler = token_draws(sc.model, 13)(FILLER_TOKENS)
     p = sc.prompts
     return sc.run("high", [["batch", [["filler", filler], ["prefix_plus", p["prefix_plus"]], ["salted", p["salted"]]],
                             {"zero_blocks_of": "salted"}]])

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
-from pathlib import Path
 
 import pytest
 
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
+from deploy.harness.engine_run import token_draws
 from deploy.services.pool import pool_down, pool_up
 from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, POOL_TIMERS, assert_same_output, run_pool_engine, \
     store_config, worker_stats
@@ -44,9 +43,8 @@ def _stage_keys(model: str):
 @pytest.fixture(scope="module")
 def pooled(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool-pp")
-    rng = random.Random(11)
-    vocab = json.loads(Path(tiny_model, "config.json").read_text())["vocab_size"]
-    prompts = {name: [rng.randrange(5, vocab) for _ in range(PROMPT_TOKENS)] for name in ("first", "second")}
+    draw = token_draws(tiny_model, 11)
+    prompts = {name: draw(PROMPT_TOKENS) for name in ("first", "second")}
     os.environ.update(POOL_ENV)
     pool = pool_up("mooncake", tmp / "pool", 128 << 20, **POOL_TIMERS)
 
