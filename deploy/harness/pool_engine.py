@@ -25,6 +25,11 @@ import time
 from deploy.harness.engine_run import BlockZeroing, kvpp_config, llm_metric
 
 
+def _batch_opts(action: list) -> dict:
+    """A batch action's batch_opts, {} when it has none."""
+    return action[2] if len(action) > 2 else {}
+
+
 def record_block_ids(llm) -> dict[str, list[int]]:
     """Each request's block ids (first KV cache group) when the scheduler first schedules it, by the request id
     its output carries (vLLM appends 8 random characters inside the engine), as the workers receive them."""
@@ -65,7 +70,7 @@ def main() -> None:
     with open(args.actions) as fh:
         actions = json.load(fh)
     kwargs = {}
-    if any(len(a) > 2 and a[0] == "batch" and "zero_blocks_of" in a[2] for a in actions):
+    if any(a[0] == "batch" and "zero_blocks_of" in _batch_opts(a) for a in actions):
         kwargs["worker_extension_cls"] = f"{BlockZeroing.__module__}.{BlockZeroing.__qualname__}"
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
@@ -116,7 +121,7 @@ def main() -> None:
         if action[0] == "gen":
             serve([action[1:]])
         elif action[0] == "batch":
-            serve(action[1], (action[2] if len(action) > 2 else {}).get("zero_blocks_of"))
+            serve(action[1], _batch_opts(action).get("zero_blocks_of"))
         elif action[0] == "kill":
             os.kill(int(action[1]), signal.SIGKILL)
         else:
