@@ -17,12 +17,13 @@ BLOCK = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
 LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
-POOL_TIMERS = {"lease_ttl_ms": 500, "client_ttl_s": 10}
-"""Test pools' master timers: a read's lease lapses in 0.5 s, so a test can remove a block it just checked;
-a client is dropped 10 s after its last heartbeat (Mooncake's default). The pool's segment holder is such
-a client: at 2 s, a holder starved by the engine tier on 2 cores missed its heartbeats, and the master
-unmounted its segment with every pooled block in it (CI, the store PP module; what that costs is
-test_mooncake's stalled-holder test)."""
+POOL_TIMERS = {"lease_ttl_ms": 10_000, "client_ttl_s": 10}
+"""Test pools' master timers, Mooncake's defaults, as `kvpp pool up` runs. Both were shorter once and
+both failed on this 2-core host under load: a read's lease of 0.5 s lapsed while a pool
+engine's get was still transferring (LEASE_EXPIRED, the load failed), and a client TTL of 2 s dropped a
+starved segment holder, whose segment the master unmounted with every pooled block in it (CI, the store
+PP module; what that costs is test_mooncake's stalled-holder test). A lease does not stop a test's
+removal: `remove` forces it."""
 MAX_TOKENS = 6
 OFF_SERVED = ("prefix_plus", "wrong_size", "after_kill", "salted_plus")
 """What the KVPP-off scenario's reference answers (its fresh engine serves them among others)."""
@@ -46,10 +47,10 @@ def pool_prompts(model: str) -> dict[str, list[int]]:
     }
 
 
-def store_config(pool, tmp: Path, tag: str, load_async: bool) -> dict:
+def store_config(pool, tmp: Path, tag: str, load_async: bool, backend_timeout_ms: int = 4000) -> dict:
     """The pool connector's kv_transfer_config, counting into stats-{tag} under `tmp`."""
     extra = {**pool.kv_connector_extra_config, "load_async": load_async, "lookup_timeout_ms": 5000,
-             "backend_timeout_ms": 4000, "stats_file": str(tmp / f"stats-{tag}")}
+             "backend_timeout_ms": backend_timeout_ms, "stats_file": str(tmp / f"stats-{tag}")}
     return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
 

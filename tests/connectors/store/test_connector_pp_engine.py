@@ -26,6 +26,10 @@ from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, POOL_TIMERS, as
 pytestmark = pytest.mark.engine
 
 SPLIT = (7, 9)
+STORE_RPC_TIMEOUT_MS, STORE_CALL_BOUND_MS = 10_000, 20_000
+"""Four workers and the engine core share 2 cores here: a worker's master RPC (a save's put) was seen to
+take over POOL_ENV's 2 s, so that every rank counted the second prompt's saves failed. No fault is
+injected in this module, so nothing here relies on the short bounds; every save must succeed."""
 PROMPT_TOKENS = 120  # 7 whole blocks + 8 tokens
 
 
@@ -50,10 +54,11 @@ def pooled(tiny_model, tmp_path_factory):
 
     def engine(tag: str) -> dict:
         actions = [["gen", name, ids] for name, ids in prompts.items()]
-        cfg = store_config(pool, tmp, tag, load_async=True)
+        cfg = store_config(pool, tmp, tag, load_async=True, backend_timeout_ms=STORE_CALL_BOUND_MS)
         return run_pool_engine(tiny_model, tmp, tag, actions, "--tp", "2", "--pp", "2", "--kvpp",
                                "--kv-transfer-config", json.dumps(cfg), binds="0|1|0|1",
-                               env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
+                               env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT)),
+                                    "MC_RPC_TIMEOUT_MS": str(STORE_RPC_TIMEOUT_MS)})
 
     try:
         saved = engine("save")
