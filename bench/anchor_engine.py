@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from deploy.services.processes import reference_engine
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -32,8 +34,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
-        model=args.model, tensor_parallel_size=2, dtype="float32", enforce_eager=True, block_size=16,
-        kv_cache_memory_bytes=args.kv_bytes, compilation_config={"custom_ops": ["-rotary_embedding"]},
+        model=args.model, tensor_parallel_size=2, **reference_engine(), enforce_eager=True,
+        kv_cache_memory_bytes=args.kv_bytes,
         additional_config={} if args.staging is None else {"enable_kvpp": True, "kvpp_staging_buffers": args.staging},
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_model_len, 4096), seed=0,

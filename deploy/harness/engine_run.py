@@ -170,17 +170,16 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    from deploy.services.processes import reference_engine
+
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         distributed_executor_backend="mp",
-        speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else None,
-        dtype="float32",
+        **reference_engine(args.mtp),
         enforce_eager=not args.compiled,
-        block_size=16,
         kv_cache_memory_bytes=args.kv_bytes,
-        compilation_config={"custom_ops": ["-rotary_embedding"]},
         additional_config=kvpp_config(args.kvpp, args.staging),
         max_model_len=1024,
         seed=0,

@@ -23,6 +23,7 @@ import signal
 import time
 
 from deploy.harness.engine_run import BlockZeroing, kvpp_config, llm_metric
+from deploy.services.processes import reference_engine
 
 
 def _batch_opts(action: list) -> dict:
@@ -76,11 +77,9 @@ def main() -> None:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.pp > 1:
         kwargs.update(pipeline_parallel_size=args.pp, distributed_executor_backend="mp")
-    if args.mtp:
-        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
     llm = LLM(
-        model=args.model, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, block_size=16,
-        kv_cache_memory_bytes=args.kv_bytes, compilation_config={"custom_ops": ["-rotary_embedding"]},
+        model=args.model, tensor_parallel_size=args.tp, **reference_engine(args.mtp), enforce_eager=True,
+        kv_cache_memory_bytes=args.kv_bytes,
         additional_config=kvpp_config(args.kvpp, args.staging), max_model_len=args.max_model_len, seed=0,
         disable_log_stats=False, **kwargs,  # stats on: the KV usage gauge
     )

