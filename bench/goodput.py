@@ -37,7 +37,7 @@ from bench.summary import host, interleaved, spread
 from deploy.harness.engine_run import write_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.services.ports import free_port
-from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance_spec, start_servers
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance, start_servers
 
 METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
            "peak_running", "peak_kv_usage", "preemptions")
@@ -49,8 +49,7 @@ def server(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, 
                         log_stats=True, enable_kvpp=staging is not None,
                         additional_config={} if staging is None else {"kvpp_staging_buffers": staging},
                         extra_args=["--served-model-name", "tiny"])
-    spec = single_instance_spec(model, inst)
-    return Engine(spec, spec.prefill[0], tmp / f"{name}.log")
+    return Engine(single_instance(model, inst), tmp / f"{name}.log")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -68,16 +68,17 @@ def describe(layout: PortLayout) -> dict:
 
 
 def _spec_hosts(path: str) -> dict[str, list[tuple[str, PortLayout]]]:
+    from deploy.deployment.resolved import resolve
     from deploy.deployment.spec import load_spec
 
-    spec = load_spec(path)
     hosts: dict[str, list[tuple[str, PortLayout]]] = defaultdict(list)
-    for inst in spec.instances:
-        if inst.kv_port is None:
+    for instance in resolve(load_spec(path)).instances:
+        if instance.kv_ports_problem is not None:
+            raise ValueError(instance.kv_ports_problem)
+        if instance.kv_ports is None:
             continue
-        layout = PortLayout(inst.kv_port, tp=inst.tp, pp=inst.pp, pcp=inst.pcp, dp=inst.dp)
-        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
-            hosts[host].append((inst.where, layout))
+        for host in dict.fromkeys(map(canonical_host, instance.instance.hosts)):
+            hosts[host].append((instance.instance.where, instance.kv_ports))
     return hosts
 
 

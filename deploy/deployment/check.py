@@ -1,9 +1,9 @@
 """`kvpp check SPEC`: every problem of a deployment spec before the cluster finds it.
 
-KVPP rules come from kvpp_core.validation (the connectors' from connectors.launch), port ranges from
-connectors.mooncake.ports and layer splits from kvpp_core.topology, applied to exactly the configs
-`kvpp render` emits (deploy.deployment.launch); this module adds only what spans instances (shared
-hosts, P/D wiring, the pool).
+KVPP rules come from kvpp_core.validation (the connectors' from connectors.launch) and layer splits
+from kvpp_core.topology, applied to the values `kvpp render` emits, as deploy.deployment.resolved
+resolved them (the ports by connectors.mooncake.ports' rule); this module adds only what spans
+instances (shared hosts, P/D wiring, the pool).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvpp_core.config import KvppConfigError, parse_additional_config
 from connectors.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
-from connectors.mooncake.ports import PortLayout, overlaps
+from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.setup import KvppSetup
 from kvpp_core.validation import Problem, validate
@@ -30,7 +30,7 @@ from connectors.store.shards import StageLayers
 
 from deploy import args as cli_args
 
-from deploy.deployment import launch
+from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
 from deploy.deployment.spec import Instance, Spec, SpecError, load_spec
 
 
@@ -57,15 +57,20 @@ def _warning(where: str, option: str, message: str) -> Finding:
 
 def check_spec(spec: Spec) -> list[Finding]:
     """All findings, errors and warnings, in spec order."""
-    findings: list[Finding] = []
+    return check_resolved(resolve(spec))
+
+
+def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
+    """check_spec of a spec already resolved, so that render checks the very values it writes."""
+    spec, findings = resolved.spec, []
     model = _model(spec, findings)
-    for inst in spec.instances:
-        findings += _instance_findings(spec, inst, model)
+    for instance in resolved.instances:
+        findings += _instance_findings(spec, instance, model)
     findings += _wiring_findings(spec)
-    findings += _host_findings(spec)
-    findings += _pool_layout_findings(spec, model)
+    findings += _host_findings(resolved)
+    findings += _pool_layout_findings(resolved, model)
     findings += _family_findings(spec)
-    findings += _router_findings(spec)
+    findings += _router_findings(resolved)
     return findings
 
 
@@ -89,7 +94,8 @@ def _topology(inst: Instance) -> Topology:
                     runner=inst.runner)
 
 
-def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> list[Finding]:
+def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None) -> list[Finding]:
+    inst = instance.instance
     where, out = inst.where, []
     try:
         topo = _topology(inst)
@@ -101,7 +107,7 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
         except ValueError as exc:
             out.append(_error(where, "pp_layers", str(exc)))
     try:
-        kvpp = parse_additional_config(launch.additional_config(inst))
+        kvpp = parse_additional_config(instance.additional_config)
     except KvppConfigError as exc:
         return out + [_error(where, "additional_config", str(exc))]
     try:
@@ -111,7 +117,7 @@ def _instance_findings(spec: Spec, inst: Instance, model: ModelSpec | None) -> l
     if model is None:
         return out
     # MultiConnector (P/D plus pool) goes in whole: validation checks each child with its own rules.
-    kv_cfg = launch.kv_transfer_config(spec, inst) or {}
+    kv_cfg = instance.kv_transfer_config or {}
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
                       kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
@@ -143,42 +149,42 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
     return out
 
 
-def _host_findings(spec: Spec) -> list[Finding]:
+def _host_findings(resolved: ResolvedSpec) -> list[Finding]:
     """Ports that collide between instances sharing a host (every node of an instance reserves them;
     one host written two ways, `fd00:0::1` and `fd00::1`, is one host)."""
-    by_host: dict[str, list[Instance]] = defaultdict(list)
-    for inst in spec.instances:
-        for host in dict.fromkeys(map(canonical_host, inst.hosts)):
-            by_host[host].append(inst)
+    by_host: dict[str, list[ResolvedInstance]] = defaultdict(list)
+    for instance in resolved.instances:
+        for host in dict.fromkeys(map(canonical_host, instance.instance.hosts)):
+            by_host[host].append(instance)
     out = []
-    for host, insts in by_host.items():
+    for host, instances in by_host.items():
         layouts = []
-        for inst in insts:
-            if spec.disaggregated and inst.kv_port is not None:
-                try:
-                    layouts.append((inst.where, PortLayout(inst.kv_port, tp=inst.tp, pp=inst.pp, pcp=inst.pcp,
-                                                           dp=inst.dp)))
-                except ValueError as exc:
-                    out.append(_error(inst.where, "kv_port", str(exc)))
+        # Without decode instances no connector binds kv_port's ports (_wiring_findings warns of it).
+        for instance in instances if resolved.spec.disaggregated else []:
+            if instance.kv_ports_problem is not None:
+                out.append(_error(instance.instance.where, "kv_port", instance.kv_ports_problem))
+            elif instance.kv_ports is not None:
+                layouts.append((instance.instance.where, instance.kv_ports))
         for a, b, shared in overlaps(layouts):
             out.append(_error(b, "kv_port", (
                 f"on host {host} its handshake/control ports overlap {a}'s at {shared.start}-{shared.stop - 1}; "
                 f"move kv_port so the ranges are disjoint (each instance uses kv_port .. "
                 "kv_port + tp*pp*pcp*dp + dp - 1)")))
-        out += _single_port_clashes(spec, host, insts, layouts)
+        out += _single_port_clashes(host, instances, layouts)
     return out
 
 
-def _single_port_clashes(spec: Spec, host: str, insts: list[Instance], layouts) -> list[Finding]:
+def _single_port_clashes(host: str, instances: list[ResolvedInstance], layouts) -> list[Finding]:
     out = []
     http: dict[int, str] = {}
     lookup: dict[int, str] = {}
-    for inst in insts:
+    for instance in instances:
+        inst = instance.instance
         if inst.port in http:
             out.append(_error(inst.where, "port", f"HTTP port {inst.port} on host {host} is also used by "
                               f"{http[inst.port]}; give each instance on a host its own port"))
         http.setdefault(inst.port, inst.where)
-        port = launch.lookup_port(spec, inst)
+        port = instance.lookup_rpc_port
         if port is not None:
             if port in lookup:
                 out.append(_error(inst.where, "lookup_rpc_port", (
@@ -212,11 +218,11 @@ class _PoolMember:
     saves: bool
 
 
-def _pool_layout_findings(spec: Spec, model: ModelSpec | None) -> list[Finding]:
+def _pool_layout_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[Finding]:
     """Instances on one pool whose pool keys never meet (connectors.store.layouts): they share its
     memory but no prefix (a warning, against the pool's first instance). An instance that only reads
     the pool while every writer keys blocks differently can never hit (an error)."""
-    members = [m for inst in spec.instances if (m := _pool_member(spec, inst, model)) is not None]
+    members = [m for instance in resolved.instances if (m := _pool_member(resolved.spec, instance, model)) is not None]
     out = []
     for pool in dict.fromkeys(m.pool for m in members):
         group = [m for m in members if m.pool == pool]
@@ -251,10 +257,11 @@ def _stages(layout: KeyLayout) -> str:
     return "+".join(f"{len(s.target_layers)}" + (f"+mtp{s.mtp_caches}" if s.mtp_caches else "") for s in layout.stages)
 
 
-def _pool_member(spec: Spec, inst: Instance, model: ModelSpec | None) -> _PoolMember | None:
+def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None) -> _PoolMember | None:
     """The instance's pool, key layout and role; None without a pool or when a setting it needs is
     broken (the instance's own findings report that)."""
-    store = _store_connector(launch.kv_transfer_config(spec, inst) or {})
+    inst = instance.instance
+    store = _store_connector(instance.kv_transfer_config or {})
     if model is None or spec.pool is None or store is None:
         return None
     cfg = read_store_config(store.get("kv_connector_extra_config")).value
@@ -356,8 +363,9 @@ _ROUTER_PROTOCOLS = {
 _DISCOVERY_FLAGS = ("--service-discovery", "--vllm-discovery-address", "--prefill-selector", "--decode-selector")
 
 
-def _router_findings(spec: Spec) -> list[Finding]:
+def _router_findings(resolved: ResolvedSpec) -> list[Finding]:
     """What the chosen P/D front (proxy.router) cannot do with the spec's instances."""
+    spec = resolved.spec
     proxy, out = spec.proxy, []
     if not spec.disaggregated:
         if proxy.router != "kvpp-proxy" or proxy.extra_args or proxy.metrics_port is not None:
@@ -383,8 +391,8 @@ def _router_findings(spec: Spec) -> list[Finding]:
             out.append(_error("proxy", f"extra_args {flag}", (
                 "vllm-router would find its instances by discovery instead of the spec's prefill and decode URLs, "
                 "which kvpp render passes it: remove the discovery flags")))
-    metrics = launch.router_metrics_port(spec)
-    host = canonical_host(launch.proxy_host(spec))
+    metrics = resolved.proxy.metrics_port
+    host = canonical_host(resolved.proxy.host)
     taken = {proxy.port: "proxy.port", **{i.port: f"{i.where}'s HTTP port" for i in spec.instances
                                           if host in map(canonical_host, i.hosts)}}
     if metrics in taken:

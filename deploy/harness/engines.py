@@ -4,13 +4,15 @@ decode (TP=1, consumer) on loopback, launched from that spec, and the engines' /
 
 from __future__ import annotations
 
+import copy
 import re
 import urllib.request
 from pathlib import Path
 
 import msgspec
 
-from deploy.deployment import launch
+from deploy.deployment.launch import deep_merge
+from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import Model, Pool, Spec, placed
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import LOOPBACK, Engine, VllmServer, cpu_instance
@@ -75,9 +77,9 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
                   settings={k: v for k, v in mooncake.items() if k != "master_server_address"})))
     if producer_extra:  # a MultiConnector child's settings: the derived connector list, amended
         prefill = spec.prefill[0]
-        cfg = launch.kv_transfer_config(spec, prefill)
+        cfg = copy.deepcopy(resolve(spec).instances[0].kv_transfer_config)
         children = cfg["kv_connector_extra_config"]["connectors"]
-        children[0] = launch.deep_merge(children[0], {"kv_connector_extra_config": producer_extra})
+        children[0] = deep_merge(children[0], {"kv_connector_extra_config": producer_extra})
         spec = msgspec.structs.replace(spec, prefill=(msgspec.structs.replace(prefill, kv_transfer_config=cfg),))
     return spec
 
@@ -85,5 +87,5 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
 def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
                consumer_extra: dict | None = None, env: dict | None = None) -> tuple[Engine, Engine]:
     """The stack's P/D pair (not started), launched from pd_spec."""
-    spec = pd_spec(model, pool_extra, producer_extra, consumer_extra, env)
-    return tuple(Engine(spec, inst, workdir / f"{inst.name}.log") for inst in spec.instances)
+    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env))
+    return tuple(Engine(instance, workdir / f"{instance.instance.name}.log") for instance in resolved.instances)

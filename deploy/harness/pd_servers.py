@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.services.ports import free_port
-from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance_spec
+from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance
 
 
 def mooncake_config(role: str, kv_port: int, policy: str = "fail", **extra) -> dict[str, Any]:
@@ -34,5 +34,4 @@ def pd_server(name: str, model: str, log_dir: Path, tp: int, cores: list[int], r
     inst = cpu_instance(name, LOOPBACK, free_port(), tp, cores, log_stats=True, env={"MC_LOG_LEVEL": "ERROR", **(env or {})},
                         extra_args=extra_args, kv_transfer_config=mooncake_config(role, kv_port, policy, **extra),
                         **(server or {}))
-    spec = single_instance_spec(model, inst)
-    return Engine(spec, spec.prefill[0], Path(log_dir) / f"{name}.log")
+    return Engine(single_instance(model, inst), Path(log_dir) / f"{name}.log")

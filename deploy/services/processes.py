@@ -25,8 +25,9 @@ import msgspec
 
 from connectors.hosts import host_url
 
-from deploy.deployment import launch
-from deploy.deployment.spec import Instance, InstanceSettings, Memory, Model, Spec, placed
+from deploy.deployment.launch import ConfigFile
+from deploy.deployment.resolved import ResolvedInstance, resolve
+from deploy.deployment.spec import InstanceSettings, Memory, Model, Spec, placed
 from deploy.services.ports import LOOPBACK
 
 # A wait longer than this prints progress lines, so a slow engine start does not look like a hang.
@@ -369,29 +370,30 @@ def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[i
         **settings)
 
 
-def single_instance_spec(model: str | os.PathLike, inst: InstanceSettings) -> Spec:
-    """A spec of one instance, serving `model` alone (no P/D, no pool)."""
-    return placed(Spec(model=Model(path=str(model)), prefill=(inst,)))
+def single_instance(model: str | os.PathLike, inst: InstanceSettings) -> ResolvedInstance:
+    """One instance serving `model` alone (no P/D, no pool), resolved."""
+    return resolve(placed(Spec(model=Model(path=str(model)), prefill=(inst,)))).instances[0]
 
 
 class Engine(ManagedProcess):
-    """One instance of a spec on this machine, started with the argv and environment that `kvpp render
+    """One resolved instance on this machine, started with the argv and environment that `kvpp render
     --launcher api-server` writes for it, run by this interpreter and listening on its host only. The
     rendered pool config files it names are written to `config_dir` (default: the log's folder)."""
 
-    def __init__(self, spec: Spec, inst: Instance, log_path: str | os.PathLike,
+    def __init__(self, resolved: ResolvedInstance, log_path: str | os.PathLike,
                  config_dir: str | os.PathLike | None = None):
-        self.spec, self.inst = spec, inst
-        self.host, self.port, self.model = inst.hosts[0], inst.port, spec.model.path
-        config_dir = Path(config_dir or Path(log_path).parent)
-        env = launch.node_environment(spec, inst, 0)
-        if any(isinstance(v, launch.ConfigFile) for v in env.values()):
+        self.resolved = resolved
+        node = resolved.nodes[0]
+        self.host, self.port = node.host, resolved.instance.port
+        env = node.env
+        if resolved.config_files:
+            config_dir = Path(config_dir or Path(log_path).parent)
             config_dir.mkdir(parents=True, exist_ok=True)
-            for file, text in launch.config_files(spec).items():
+            for file, text in resolved.config_files.items():
                 (config_dir / file).write_text(text)
-            env = {k: str(config_dir / v.file) if isinstance(v, launch.ConfigFile) else v for k, v in env.items()}
-        argv = launch.serve_command(spec, inst, 0, "api-server", python=sys.executable, listen=self.host)
-        super().__init__(inst.name, argv, log_path, env=env)
+            env = {k: str(config_dir / v.file) if isinstance(v, ConfigFile) else v for k, v in env.items()}
+        argv = resolved.serve_command(0, "api-server", python=sys.executable, listen=self.host)
+        super().__init__(resolved.instance.name, argv, log_path, env=env)
 
     @property
     def url(self) -> str:
@@ -410,8 +412,7 @@ class VllmServer(Engine):
                  kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
                  cores: Sequence[int] | None = None, log_stats: bool = False):
         inst = cpu_instance(name, host, port, tp, cores, kv_cache_bytes, max_model_len, log_stats, env, extra_args)
-        spec = single_instance_spec(model, inst)
-        super().__init__(spec, spec.prefill[0], log_path)
+        super().__init__(single_instance(model, inst), log_path)
 
 
 def start_servers(servers: Sequence[Engine], started: list[ManagedProcess], timeout: float) -> None:

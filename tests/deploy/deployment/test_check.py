@@ -209,15 +209,16 @@ def test_pd_plus_pool_runs_a_multiconnector_whose_children_are_each_checked(tmp_
     errors, _, code = _check(tmp_path, spec)
     assert code == 1
     assert any("connectors[1].kv_connector_extra_config.load_async: defaults to false" in e for e in errors)
-    from deploy.deployment import launch
+    from deploy.deployment.resolved import resolve
     from deploy.deployment.spec import parse_spec
 
-    parsed = parse_spec(_spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=POOL))
-    cfg = launch.kv_transfer_config(parsed, parsed.prefill[0])
+    prefill, decode = resolve(parse_spec(_spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)],
+                                               pool=POOL))).instances
+    cfg = prefill.kv_transfer_config
     assert cfg["kv_connector"] == "MultiConnector" and cfg["kv_role"] == "kv_both"
     assert [c["kv_connector"] for c in cfg["kv_connector_extra_config"]["connectors"]] == [
         "MooncakeConnectorV2", "AscendStoreConnector"]
-    assert launch.kv_transfer_config(parsed, parsed.decode[0])["kv_connector"] == "MooncakeConnectorV2"
+    assert decode.kv_transfer_config["kv_connector"] == "MooncakeConnectorV2"
     assert _check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(kv_port=37100)], pool=POOL))[2] == 0
 
 

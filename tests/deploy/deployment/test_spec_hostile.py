@@ -32,6 +32,7 @@ from deploy.deployment import launch
 from deploy.deployment.check import check_spec
 from deploy.cli.main import main
 from deploy.deployment.render import MARKER, render, write_files
+from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import SpecError, parse_spec
 
 pytestmark = pytest.mark.unit
@@ -166,19 +167,18 @@ def expected_commands(spec, out: Path) -> dict[str, tuple[list[str], dict[str, s
     def resolved(env):
         return {k: str(out / v.file) if isinstance(v, launch.ConfigFile) else v for k, v in env.items()}
 
-    expected = {}
-    for inst in spec.instances:
-        env = resolved(launch.environment(spec, inst))
-        for rank, host in enumerate(inst.hosts):
-            expected[f"{inst.name}-node{rank}.sh"] = (["vllm", "serve", *launch.serve_args(spec, inst, rank)],
-                                                      {"VLLM_HOST_IP": host, **env})
-    argv, env = launch.pool_command(spec)
-    expected["pool.sh"] = (argv, resolved(env))
+    expected, spec_resolved = {}, resolve(spec)
+    for instance in spec_resolved.instances:
+        for node in instance.nodes:
+            expected[f"{instance.instance.name}-node{node.rank}.sh"] = (["vllm", "serve", *node.args],
+                                                                        resolved(node.env))
+    expected["pool.sh"] = (list(spec_resolved.pool.argv), resolved(spec_resolved.pool.env))
     def url(host, port):  # an IPv6 literal is bracketed before its port
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     urls = {role: [url(i.hosts[0], i.port) for i in getattr(spec, role)] for role in ("prefill", "decode")}
-    expected["proxy.sh"] = (launch.proxy_args(spec, urls), {})
+    proxy = spec_resolved.proxy
+    expected["proxy.sh"] = (launch.proxy_args(spec.proxy, proxy.host, proxy.metrics_port, urls), {})
     return expected
 
 
@@ -239,17 +239,18 @@ def check_container(spec, name: str, role: str | None, c: dict) -> None:
     defined = {"LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX"}
     argv = [kube_expand(a, defined) for a in c["command"]]
     env = {e["name"]: kube_expand(e["value"], defined) for e in c.get("env", []) if "value" in e}
-    inst = next((i for i in spec.instances if i.name == name), None)
-    if inst is None:
+    instance = next((i for i in resolve(spec).instances if i.instance.name == name), None)
+    if instance is None:
         return  # pool and proxy: their argv holds no user strings but hosts, names and numbers
-    expected = ["vllm", "serve", *launch.serve_args(spec, inst, 0)]
+    inst = instance.instance
+    expected = ["vllm", "serve", *instance.nodes[0].args]
     if len(inst.hosts) > 1:
         expected[expected.index("--master-addr") + 1] = "<LWS_LEADER_ADDRESS>"
         if role == "worker":
             expected[expected.index("--node-rank") + 1] = "<LWS_WORKER_INDEX>"
             expected.insert(len(expected) - len(inst.extra_args), "--headless")
     assert argv == expected
-    for key, value in launch.environment(spec, inst).items():
+    for key, value in instance.env.items():
         assert env[key] == value
 
 

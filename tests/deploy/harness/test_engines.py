@@ -8,6 +8,7 @@ import pytest
 
 from deploy.deployment import launch
 from deploy.deployment.check import check_spec
+from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import Model
 from deploy.harness.engines import BLOCK, KV_BYTES, pd_servers, pd_spec
 from kvpp_core.model import resolve_model
@@ -22,10 +23,10 @@ def test_the_stack_spec_passes_kvpp_check():
                    consumer_extra={"transfer_timeout_s": 5})
     spec = msgspec.structs.replace(spec, model=Model(path="/models/tiny16", preset="kvpp-tiny"))
     assert [str(f) for f in check_spec(spec) if f.severity == "error"] == []
-    prefill = launch.kv_transfer_config(spec, spec.prefill[0])
+    prefill, decode = (i.kv_transfer_config for i in resolve(spec).instances)
     mooncake, store = prefill["kv_connector_extra_config"]["connectors"]
     assert mooncake["kv_connector_extra_config"] == {"hold_timeout_s": 20} and store["kv_connector"] == "AscendStoreConnector"
-    assert launch.kv_transfer_config(spec, spec.decode[0])["kv_connector_extra_config"] == {"transfer_timeout_s": 5}
+    assert decode["kv_connector_extra_config"] == {"transfer_timeout_s": 5}
     # The chaos harness's expected pull sizes come from the model, as the tiny model's pages are.
     assert resolve_model("kvpp-tiny").page_bytes(BLOCK) == 16 * 576 * 4 and KV_BYTES == 64 << 20
 
@@ -34,7 +35,7 @@ def test_the_stack_spec_passes_kvpp_check():
 def test_engines_run_the_rendered_api_server_command_on_loopback(tmp_path):
     prefill, decode = pd_servers("/models/tiny16", tmp_path, POOL_EXTRA)
     for engine in (prefill, decode):
-        rendered = launch.serve_command(engine.spec, engine.inst, 0, "api-server")
+        rendered = engine.resolved.serve_command(0, "api-server")
         host = rendered.index("--host") + 1
         assert engine.argv[0] == sys.executable and engine.argv[host] == "127.0.0.1" and rendered[host] == "0.0.0.0"
         assert engine.argv[1:host] + engine.argv[host + 1:] == rendered[1:host] + rendered[host + 1:]
