@@ -1,5 +1,5 @@
 """The packages import one way, deploy -> connectors -> kvpp_core (inside deploy: cli -> harness ->
-services -> deployment -> args), and no module imports itself back.
+services -> deployment -> bounds), and no module imports itself back.
 
 Every import statement counts, those inside functions included (they run when the function does);
 imports under `if TYPE_CHECKING:` are left out, since they never run. A package's implicit import of
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 ORDER = ("deploy", "connectors", "kvpp_core")
 """Each package may import only those after it."""
-DEPLOY_LAYERS = ("cli", "harness", "services", "deployment", "args")
+DEPLOY_LAYERS = ("cli", "harness", "services", "deployment", "bounds")
 """Inside deploy, each layer may import its own modules and those of the layers after it."""
 
 
