@@ -11,7 +11,6 @@ reference. Every process it started is stopped at the end, on failure and on Ctr
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import urllib.error
@@ -19,7 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.harness.engines import BLOCK, KV_BYTES, LAYERS, engine_metrics, engine_server, metric_total, pd_servers
+from deploy.harness.engines import (BLOCK, KV_BYTES, LAYERS, engine_metrics, engine_num_blocks, engine_server,
+                                    metric_total, pd_servers)
 from deploy.services.processes import ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
@@ -65,13 +65,6 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
         raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
 
 
-def _num_blocks(base_url: str) -> int:
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
-    if not found:
-        raise RuntimeError(f"{base_url}/metrics does not report num_gpu_blocks")
-    return int(found.group(1))
-
-
 def _answer(resp: dict) -> dict:
     lp = resp["choices"][0]["logprobs"]
     return {"text": resp["choices"][0]["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"]}
@@ -101,7 +94,7 @@ def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls
     time.sleep(6)
     decode_metrics = engine_metrics(decode_url)
     prefill_metrics = [engine_metrics(url) for url in prefill_urls]
-    blocks_on = _num_blocks(prefill_urls[0])
+    blocks_on = engine_num_blocks(prefill_urls[0])
     return {
         "capacity": {
             "blocks_off": blocks_off,
@@ -148,7 +141,7 @@ def run_demo(workdir: Path) -> dict:
         progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
         reference = engine_server("reference", model, workdir, 2, [0, 1], [])
         start_servers((reference,), started, timeout=600)
-        blocks_off = _num_blocks(reference.url)
+        blocks_off = engine_num_blocks(reference.url)
         expected = {r.name: _complete(reference.url, model, r.prompt) for r in requests}
         reference.stop()
         started.remove(reference)
@@ -196,7 +189,7 @@ def run_demo_hosts(workdir: Path) -> dict:
         expected = {r.name: _complete(stack.url("decode"), model, r.prompt) for r in requests}
         progress("4/4 requests through the proxy on host proxy")
         report = _drive(requests, model, stack.url("proxy"), [stack.url("prefill"), stack.url("prefill2")],
-                        stack.url("decode"), expected, _num_blocks(stack.url("decode")), plan)
+                        stack.url("decode"), expected, engine_num_blocks(stack.url("decode")), plan)
         report["hosts"] = {h.name: h.address for h in bed.hosts.values()}
         report["rendered"] = str(stack.scripts)
         return report
