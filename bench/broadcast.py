@@ -24,20 +24,24 @@ import tempfile
 from pathlib import Path
 
 from bench.summary import spread
-from deploy.harness.engine_run import run, write_prompts
+from testbed.engine import EngineSettings
+from testbed.engine_run import Job, run_engine
+from testbed.prompts import token_prompts
+from testbed.staggered import Staggered
 
 VARIANTS = ("on", "whole", "sync", "compiled")
 VARIANT_ENGINES = {"on": ("on",), "whole": ("on_whole_cache",), "sync": ("on_no_prefetch",),
                    "compiled": ("compiled_off", "compiled_on")}
 
 
-def _run(model: str, prompts: Path, kv_bytes: int, decode: int, *extra: str, whole_cache: bool = False) -> dict:
-    label = " ".join(extra) + (" whole-cache" if whole_cache else "")
+def _run(model: str, prompts: list[list[int]], kv_bytes: int, decode: int, whole_cache: bool = False,
+         **settings) -> dict:
+    label = " ".join(f"{k}={v}" for k, v in settings.items()) + (" whole-cache" if whole_cache else "")
     print(f"[bench] engine {label or 'kvpp off'} ...", file=sys.stderr, flush=True)
-    args = ("--tp", "2", "--kv-bytes", str(kv_bytes), "--max-tokens", str(decode), "--first-wave", "1",
-            "--steps-between-waves", "0", *extra)
+    job = Job(EngineSettings(model=model, tp=2, kv_bytes=kv_bytes, **settings),
+              Staggered(prompts, max_tokens=decode, first_wave=1, steps_between_waves=0))
     try:
-        return run(model, prompts, *args, env={"KVPP_BROADCAST_WHOLE_CACHE": "1" if whole_cache else "0"})
+        return run_engine(job, env={"KVPP_BROADCAST_WHOLE_CACHE": "1" if whole_cache else "0"})
     except RuntimeError as exc:
         raise SystemExit(str(exc)) from exc
 
@@ -71,17 +75,18 @@ def main() -> None:
             from deploy.harness.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))
-        prompts = write_prompts(Path(tmp) / "prompts.json", model, [args.prompt_tokens])
+        prompts = token_prompts(model, [args.prompt_tokens])
         kv_bytes = args.kv_mib << 20
-        engines = {"off": (), "on": ("--kvpp",), "on_whole_cache": ("--kvpp",), "on_no_prefetch": ("--kvpp", "--staging", "1"),
-                   "compiled_off": ("--compiled",), "compiled_on": ("--compiled", "--kvpp")}
+        engines = {"off": {}, "on": {"kvpp": True}, "on_whole_cache": {"kvpp": True},
+                   "on_no_prefetch": {"kvpp": True, "staging": 1}, "compiled_off": {"compiled": True},
+                   "compiled_on": {"compiled": True, "kvpp": True}}
         wanted = ["off"] + [name for variant in variants for name in VARIANT_ENGINES[variant]]
         repeats = []
         for rep in range(args.repeats):
             order = wanted[rep % len(wanted):] + wanted[:rep % len(wanted)]  # rotated: drift hits every mode
             print(f"[bench] repeat {rep + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            runs = {name: _run(model, prompts, kv_bytes, args.decode_tokens, *engines[name],
-                               whole_cache=name == "on_whole_cache") for name in order}
+            runs = {name: _run(model, prompts, kv_bytes, args.decode_tokens, name == "on_whole_cache", **engines[name])
+                    for name in order}
             repeats.append(_figures(runs, variants))
 
     result = {key: repeats[0][key] for key in ("blocks", "bytes_broadcast_per_step")}

@@ -34,10 +34,10 @@ import aiohttp
 
 from bench.anchor_table import MODES
 from bench.summary import host, interleaved, spread
-from deploy.harness.engine_run import write_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance, start_servers
+from testbed.prompts import token_prompts
 
 METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
            "peak_running", "peak_kv_usage", "preemptions")
@@ -140,8 +140,7 @@ def main() -> None:
             from deploy.harness.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(tmp / "tiny16", layers=16))
-        prompts = json.loads(write_prompts(tmp / "prompts.json", model, [args.prompt_tokens] * args.requests,
-                                           seed=3).read_text())
+        prompts = token_prompts(model, [args.prompt_tokens] * args.requests, seed=3)
         max_model_len = args.prompt_tokens + args.max_tokens + 16
         engines = {mode: server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, mode)
                    for mode in modes}

@@ -1,6 +1,6 @@
 """MooncakeConnectorV2 pull throughput against the raw Mooncake transfer engine, and P/D TTFT.
 
-Transport part (always): a stand-in prefill worker process (deploy/harness/mooncake_peer.py: real TE, the
+Transport part (always): a stand-in prefill worker process (testbed/mooncake_peer.py: real TE, the
 connector's side channel) holds a long prompt's KV pages; this process pulls them
 (a) through the connector's own pull path (Puller: metadata, read plan, coalescing, batch split),
 (b) raw `batch_transfer_sync_read` calls moving the same bytes: one entry per layer region, the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import statistics
@@ -43,11 +42,11 @@ from pathlib import Path
 import torch
 
 from bench.summary import host, spread
-from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta, pages
 from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
 from deploy.services.ports import free_port
+from testbed.mooncake_peer import BLOCK_SHAPE, TOKEN, PeerJob, local_meta, pages, start as start_peer
 
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
@@ -64,10 +63,7 @@ def _seconds(fn) -> float:
 def transport(tokens: int, repeat: int) -> dict:
     blocks = -(-tokens // BLOCK_TOKENS)
     port = free_port()
-    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
-    peer = subprocess.Popen([sys.executable, "-m", "deploy.harness.mooncake_peer", "--port", str(port),
-                             "--layers", str(LAYERS), "--blocks", str(blocks), "--seed", "11", "--hold", "bench"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    peer = start_peer(PeerJob(port=port, layers=LAYERS, blocks=blocks, seed=11, holds={"bench": TOKEN}))
     try:
         ready = json.loads(peer.stdout.readline())
         te = MooncakeTransfer("127.0.0.1", timeout_s=30)
@@ -255,7 +251,7 @@ def serving_benchmark(url: str, model: str, label: str, out_dir: Path, input_len
 
 
 def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int, float], readers: str) -> dict:
-    from deploy.harness.pd_servers import pd_server
+    from testbed.pd_servers import pd_server
     from deploy.services.ports import free_port_range
     from deploy.services.processes import ManagedProcess, start_servers
     from deploy.services.proxy import start_proxy

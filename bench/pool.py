@@ -18,13 +18,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import msgspec
 
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
@@ -101,8 +100,11 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
 
 
 def ttft(model: str, prompt_tokens: int, suffix_tokens: int) -> dict:
-    from deploy.harness.engine_run import token_draws
     from deploy.services.pool import pool_down, pool_up
+    from testbed.engine import EngineSettings
+    from testbed.engine_run import Job, run_engine
+    from testbed.prompts import token_draws
+    from testbed.script import Script
 
     os.environ.update(POOL_ENV)
     draw = token_draws(model, 11)
@@ -115,15 +117,9 @@ def ttft(model: str, prompt_tokens: int, suffix_tokens: int) -> dict:
             extra = {**pool.kv_connector_extra_config, "load_async": True, "stats_file": str(state / f"stats-{tag}")}
             ktc = {"kv_connector": "AscendStoreConnector", "kv_connector_module_path": "connectors.store.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-            (state / f"{tag}.json").write_text(json.dumps(actions))
-            cmd = [sys.executable, "-m", "deploy.harness.pool_engine", "--model", model,
-                   "--actions", str(state / f"{tag}.json"), "--max-tokens", "1", "--kv-transfer-config", json.dumps(ktc)]
-            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                raise RuntimeError(f"engine run {tag} failed:\n{proc.stderr[-3000:]}")
-            return json.loads(line.removeprefix("RESULT "))
+            job = Job(EngineSettings(model=model, kv_transfer_config=ktc),
+                      msgspec.convert({"actions": actions, "max_tokens": 1}, Script))
+            return run_engine(job)
 
         run("save", [["gen", "prefix", prefix]])
         # A fresh engine: warm up, then the same-length prompt without and with a pooled prefix.

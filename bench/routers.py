@@ -23,12 +23,12 @@ import tempfile
 from pathlib import Path
 
 from bench.pd_transfer import serving_benchmark
-from deploy.harness.pd_servers import pd_server
 from deploy.harness.routers import start_vllm_router
 from deploy.harness.tiny_model import build_tiny_model
 from deploy.services.ports import free_port_range
 from deploy.services.processes import ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
+from testbed.pd_servers import pd_server
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routers.json"
 KEYS = ("completed", "failed", "request_throughput", "median_ttft_ms", "p99_ttft_ms")

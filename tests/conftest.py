@@ -95,7 +95,7 @@ def store_engine_config(tiny_model):
 
 
 @pytest.fixture(scope="session")
-def mtp_kvpp_tp2(mtp_model, tmp_path_factory) -> dict:
+def mtp_kvpp_tp2(mtp_model) -> dict:
     """One engine shape, one start: the MTP model under KVPP at TP2 without any connector runs the runtime
     engine test's workload (its KVPP-on run), then answers the store engine test's KVPP prompts one at a
     time (their pool-free reference, under "references")."""
@@ -103,25 +103,25 @@ def mtp_kvpp_tp2(mtp_model, tmp_path_factory) -> dict:
     from tests.helpers.pool_runs import KVPP_REFERENCED, MAX_TOKENS, pool_prompts
 
     prompts = pool_prompts(mtp_model)
-    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-kvpp-tp2"), "--kvpp",
+    return mtp_tp2_run(mtp_model, kvpp=True,
                        references={name: prompts[name] for name in KVPP_REFERENCED}, reference_max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")
-def mtp_off_tp2(mtp_model, tmp_path_factory) -> dict:
+def mtp_off_tp2(mtp_model) -> dict:
     """The runtime engine workload on the MTP model at TP2 with KVPP off: the reference of the staging and the
     zero-copy runs alike (tests/kvpp_core/test_runtime_engine.py, test_zero_copy_engine.py)."""
     from tests.helpers.mtp_tp2 import mtp_tp2_run
 
-    return mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-off"))
+    return mtp_tp2_run(mtp_model)
 
 
 @pytest.fixture(scope="session")
-def pp_off_eager(tiny_model, tmp_path_factory) -> dict:
+def pp_off_eager(tiny_model) -> dict:
     """The TP2 x PP2 (7 + 9) eager workload with KVPP off: the reference of the staging and zero-copy PP runs."""
     from tests.helpers.pp_pair import pp_run
 
-    return pp_run(tiny_model, tmp_path_factory)
+    return pp_run(tiny_model)
 
 
 @pytest.fixture(scope="session")

@@ -1,28 +1,19 @@
-"""The `kvpp` command. Each subcommand lives in its own module exposing `register(subparsers)`,
-which adds a parser whose `func(args) -> int` runs it."""
+"""The `kvpp` command. Each subcommand lives in its own module of deploy/cli/ exposing
+`register(subparsers)`, which adds a parser whose `func(args) -> int` runs it."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from kvpp_core.config import KvppConfigError
 
-from deploy.args import printable
+from deploy.cli import chaos, check, demo, plan, pool, ports, proxy, render, tiny_model
+from deploy.cli.args import printable
 
-SUBCOMMAND_MODULES = [
-    "deploy.cli.plan",
-    "deploy.harness.tiny_model",
-    "deploy.deployment.check",
-    "deploy.deployment.render",
-    "deploy.services.proxy",
-    "deploy.services.pool",
-    "deploy.harness.demo",
-    "deploy.harness.chaos",
-    "deploy.cli.ports",
-]
+SUBCOMMANDS = (plan, tiny_model, check, render, proxy, pool, demo, chaos, ports)
+"""In the order `kvpp --help` lists them."""
 
 
 class UsageError(Exception):
@@ -48,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpp", description="Plan, check and run KVPP (layer-sharded KV caches) deployments for vLLM."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for command in SUBCOMMANDS:
+        command.register(subparsers)
     return parser
 
 

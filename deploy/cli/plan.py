@@ -14,7 +14,8 @@ from kvpp_core.setup import KvppSetup
 from kvpp_core.validation import raise_for_errors, validate
 from connectors.launch import connector_rules
 
-from deploy import args as cli_args
+from deploy.bounds import MAX_LAYERS, MAX_PARALLEL
+from deploy.cli import args as cli_args
 
 GIB = 1 << 30
 MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
@@ -38,9 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=cli_args.parallel_size, required=True, help="tensor-parallel size")
     p.add_argument("--pp", type=cli_args.parallel_size, default=None,
                    help="pipeline-parallel size (default: from --pp-layers, else 1)")
-    p.add_argument("--pp-layers", type=cli_args.value_list(cli_args.bounded_int(1, cli_args.MAX_LAYERS),
+    p.add_argument("--pp-layers", type=cli_args.value_list(cli_args.bounded_int(1, MAX_LAYERS),
                                                            "comma-separated integers like 38,40",
-                                                           cli_args.MAX_PARALLEL),
+                                                           MAX_PARALLEL),
                    default=None, metavar="N,N,...",
                    help="explicit target layers per PP stage, e.g. 38,40 (default: vLLM's even split)")
     p.add_argument("--pcp", type=cli_args.parallel_size, default=1,
@@ -52,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None, help="KV cache dtype (default: the model's)")
     p.add_argument("--memory-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, MAX_MEMORY_GIB),
                                                             "a number or comma-separated numbers like 60,64",
-                                                            cli_args.MAX_PARALLEL),
+                                                            MAX_PARALLEL),
                    default=(32.0,), metavar="GIB[,GIB...]",
                    help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
     p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,

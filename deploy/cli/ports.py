@@ -14,7 +14,8 @@ from collections import defaultdict
 from connectors.hosts import canonical_host
 from connectors.mooncake.ports import PortLayout, overlaps
 
-from deploy import args as cli_args
+from deploy.bounds import MAX_PARALLEL
+from deploy.cli import args as cli_args
 
 NODE_FORMAT = "NAME=KV_PORT:TP[:PP[:PCP[:DP]]]"
 
@@ -47,8 +48,8 @@ def parse_node(text: str) -> tuple[str, PortLayout]:
         numbers = [int(x) for x in parts]
     except ValueError:
         raise ValueError(f"--node {text!r}: KV_PORT, TP, PP, PCP and DP must be integers") from None
-    if any(n > cli_args.MAX_PARALLEL for n in numbers[1:]):
-        raise ValueError(f"--node {text!r}: TP, PP, PCP and DP must be at most {cli_args.MAX_PARALLEL}")
+    if any(n > MAX_PARALLEL for n in numbers[1:]):
+        raise ValueError(f"--node {text!r}: TP, PP, PCP and DP must be at most {MAX_PARALLEL}")
     sizes = dict(zip(("tp", "pp", "pcp", "dp"), numbers[1:]))
     try:
         return name, PortLayout(numbers[0], **sizes)

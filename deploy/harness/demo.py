@@ -10,23 +10,18 @@ reference. Every process it started is stopped at the end, on failure and on Ctr
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
-import signal
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy import args as cli_args
-from deploy.harness.engines import BLOCK, KV_BYTES, LAYERS, engine_metrics, engine_server, metric_total, pd_servers
-from deploy.services.processes import ManagedProcess, ProcessError, start_servers
+from deploy.harness.engines import (BLOCK, KV_BYTES, LAYERS, engine_metrics, engine_num_blocks, engine_server,
+                                    metric_total, pd_servers)
+from deploy.services.processes import ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
-from deploy.harness.testbed import TestbedError
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -53,7 +48,7 @@ def _requests() -> list[DemoRequest]:
     ]
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
     print(f"[kvpp demo] {message}", file=sys.stderr, flush=True)
 
 
@@ -68,13 +63,6 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
-
-
-def _num_blocks(base_url: str) -> int:
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', engine_metrics(base_url), re.M)
-    if not found:
-        raise RuntimeError(f"{base_url}/metrics does not report num_gpu_blocks")
-    return int(found.group(1))
 
 
 def _answer(resp: dict) -> dict:
@@ -106,7 +94,7 @@ def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls
     time.sleep(6)
     decode_metrics = engine_metrics(decode_url)
     prefill_metrics = [engine_metrics(url) for url in prefill_urls]
-    blocks_on = _num_blocks(prefill_urls[0])
+    blocks_on = engine_num_blocks(prefill_urls[0])
     return {
         "capacity": {
             "blocks_off": blocks_off,
@@ -146,29 +134,29 @@ def run_demo(workdir: Path) -> dict:
     pool_started = False
     requests = _requests()
     try:
-        _progress("1/5 building the tiny 16-layer MLA model")
+        progress("1/5 building the tiny 16-layer MLA model")
         model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
         plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
 
-        _progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
+        progress("2/5 colocated reference engine (TP=2, KVPP off): capacity and answers")
         reference = engine_server("reference", model, workdir, 2, [0, 1], [])
         start_servers((reference,), started, timeout=600)
-        blocks_off = _num_blocks(reference.url)
+        blocks_off = engine_num_blocks(reference.url)
         expected = {r.name: _complete(reference.url, model, r.prompt) for r in requests}
         reference.stop()
         started.remove(reference)
 
-        _progress("3/5 Mooncake pool (mooncake_master + segment holder)")
+        progress("3/5 Mooncake pool (mooncake_master + segment holder)")
         pool = pool_up("mooncake", pool_dir, segment_bytes=256 << 20)
         pool_started = True
 
-        _progress("4/5 prefill (TP=2, KVPP on), decode (TP=1) and the P/D proxy")
+        progress("4/5 prefill (TP=2, KVPP on), decode (TP=1) and the P/D proxy")
         prefill, decode = pd_servers(model, workdir, pool.kv_connector_extra_config)
         start_servers((prefill, decode), started, timeout=600)
         proxy, proxy_url = start_proxy([prefill.url], [decode.url], workdir / "proxy.log")
         started.append(proxy)
 
-        _progress("5/5 requests through the proxy")
+        progress("5/5 requests through the proxy")
         return _drive(requests, model, proxy_url, [prefill.url], decode.url, expected, blocks_off, plan)
     finally:
         for proc in reversed(started):
@@ -184,87 +172,24 @@ def run_demo_hosts(workdir: Path) -> dict:
     from deploy.harness.testbed import Testbed
 
     requests = _requests()
-    _progress("1/4 building the tiny 16-layer MLA model")
+    progress("1/4 building the tiny 16-layer MLA model")
     model = str(build_tiny_model(workdir / "tiny16", layers=LAYERS))
     plan = plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), KV_BYTES, block_size=BLOCK)
     with Testbed(list(HOSTS)) as bed:
-        _progress("2/4 hosts " + ", ".join(f"{h.name}={h.address}" for h in bed.hosts.values())
+        progress("2/4 hosts " + ", ".join(f"{h.name}={h.address}" for h in bed.hosts.values())
                   + f" on bridge {bed.bridge}; rendering the deployment")
         try:
             stack = RenderedStack(bed, cpu_spec(bed, model, kv_cache_bytes=KV_BYTES), workdir)
         except ValueError as exc:
             raise DemoError(f"kvpp render refused the demo spec: {exc}") from None
-        _progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
-        stack.start_all(progress=_progress)
+        progress(f"3/4 starting the rendered scripts ({stack.scripts}) on their hosts")
+        stack.start_all(progress=progress)
         # Reference: the decode engine computing each prompt itself; its KV budget is the prefills', without
         # KVPP, so its blocks are the capacity without KVPP.
         expected = {r.name: _complete(stack.url("decode"), model, r.prompt) for r in requests}
-        _progress("4/4 requests through the proxy on host proxy")
+        progress("4/4 requests through the proxy on host proxy")
         report = _drive(requests, model, stack.url("proxy"), [stack.url("prefill"), stack.url("prefill2")],
-                        stack.url("decode"), expected, _num_blocks(stack.url("decode")), plan)
+                        stack.url("decode"), expected, engine_num_blocks(stack.url("decode")), plan)
         report["hosts"] = {h.name: h.address for h in bed.hosts.values()}
         report["rendered"] = str(stack.scripts)
         return report
-
-
-def _print_report(report: dict) -> None:
-    cap, xfer, pool = report["capacity"], report["transfer"], report["pool"]
-    print("KVPP demo: tiny 16-layer MLA model, prefill TP=2 with KVPP, decode TP=1, Mooncake pool")
-    print(f"  KV capacity    off {cap['blocks_off']} blocks, on {cap['blocks_on']} blocks: {cap['ratio']:.2f}x "
-          f"(plan {cap['plan_blocks_off']} -> {cap['plan_blocks_on']}, {cap['plan_ratio']:.2f}x)")
-    rate = xfer["bytes"] / xfer["seconds"] / 1e6 if xfer["seconds"] else 0.0
-    print(f"  P/D transfer   {xfer['pulls']} pulls, {xfer['bytes']:,} bytes in {xfer['seconds']:.3f} s "
-          f"({rate:.0f} MB/s), {xfer['failures']} failed")
-    print(f"  KV pool        {pool['hit_tokens']} prompt tokens loaded from the pool "
-          f"({pool['loaded_bytes']:,} bytes loaded, {pool['saved_bytes']:,} bytes saved)")
-    for name, r in report["requests"].items():
-        mark = "same as colocated" if r["matches_reference"] else "DIFFERS from colocated"
-        print(f"  {name:<18} {r['seconds']:6.2f} s  {mark}: {r['text']!r}")
-    print(f"  answers match a colocated engine: {'yes' if report['answers_match'] else 'NO'}")
-    if "hosts" in report:
-        print("  hosts          " + ", ".join(f"{n} {a}" for n, a in report["hosts"].items())
-              + f"; scripts in {report['rendered']}")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="run prefill (KVPP) + decode + pool + proxy on this machine and report",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--workdir", type=cli_args.path, help="where the model, logs and pool state go (default: a temp dir)")
-    p.add_argument("--hosts", action="store_true",
-                   help="spread the stack over five hosts (network namespaces on a bridge, needs root) and run "
-                   "it from `kvpp render` scripts; without root it runs on loopback and says so")
-    p.set_defaults(func=_run)
-
-
-def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run_demo's cleanup, unlike the default action
-
-
-def _run(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _terminate)
-    demo = run_demo
-    if args.hosts:
-        from deploy.harness.testbed import unavailable_reason
-
-        reason = unavailable_reason()
-        if reason:
-            _progress(f"--hosts: {reason}; running on loopback instead")
-        else:
-            demo = run_demo_hosts
-    try:
-        if args.workdir is None:
-            with tempfile.TemporaryDirectory(prefix="kvpp-demo-") as tmp:
-                report = demo(Path(tmp))
-        else:
-            args.workdir.mkdir(parents=True, exist_ok=True)
-            report = demo(args.workdir)
-    except (ProcessError, DemoError, TestbedError) as exc:
-        # The message names the process and ends with its log tail: what the user needs, not our stack.
-        print(f"kvpp demo: failed: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_report(report)
-    return 0 if report["answers_match"] else 1

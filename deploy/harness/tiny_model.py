@@ -8,7 +8,6 @@ accepts text prompts and detokenizes. The KV geometry matches the real models KV
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -19,11 +18,7 @@ from pathlib import Path
 
 from kvpp_core.files import read_small_file
 
-from deploy import args as cli_args
-
 STAMP = "kvpp_tiny_model.json"
-MAX_LAYERS = 256
-MAX_MTP = 8
 # Bump when the generated files change for the same parameters, so stale builds are redone.
 GENERATOR_VERSION = 1
 
@@ -327,29 +322,3 @@ def _removable_files(path: Path, stamp: dict | None) -> list[str] | None:
         raise ValueError(f"{path} holds files kvpp tiny-model did not write ({', '.join(foreign[:5])}); move them "
                          "away or give another directory")
     return files
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "tiny-model", help="build a tiny deterministic DeepSeek-V2 (MLA) model with a local tokenizer",
-        description="Write an offline DeepseekV2ForCausalLM with seeded random weights (kv_lora_rank 512, "
-        "rope 64) and a word-level tokenizer to PATH. Re-running with the same options is a no-op.",
-    )
-    p.add_argument("path", type=cli_args.path_text, help="output directory (new, empty, or an earlier build)")
-    p.add_argument("--layers", type=cli_args.bounded_int(1, MAX_LAYERS), default=16,
-                   help="target decoder layers (default 16)")
-    p.add_argument("--seed", type=cli_args.bounded_int(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
-    p.add_argument("--moe", action="store_true", help="MoE layers after the first (4 experts, top-2)")
-    p.add_argument("--mtp", type=cli_args.bounded_int(0, MAX_MTP), default=0,
-                   help="MTP layers (switches to the DeepSeek-V3 type, which vLLM's MTP drafter needs)")
-    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
-                   help="layer dimensions: tiny (hidden 128, 4 heads; default) or deepseek-v2-lite (hidden "
-                   "2048, 16 heads, nope/v 128: DeepSeek-V2-Lite's attention, MLP reduced to 1408)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    out = build_tiny_model(args.path, layers=args.layers, seed=args.seed, moe=args.moe, mtp=args.mtp,
-                           shape=args.shape)
-    print(out)
-    return 0

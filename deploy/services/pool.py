@@ -9,8 +9,6 @@ those processes, after checking that each pid still is the process recorded.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,8 +24,7 @@ from connectors.hosts import join_host_port, mooncake_family
 
 from connectors.store.config import BACKENDS, MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
 
-from deploy import args as cli_args
-from deploy.services.ports import NoFreePorts, free_port
+from deploy.services.ports import free_port
 from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, port_open,
                                        stop_recorded)
 
@@ -73,23 +70,6 @@ def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:
     return found
 
 
-MIN_SEGMENT, MAX_SEGMENT = 1 << 20, 1 << 40
-
-
-def parse_size(text: str) -> int:
-    """`512MB`, `2GB`, ... as bytes, from 1 MB to 1 TB (an argparse type)."""
-    units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGB")
-    unit = t[len(num):]
-    if not (num.isascii() and num.isdigit()) or len(num) > 20 or unit not in units:
-        raise argparse.ArgumentTypeError(f"must look like 512MB or 2GB, got {text!r}")
-    size = int(num) * units[unit]
-    if not MIN_SEGMENT <= size <= MAX_SEGMENT:
-        raise argparse.ArgumentTypeError(f"must be from 1MB to 1024GB, got {text!r}")
-    return size
-
-
 def _bin(name: str) -> str:
     """A console script of this venv (mooncake_master ships in the Mooncake wheel)."""
     path = Path(sys.executable).parent / name
@@ -120,7 +100,7 @@ def start_mooncake(state_dir: Path, segment_bytes: int, lease_ttl_ms: int | None
         ready.unlink(missing_ok=True)
         holder = ManagedProcess(
             "pool-holder",
-            [sys.executable, "-m", "deploy.services.pool", "hold", "--master", address,
+            [sys.executable, "-m", "deploy.cli.pool_processes", "hold", "--master", address,
              "--segment-bytes", str(segment_bytes), "--ready-file", str(ready)],
             state_dir / "pool_holder.log", env=QUIET_ENV, cwd=Path(__file__).resolve().parents[2],
         ).start()
@@ -144,7 +124,7 @@ def start_memcache(state_dir: Path, dram_size: str = "1GB") -> PoolInfo:
     meta, store, metrics = free_port(), free_port(), free_port()
     proc = ManagedProcess(
         "memcache-meta-service",
-        [sys.executable, "-m", "deploy.services.pool", "meta-service", "--meta-port", str(meta),
+        [sys.executable, "-m", "deploy.cli.pool_processes", "meta-service", "--meta-port", str(meta),
          "--config-store-port", str(store), "--metrics-port", str(metrics), "--log-dir", str(state_dir / "mmc")],
         state_dir / "meta_service.log", cwd=Path(__file__).resolve().parents[2],
     ).start()
@@ -260,7 +240,7 @@ def serve_mooncake(host: str, port: int, segment_bytes: int, metrics_port: int |
                     return 1
                 time.sleep(0.1)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deploy.services.pool", "hold", "--master", join_host_port(host, port),
+                [sys.executable, "-m", "deploy.cli.pool_processes", "hold", "--master", join_host_port(host, port),
                  "--segment-bytes", str(segment_bytes), "--ready-file", str(ready), "--host", host],
                 env=env, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parents[2]))
             while not ready.exists():
@@ -295,7 +275,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-# ---- pool-side processes (run as `python -m deploy.services.pool hold|meta-service`) -----------------
+# ---- pool-side processes (run as `python -m deploy.cli.pool_processes hold|meta-service`) ------------
 def hold_segment(master: str, segment_bytes: int, ready_file: str, host: str = LOOPBACK) -> int:
     """Contribute `segment_bytes` of this process's memory to the Mooncake pool until SIGTERM; engines
     on other hosts read it at `host`."""
@@ -329,75 +309,3 @@ def meta_service(meta_port: int, config_store_port: int, metrics_port: int, log_
         print("memcache MetaService setup failed", file=sys.stderr)
         return 1
     return memcache_hybrid.MetaService.main()
-
-
-# ---- CLI ------------------------------------------------------------------------------------------
-def _cmd_up(args) -> int:
-    try:
-        info = pool_up(args.backend, Path(args.state_dir), args.segment_size)
-    except (ProcessError, NoFreePorts) as exc:
-        raise ValueError(str(exc)) from exc
-    if args.json:
-        out = {"kv_connector_extra_config": info.kv_connector_extra_config, "pids": info.pids}
-        if info.mmc_local_config_path:
-            out["mmc_local_config_path"] = info.mmc_local_config_path
-        print(json.dumps(out))
-    else:
-        print(f"{info.backend} pool up (pids {', '.join(map(str, info.pids))}); merge into --kv-transfer-config:")
-        print(json.dumps({"kv_connector_extra_config": info.kv_connector_extra_config}, indent=2))
-    return 0
-
-
-def _cmd_serve(args) -> int:
-    return serve_mooncake(args.host, args.port, args.segment_size, args.metrics_port)
-
-
-def _cmd_down(args) -> int:
-    pids = pool_down(Path(args.state_dir))
-    print(f"stopped pool pids {', '.join(map(str, pids))}" if pids else "the pool's processes had already exited")
-    return 0
-
-
-def register(subparsers) -> None:
-    pool = subparsers.add_parser("pool", help="start/stop a local KV pool (Mooncake store or memcache)")
-    sub = pool.add_subparsers(dest="pool_command", required=True)
-    up = sub.add_parser("up", help="start the pool on loopback and print its connector config")
-    up.add_argument("--backend", choices=BACKENDS, required=True)
-    up.add_argument("--segment-size", type=parse_size, default=1 << 30,
-                    help="memory the pool holds (mooncake), e.g. 512MB (default 1GB)")
-    up.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR),
-                    help="where pids and logs are kept")
-    up.add_argument("--json", action="store_true", help="print one JSON object")
-    up.set_defaults(func=_cmd_up)
-    serve = sub.add_parser("serve", help="run a Mooncake pool (master + segment holder) in the foreground on a "
-                                         "given address: what rendered deployments start")
-    serve.add_argument("--host", type=cli_args.host, required=True, help="address to listen on and advertise to engines")
-    serve.add_argument("--port", type=cli_args.port, required=True, help="mooncake_master RPC port")
-    serve.add_argument("--metrics-port", type=cli_args.port, default=None)
-    serve.add_argument("--segment-size", type=parse_size, default=1 << 30, help="memory the pool holds, e.g. 512MB")
-    serve.set_defaults(func=_cmd_serve)
-    down = sub.add_parser("down", help="stop the pool started by `kvpp pool up`")
-    down.add_argument("--state-dir", type=cli_args.path_text, default=str(DEFAULT_STATE_DIR))
-    down.set_defaults(func=_cmd_down)
-
-
-def _internal_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.services.pool")
-    sub = parser.add_subparsers(dest="what", required=True)
-    hold = sub.add_parser("hold")
-    hold.add_argument("--master", required=True)
-    hold.add_argument("--segment-bytes", type=int, required=True)
-    hold.add_argument("--ready-file", required=True)
-    hold.add_argument("--host", default=LOOPBACK)
-    meta = sub.add_parser("meta-service")
-    for name in ("--meta-port", "--config-store-port", "--metrics-port"):
-        meta.add_argument(name, type=int, required=True)
-    meta.add_argument("--log-dir", required=True)
-    args = parser.parse_args(argv)
-    if args.what == "hold":
-        return hold_segment(args.master, args.segment_bytes, args.ready_file, args.host)
-    return meta_service(args.meta_port, args.config_store_port, args.metrics_port, args.log_dir)
-
-
-if __name__ == "__main__":
-    sys.exit(_internal_main(sys.argv[1:]))

@@ -21,7 +21,6 @@ is what makes vLLM abort the request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -38,7 +37,6 @@ from aiohttp import web
 
 from connectors.hosts import host_url
 
-from deploy import args as cli_args
 from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, ManagedProcess
 
@@ -577,16 +575,6 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _urls(value: str, flag: str) -> list[str]:
-    urls = [u.strip() for u in value.split(",") if u.strip()]
-    for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ValueError(f"{flag}: {u!r} is not an http(s) URL; write e.g. http://127.0.0.1:8100")
-    if not urls:
-        raise ValueError(f"{flag} needs at least one URL")
-    return urls
-
-
 def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_path: Path, port: int | None = None,
                 extra_args: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
     """Run `kvpp proxy` as a managed process on loopback (a free port unless given); returns it and its
@@ -604,40 +592,6 @@ def start_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], log_pat
     return proc, url
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "proxy", help="OpenAI-compatible P/D proxy: prefill with KV export, then decode with the KV",
-        description="Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health "
-        "(?backends=1 also probes the backends) and /metrics. Instances are used round-robin; when one role "
-        "has no instance answering, the other role's instances serve whole requests.",
-    )
-    p.add_argument("--prefill", type=cli_args.url_list, required=True, metavar="URL[,URL]",
-                   help="prefill instance base URL(s)")
-    p.add_argument("--decode", type=cli_args.url_list, required=True, metavar="URL[,URL]",
-                   help="decode instance base URL(s)")
-    p.add_argument("--host", type=cli_args.host, default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=cli_args.port, required=True)
-    p.add_argument("--connect-timeout", type=cli_args.seconds, default=Timeouts.connect, metavar="S")
-    p.add_argument("--prefill-timeout", type=cli_args.seconds, default=Timeouts.prefill, metavar="S",
-                   help=f"whole prefill request; then the request goes to a decode alone (default {Timeouts.prefill:.0f})")
-    p.add_argument("--decode-timeout", type=cli_args.seconds, default=Timeouts.decode_read, metavar="S",
-                   help="longest silence while reading an answer; before the first byte the request then moves to "
-                   f"another instance (default {Timeouts.decode_read:.0f})")
-    p.add_argument("--probe-interval", type=cli_args.seconds, default=Timeouts.probe, metavar="S",
-                   help=f"seconds between /health probes of failed instances (default {Timeouts.probe:g})")
-    p.add_argument("--body-timeout", type=cli_args.seconds, default=Timeouts.body_read, metavar="S",
-                   help=f"longest a client may take to send its request body; then HTTP 408 (default {Timeouts.body_read:g})")
-    p.add_argument("--max-body-bytes", type=cli_args.bounded_int(1024, 1 << 30), default=Limits.max_body_bytes,
-                   metavar="N", help=f"larger request bodies get HTTP 413 (default {Limits.max_body_bytes})")
-    p.add_argument("--max-in-flight", type=cli_args.in_flight, default=Limits.max_in_flight,
-                   metavar="N", help="completions served at once; beyond it clients get HTTP 429 with Retry-After "
-                   f"(default {Limits.max_in_flight})")
-    p.add_argument("--max-upstream-bytes", type=cli_args.bounded_int(1024, 1 << 34),
-                   default=Limits.max_upstream_bytes, metavar="N",
-                   help=f"largest non-streamed answer read from an instance (default {Limits.max_upstream_bytes})")
-    p.set_defaults(func=_run)
-
-
 def _open_files_for(limits: Limits) -> None:
     """Raise this process's open-file limit to what serving `max_in_flight` completions needs (up to the
     hard limit); refuse to start, naming the option, where even that is too low."""
@@ -650,17 +604,13 @@ def _open_files_for(limits: Limits) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
-def _run(args: argparse.Namespace) -> int:
-    prefill, decode = _urls(args.prefill, "--prefill"), _urls(args.decode, "--decode")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvpp-proxy %(levelname)s %(message)s")
-    timeouts = Timeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout, args.probe_interval,
-                        args.body_timeout)
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
-                    max_upstream_bytes=args.max_upstream_bytes)
+def serve(prefill: Sequence[str], decode: Sequence[str], host: str, port: int, timeouts: Timeouts,
+          limits: Limits) -> None:
+    """What `kvpp proxy` runs: the proxy on host:port until interrupted, this process allowed the open files
+    `limits` need."""
     _open_files_for(limits)
     proxy = PDProxy(prefill, decode, timeouts, limits)
-    logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", args.host, args.port), prefill, decode)
+    logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", host, port), prefill, decode)
     # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
-    hosts = [args.host, "0.0.0.0"] if args.host == "::" else args.host
-    web.run_app(proxy.app(), host=hosts, port=args.port, print=None, access_log=None, handler_cancellation=True)
-    return 0
+    hosts = [host, "0.0.0.0"] if host == "::" else host
+    web.run_app(proxy.app(), host=hosts, port=port, print=None, access_log=None, handler_cancellation=True)

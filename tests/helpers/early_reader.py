@@ -1,7 +1,7 @@
 """The negative control of zero-copy KVPP: readers that skip the owner's written-flag wait and, by
 construction, read every foreign layer of every step before its owner has written the step's tokens.
 
-Named as an engine's `worker_extension_cls` (engine_run.py --worker-extension), this module is imported
+Named as an engine's `worker_extension_cls` (testbed EngineSettings.worker_extension), this module is imported
 in every worker process before its model loads; importing it patches that process only:
 
 - `ZeroCopyLayers.before_read` no longer waits for the owner's `written` flag;

@@ -1,11 +1,10 @@
-"""Fake Mooncake prefill workers (deploy/harness/mooncake_peer.py) in their own processes, and a decode's puller."""
+"""Fake Mooncake prefill workers (testbed/mooncake_peer.py) in their own processes, and a decode's puller."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import time
 
 import torch
@@ -13,18 +12,13 @@ import torch
 from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.transfer import MooncakeTransfer
-from deploy.harness.mooncake_peer import BLOCK_SHAPE, TOKEN, local_meta
-from tests.helpers.paths import REPO
-
-PEER = REPO / "deploy" / "harness" / "mooncake_peer.py"
+from testbed.mooncake_peer import BLOCK_SHAPE, TOKEN, PeerJob, local_meta, start
 
 
 class Peer:
-    def __init__(self, port: int, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MC_LOG_LEVEL": "ERROR"}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), "--port", str(port), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        self.port = port
+    def __init__(self, job: PeerJob) -> None:
+        self.proc = start(job, stderr=subprocess.DEVNULL)
+        self.port = job.port
         ready = self.line(timeout=60)
         assert ready.get("ready"), ready
 

@@ -1,15 +1,15 @@
 """The MTP tiny model at TP2 (one speculative token, 64 MiB of KV) over the runtime engine test's two-wave
-workload (deploy/harness/engine_run.py). KVPP on without any connector is also the shape of the store
+workload (testbed/staggered.py). KVPP on without any connector is also the shape of the store
 engine test's pool-free reference, so one run (tests/conftest.py: mtp_kvpp_tp2) answers both. Each run then
 serves the capacity load (LOAD_PROMPTS at once); a KVPP run serves it a second time with every KV block
 past KVPP-off's count zeroed after each step (the capacity test's negative control)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from deploy.harness.engine_run import run, write_prompts
+from testbed.engine import EngineSettings
+from testbed.engine_run import Job, run_engine
+from testbed.prompts import token_prompts
+from testbed.staggered import Staggered
 
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -31,17 +31,13 @@ def plan(model: str, kv_bytes: int = KV_BYTES):
     return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), kv_bytes, block_size=BLOCK)
 
 
-def mtp_tp2_run(model: str, tmp: Path, *extra: str, references: dict[str, list[int]] | None = None,
-                reference_max_tokens: int = MAX_TOKENS) -> dict:
-    """One engine run (`extra` flags, e.g. --kvpp); `references` are then served alone, under "references"."""
-    prompts = write_prompts(tmp / "prompts.json", model, PROMPT_LENGTHS)
-    load = write_prompts(tmp / "load.json", model, LOAD_PROMPTS, seed=1)
-    args = ["--tp", "2", "--mtp", "1", "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS), *extra,
-            "--load", str(load), "--load-max-tokens", str(MAX_TOKENS)]
-    if "--kvpp" in extra:
-        args += ["--corrupt-above", str(plan(model).blocks_off)]
-    if references:
-        path = tmp / "references.json"
-        path.write_text(json.dumps(references))
-        args += ["--references", str(path), "--reference-max-tokens", str(reference_max_tokens)]
-    return run(model, prompts, *args)
+def mtp_tp2_run(model: str, *, references: dict[str, list[int]] | None = None,
+                reference_max_tokens: int = MAX_TOKENS, **settings) -> dict:
+    """One engine run (`settings`: further EngineSettings, e.g. kvpp=True); `references` are then served alone,
+    under "references"."""
+    kvpp = settings.get("kvpp", False)
+    workload = Staggered(token_prompts(model, PROMPT_LENGTHS), max_tokens=MAX_TOKENS,
+                         load=token_prompts(model, LOAD_PROMPTS, seed=1), load_max_tokens=MAX_TOKENS,
+                         corrupt_above=plan(model).blocks_off if kvpp else None,
+                         references=references or {}, reference_max_tokens=reference_max_tokens)
+    return run_engine(Job(EngineSettings(model=model, tp=2, mtp=1, kv_bytes=KV_BYTES, **settings), workload))

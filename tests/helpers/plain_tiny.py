@@ -27,7 +27,7 @@ def complete(url: str, prompt: str | list[int], max_tokens: int) -> dict:
 
 def serve_plain(model: str, log: Path, token_prompts: dict[str, list[int]], max_tokens: int) -> dict:
     """TEXT_PROMPTS' choices under "text"; each of `token_prompts` alone under "tokens", as
-    {"tokens", "logprobs"} (the shape of deploy/harness/pool_engine.py's answers). The server is stopped
+    {"tokens", "logprobs"} (the shape of testbed/script.py's answers). The server is stopped
     before this returns."""
     server = VllmServer("vllm-tiny", model, free_port(), log, tp=1,
                         extra_args=["--served-model-name", "tiny", "--max-logprobs", "1"],

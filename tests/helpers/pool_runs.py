@@ -1,18 +1,18 @@
-"""Offline engine runs against a real Mooncake KV pool (deploy/harness/pool_engine.py in a process group of
+"""Offline engine runs against a real Mooncake KV pool (testbed/script.py's workload, in a process group of
 its own), shared by the store connector's engine tests."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
-from deploy.harness.engine_run import token_draws
-from deploy.services.processes import run_in_group
-from tests.helpers.paths import REPO
+import msgspec
 
-SCRIPT = REPO / "deploy" / "harness" / "pool_engine.py"
+from testbed.engine import EngineSettings
+from testbed.engine_run import Job, run_engine
+from testbed.prompts import token_draws
+from testbed.script import Script
+
 BLOCK = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
 LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
@@ -55,20 +55,13 @@ def store_config(pool, tmp: Path, tag: str, load_async: bool, backend_timeout_ms
             "kv_connector_extra_config": extra}
 
 
-def run_pool_engine(model: str, tmp: Path, tag: str, actions: list, *args: str, binds: str,
-                    env: dict[str, str] | None = None, timeout: float = 900) -> dict:
-    """One run of pool_engine.py over `actions` (its log in {tag}.log); its result, or AssertionError."""
-    path = tmp / f"{tag}.json"
-    path.write_text(json.dumps(actions))
-    cmd = [sys.executable, str(SCRIPT), "--model", model, "--actions", str(path), "--max-tokens", str(MAX_TOKENS),
-           *args]
-    full_env = {**os.environ, **POOL_ENV, "VLLM_CPU_OMP_THREADS_BIND": binds, **(env or {})}
-    proc = run_in_group(cmd, timeout=timeout, env=full_env, cwd=REPO)
-    (tmp / f"{tag}.log").write_text(proc.stdout + proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    raise AssertionError(f"engine run {tag} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+def run_pool_engine(model: str, tmp: Path, tag: str, actions: list, env: dict[str, str] | None = None,
+                    **settings) -> dict:
+    """One engine of `settings` (EngineSettings fields) over `actions` (testbed/script.py's, checked here); its
+    result. Its log is {tag}.log under `tmp`."""
+    job = Job(EngineSettings(model=model, **settings),
+              msgspec.convert({"actions": actions, "max_tokens": MAX_TOKENS}, Script))
+    return run_engine(job, env={**POOL_ENV, **(env or {})}, log=tmp / f"{tag}.log")
 
 
 def worker_stats(tmp: Path, tag: str, pp: int, tp: int) -> dict[str, int]:

@@ -3,7 +3,10 @@ and the compiled PP engine tests: the tiny model split unevenly (7 + 9 layers, V
 
 from __future__ import annotations
 
-from deploy.harness.engine_run import run, write_prompts
+from testbed.engine import EngineSettings
+from testbed.engine_run import Job, run_engine
+from testbed.prompts import token_prompts
+from testbed.staggered import Staggered
 
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -17,12 +20,12 @@ PROMPT_LENGTHS = (300, 45, 170, 90)
 PAGE = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 + 64) fp32
 
 
-def pp_run(model: str, tmp_path_factory, *extra: str, env: dict[str, str] | None = None) -> dict:
-    """One run of the workload, TP2 x PP2 split SPLIT; `extra` engine flags (--kvpp, --staging, --compiled),
-    `env` further environment."""
-    prompts = write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.json", model, PROMPT_LENGTHS)
-    args = ("--tp", "2", "--pp", "2", *extra, "--kv-bytes", str(KV_BYTES), "--max-tokens", str(MAX_TOKENS))
-    return run(model, prompts, *args, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT)), **(env or {})})
+def pp_run(model: str, **settings) -> dict:
+    """One run of the workload, TP2 x PP2 split SPLIT; `settings` further EngineSettings (kvpp, staging,
+    compiled, worker_extension)."""
+    job = Job(EngineSettings(model=model, tp=2, pp=2, kv_bytes=KV_BYTES, **settings),
+              Staggered(token_prompts(model, PROMPT_LENGTHS), max_tokens=MAX_TOKENS))
+    return run_engine(job, env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
 
 
 def pp_plan(model: str, staging: int = 2):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from deploy.harness.engine_run import logprob_agreement
+from testbed.staggered import logprob_agreement
 
 
 def assert_bit_identical(off: dict, on: dict) -> dict:

@@ -7,17 +7,19 @@ import os
 import sys
 import time
 
+import msgspec
 import pytest
 
 from deploy.services.processes import run_in_group
-from tests.helpers.unpatched_worker import WORKER_CLS
+from tests.helpers.unpatched_worker import WORKER_CLS, UnpatchedStart
 
 pytestmark = pytest.mark.engine
 
 
 def test_kvpp_on_an_unpatched_worker_refuses_to_start(tiny_model):
     started = time.monotonic()
-    proc = run_in_group([sys.executable, "-m", "tests.helpers.unpatched_worker", "--model", tiny_model],
+    job = msgspec.json.encode(UnpatchedStart(model=tiny_model)).decode()
+    proc = run_in_group([sys.executable, "-m", "tests.helpers.unpatched_worker", job],
                         timeout=300, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     elapsed = time.monotonic() - started
     out = proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ measured 32 of 32, as in eager mode)."""
 from __future__ import annotations
 
 import pytest
-from deploy.harness.engine_run import assert_same_outputs
+from testbed.staggered import assert_same_outputs
 from tests.helpers.pp_pair import MAX_TOKENS, PROMPT_LENGTHS, SPLIT, pp_plan, pp_run
 from tests.helpers.zero_copy_checks import (assert_bit_identical, assert_blocks_are_the_plans,
                                             assert_reads_every_foreign_layer_in_place)
@@ -22,18 +22,18 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def off(tiny_model, tmp_path_factory):
-    return pp_run(tiny_model, tmp_path_factory, "--compiled")
+def off(tiny_model):
+    return pp_run(tiny_model, compiled=True)
 
 
 @pytest.fixture(scope="module")
-def on(tiny_model, tmp_path_factory):
-    return pp_run(tiny_model, tmp_path_factory, "--compiled", "--kvpp")
+def on(tiny_model):
+    return pp_run(tiny_model, compiled=True, kvpp=True)
 
 
 @pytest.fixture(scope="module")
-def zero_copy(tiny_model, tmp_path_factory):
-    return pp_run(tiny_model, tmp_path_factory, "--compiled", "--kvpp", "--staging", "0")
+def zero_copy(tiny_model):
+    return pp_run(tiny_model, compiled=True, kvpp=True, staging=0)
 
 
 def test_compiled_kvpp_with_pp_produces_identical_tokens_and_logprobs(off, on):

@@ -9,7 +9,7 @@ the answers (the check can fail)."""
 from __future__ import annotations
 
 import pytest
-from deploy.harness.engine_run import assert_same_outputs
+from testbed.staggered import assert_same_outputs
 from tests.helpers.mtp_tp2 import LOAD_PROMPTS, MAX_TOKENS, PROMPT_LENGTHS
 from tests.helpers.mtp_tp2 import plan as plan_of
 

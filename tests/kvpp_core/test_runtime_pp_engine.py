@@ -6,15 +6,15 @@ blocks `kvpp plan` gives it for the same split and memory, and the engine keeps 
 from __future__ import annotations
 
 import pytest
-from deploy.harness.engine_run import assert_same_outputs
+from testbed.staggered import assert_same_outputs
 from tests.helpers.pp_pair import MAX_TOKENS, PAGE, PROMPT_LENGTHS, SPLIT, pp_plan, pp_run
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, pp_off_eager, tmp_path_factory):
-    return pp_off_eager, pp_run(tiny_model, tmp_path_factory, "--kvpp")
+def runs(tiny_model, pp_off_eager):
+    return pp_off_eager, pp_run(tiny_model, kvpp=True)
 
 
 @pytest.fixture(scope="module")

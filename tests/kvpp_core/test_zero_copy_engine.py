@@ -7,13 +7,10 @@ the very comparison the PP run passes (4 of 32 logprobs bit-identical, a gap of 
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from deploy.harness.engine_run import assert_same_outputs, logprob_agreement
+from testbed.staggered import assert_same_outputs, logprob_agreement
 from tests.helpers import mtp_tp2
 from tests.helpers.early_reader import WORKER_EXTENSION as EARLY_READER
-from tests.helpers.paths import REPO
 from tests.helpers.mtp_tp2 import mtp_tp2_run
 from tests.helpers.pp_pair import MAX_TOKENS as PP_MAX_TOKENS
 from tests.helpers.pp_pair import PROMPT_LENGTHS as PP_PROMPT_LENGTHS
@@ -27,17 +24,17 @@ from kvpp_core.topology import Topology
 
 pytestmark = pytest.mark.engine
 
-ZERO_COPY = ("--kvpp", "--staging", "0")
+ZERO_COPY = {"kvpp": True, "staging": 0}
 
 
 @pytest.fixture(scope="module")
-def tp2(mtp_model, mtp_off_tp2, tmp_path_factory):
-    return mtp_off_tp2, mtp_tp2_run(mtp_model, tmp_path_factory.mktemp("mtp-zero-copy"), *ZERO_COPY)
+def tp2(mtp_model, mtp_off_tp2):
+    return mtp_off_tp2, mtp_tp2_run(mtp_model, **ZERO_COPY)
 
 
 @pytest.fixture(scope="module")
-def pp(tiny_model, pp_off_eager, tmp_path_factory):
-    return pp_off_eager, pp_run(tiny_model, tmp_path_factory, *ZERO_COPY)
+def pp(tiny_model, pp_off_eager):
+    return pp_off_eager, pp_run(tiny_model, **ZERO_COPY)
 
 
 def test_zero_copy_tp2_mtp_gives_the_tokens_and_logprobs_of_kvpp_off(tp2):
@@ -64,14 +61,12 @@ def test_zero_copy_copies_nothing_and_reads_every_foreign_layer_on_every_step(tp
     assert_reads_every_foreign_layer_in_place(pp[1], lambda w: SPLIT[w["pp_rank"]])
 
 
-def test_readers_that_skip_the_owners_wait_fail_the_comparison(tiny_model, pp_off_eager, tmp_path_factory):
+def test_readers_that_skip_the_owners_wait_fail_the_comparison(tiny_model, pp_off_eager):
     """The PP run again, its readers patched to read each foreign layer before its owner writes the step's
     tokens: the same comparison must fail, and only each request's first logprob, from a prefill that
     attends over its own fresh KV rather than the cache, may stay bit-identical (measured: 4 of 32)."""
-    # The workers import the extension from this checkout's tests/, which the installed project does not hold.
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    early = pp_run(tiny_model, tmp_path_factory, *ZERO_COPY, "--worker-extension", EARLY_READER,
-                   env={"PYTHONPATH": path})
+    # The workers import the extension from this checkout's tests/: run_engine puts the checkout on PYTHONPATH.
+    early = pp_run(tiny_model, **ZERO_COPY, worker_extension=EARLY_READER)
     assert_reads_every_foreign_layer_in_place(early, lambda w: SPLIT[w["pp_rank"]])  # it did run zero-copy
     with pytest.raises(AssertionError):
         assert_same_outputs(pp_off_eager, early, len(PP_PROMPT_LENGTHS), PP_MAX_TOKENS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from connectors.mooncake.curve import create_keys
+from testbed.mooncake_peer import PeerJob
 from tests.helpers.mooncake_peers import Peer
 
 
@@ -12,8 +13,9 @@ from tests.helpers.mooncake_peers import Peer
 def peers():
     started: list[Peer] = []
 
-    def start(port: int, *args: str) -> Peer:
-        started.append(Peer(port, *args))
+    def start(port: int, **job) -> Peer:
+        """A peer on side-channel `port`; `job`: further PeerJob fields."""
+        started.append(Peer(PeerJob(port=port, **job)))
         return started[-1]
 
     yield start

@@ -13,7 +13,6 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deploy.harness.mooncake_peer import TOKEN as PEER_TOKEN, pages
 from connectors.mooncake import messages as m
 from connectors.mooncake.channel import ChannelError, NoAnswer, SideChannelServer, call
 from connectors.mooncake.curve import load_curve
@@ -21,6 +20,7 @@ from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.stats import MooncakeV2Stats
 from connectors.mooncake.transfer import MooncakeTransfer
+from testbed.mooncake_peer import TOKEN as PEER_TOKEN, pages
 from tests.helpers.curve_keys import load
 from tests.helpers.mooncake_peers import handle, make_puller
 from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, issued, worker_meta
@@ -266,8 +266,7 @@ def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_por
     """A stand-in prefill process with a real transfer engine: an attacker's notices (wrong token,
     or a live token for another request) are refused and counted; the decode's read is intact and
     its own notice frees the blocks."""
-    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "5", "--hold", "r1", "--hold",
-                 f"r2={OTHER}")
+    peer = peers(free_port, layers=2, blocks=8, seed=5, holds={"r1": PEER_TOKEN, "r2": OTHER})
     forged = [
         m.DoneNotice(version=V, request_id="r1", token=OTHER, consumer="x", num_consumers=1, success=True),
         m.DoneNotice(version=V, request_id="r1", token="Z" * 43, consumer="x", num_consumers=1, success=True),

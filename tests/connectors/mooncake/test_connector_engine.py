@@ -31,12 +31,14 @@ import pytest
 
 from deploy.harness.chaos_load import Load, reference_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
-from deploy.harness.pd_servers import pd_server
 from deploy.harness.routers import start_vllm_router
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import ManagedProcess, mtp_config, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
+from testbed.block_zeroing import BLOCK_ZEROING
+from testbed.pd_servers import pd_server
+from testbed.scripts import script_env
 from tests.helpers import llmd_sidecar
 from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pd_http import (MAX_TOKENS, chat, completion, metric, post, post_stream, streamed_tokens_and_logprobs,
@@ -69,13 +71,14 @@ HELD_WORDS = (250,) * 8  # 8 x 16 blocks held at once: past KVPP off's 107
 
 def _prefill_server(name: str, model: str, tmp, additional: dict, extra_args: tuple[str, ...] = ()):
     """A KVPP prefill (TP2, MTP, PREFILL_KV_BYTES per rank) with vLLM's dev-mode routes and BlockZeroing
-    (deploy/harness/engine_run.py), so the full-capacity test's negative control can zero its blocks while
-    it runs (`POST /collective_rpc`) and reset its prefix cache afterwards; neither acts unless called."""
+    (testbed/block_zeroing.py, its workers finding testbed/ through PYTHONPATH), so the full-capacity test's
+    negative control can zero its blocks while it runs (`POST /collective_rpc`) and reset its prefix cache
+    afterwards; neither acts unless called."""
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
                      hold_timeout_s=HOLD_TIMEOUT_S, lease_s=LEASE_S, server={"kv_cache_bytes": PREFILL_KV_BYTES},
-                     env={"VLLM_SERVER_DEV_MODE": "1"},
+                     env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": script_env()["PYTHONPATH"]},
                      extra_args=["--additional-config", json.dumps(additional), *MTP, *extra_args,
-                                 "--worker-extension-cls", "deploy.harness.engine_run.BlockZeroing"])
+                                 "--worker-extension-cls", BLOCK_ZEROING])
 
 
 def _worker_rpc(engine, method: str, *args) -> list:

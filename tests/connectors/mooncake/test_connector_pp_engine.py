@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from deploy.harness.pd_servers import kv_config, pd_server
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import ManagedProcess, VllmServer, start_servers
 from deploy.harness.tiny_model import sample_prompt
+from testbed.pd_servers import kv_config, pd_server
 from tests.helpers.pd_http import completion, metric, post, tokens_and_logprobs, wait_for
 
 pytestmark = pytest.mark.engine

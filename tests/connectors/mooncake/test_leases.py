@@ -8,6 +8,7 @@ import pytest
 
 from connectors.mooncake.leases import LeaseKeeper
 from deploy.services.ports import free_port_range
+from testbed.mooncake_peer import TOKEN
 from tests.helpers.mooncake_peers import handle
 
 pytestmark = pytest.mark.integration
@@ -20,7 +21,7 @@ def test_a_handle_that_cannot_be_renewed_costs_no_other_request_its_lease(peers,
     every round; the next request's renewals still go out every lease / 3, so its blocks outlive the
     initial lease many times over, and lapse once the keeper stops."""
     port = free_port_range(2)
-    peer = peers(port, "--hold", "r", "--hold-timeout", str(LEASE_S), "--lease", str(LEASE_S))
+    peer = peers(port, hold_timeout=LEASE_S, lease=LEASE_S, holds={"r": TOKEN})
     keeper = LeaseKeeper(timeout_s=2.0)
     try:
         # Due every heartbeat (lease / 3 under the 0.2 s tick), so it comes up in every round.

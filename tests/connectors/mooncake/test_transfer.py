@@ -13,11 +13,11 @@ import pytest
 import torch
 import zmq
 
-from deploy.harness.mooncake_peer import TOKEN, layer_name, pages
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, TransferError, coalesce, cut_entries, split_batches
 from deploy.services.ports import free_port_range
+from testbed.mooncake_peer import TOKEN, layer_name, pages
 from tests.helpers.mooncake_peers import handle, make_puller
 from tests.helpers.paths import REPO
 
@@ -31,7 +31,7 @@ def decode_side():
 
 @pytest.mark.integration
 def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "4", "--blocks", "32", "--seed", "7", "--hold", "r1")
+    peer = peers(free_port, layers=4, blocks=32, seed=7, holds={"r1": TOKEN})
     kv, puller = make_puller(decode_side, layers=4, blocks=16)
     remote, local = [5, 6, 7, 20, 21, 3], [0, 1, 2, 3, 4, 5]
     h = handle(peer.port, "r1", remote)
@@ -49,7 +49,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
 def test_batches_beyond_transport_limit_are_split(peers, free_port):
     # 2100 entries in one tcp batch fail (rc -1, pages half-written) in some runs and not in others
     # here; split into batches of <= 1024 they always arrive intact.
-    peer = peers(free_port, "--layers", "1", "--blocks", "4200", "--seed", "3", "--hold", "r")
+    peer = peers(free_port, layers=1, blocks=4200, seed=3, holds={"r": TOKEN})
     te = MooncakeTransfer("127.0.0.1", timeout_s=5, max_batch_entries=1024)
     try:
         kv, puller = make_puller(te, layers=1, blocks=2100)
@@ -67,10 +67,8 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
     base = free_port_range(2)
     # A TP=2 KVPP prefill: rank 0 owns layers 0-1, rank 1 layers 2-3; different content per rank
     # proves each layer came from its owner.
-    peers(base, "--layers", "4", "--blocks", "16", "--seed", "100", "--tp-rank", "0", "--tp-size", "2", "--owned", "0,1",
-          "--hold", "r")
-    peers(base + 1, "--layers", "4", "--blocks", "16", "--seed", "101", "--tp-rank", "1", "--tp-size", "2", "--owned", "2,3",
-          "--hold", "r")
+    peers(base, layers=4, blocks=16, seed=100, tp_rank=0, tp_size=2, owned=(0, 1), holds={"r": TOKEN})
+    peers(base + 1, layers=4, blocks=16, seed=101, tp_rank=1, tp_size=2, owned=(2, 3), holds={"r": TOKEN})
     kv, puller = make_puller(decode_side, layers=4, blocks=8)
     blocks = [1, 2, 3]
     puller.read(handle(base, "r", blocks, tp=2), blocks, blocks)
@@ -81,7 +79,7 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
 
 @pytest.mark.integration
 def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "1", "--hold", "r")
+    peer = peers(free_port, layers=2, blocks=8, seed=1, holds={"r": TOKEN})
     kv, puller = make_puller(decode_side, layers=2, blocks=8, timeout=1.0)
     h = handle(peer.port, "r", [1, 2])
     puller.read(h, [0, 1], [1, 2])  # metadata now cached, TE connected
@@ -100,7 +98,7 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
 
 @pytest.mark.integration
 def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, free_port):
-    peers(free_port, "--layers", "1", "--blocks", "4", "--engine-id", "new-engine", "--hold", "r")
+    peers(free_port, layers=1, blocks=4, engine_id="new-engine", holds={"r": TOKEN})
     _, puller = make_puller(decode_side, layers=1, blocks=4)
     with pytest.raises(ChannelError, match="is engine new-engine"):
         puller.read(handle(free_port, "r", [0], engine="old-engine"), [0], [0])
@@ -108,7 +106,7 @@ def test_restarted_prefill_with_other_engine_id_is_refused(peers, decode_side, f
 
 @pytest.mark.integration
 def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_port):
-    peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r")
+    peers(free_port, layers=1, blocks=4, holds={"r": TOKEN})
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 3000)
@@ -124,7 +122,7 @@ def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_p
 
 @pytest.mark.integration
 def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "orphan", "--hold-timeout", "1")
+    peer = peers(free_port, layers=1, blocks=4, hold_timeout=1, holds={"orphan": TOKEN})
     start = time.monotonic()
     assert peer.line(timeout=5) == {"expired": "orphan"}
     assert 0.9 < time.monotonic() - start < 4
@@ -159,8 +157,7 @@ def test_call_to_nobody_is_bounded(free_port):
 
 @pytest.mark.integration
 def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "2", "--blocks", "8", "--seed", "4", "--hold", "r", "--hold", "orphan",
-                 "--hold-timeout", "1", "--lease", "1")
+    peer = peers(free_port, layers=2, blocks=8, seed=4, hold_timeout=1, lease=1, holds={"r": TOKEN, "orphan": TOKEN})
     kv, puller = make_puller(decode_side, layers=2, blocks=8)
     h = handle(peer.port, "r", [1, 2])
     claim = puller.claim(h)  # travels while the read runs
@@ -181,7 +178,7 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
     from connectors.mooncake.leases import LeaseKeeper
 
     # Initial lease 4 s, a renewal grants 2 s: the decode renews every 2/3 s.
-    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "4", "--lease", "2")
+    peer = peers(free_port, layers=1, blocks=4, hold_timeout=4, lease=2, holds={"r": TOKEN})
     keeper = LeaseKeeper(timeout_s=1.0)
     keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=2.0))
     try:
@@ -198,7 +195,7 @@ def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers,
 def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(peers, free_port):
     from connectors.mooncake.leases import LeaseKeeper
 
-    peer = peers(free_port, "--layers", "1", "--blocks", "4", "--hold", "r", "--hold-timeout", "3", "--lease", "1")
+    peer = peers(free_port, layers=1, blocks=4, hold_timeout=3, lease=1, holds={"r": TOKEN})
     keeper = LeaseKeeper(timeout_s=1.0)
     keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=1.0, token="f" * 43))
     start = time.monotonic()
@@ -214,7 +211,7 @@ def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(pe
 
 @pytest.mark.integration
 def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_side, free_port):
-    peer = peers(free_port, "--layers", "3", "--blocks", "16", "--seed", "9", "--hold", "r")
+    peer = peers(free_port, layers=3, blocks=16, seed=9, holds={"r": TOKEN})
     kv, puller = make_puller(decode_side, layers=3, blocks=8)
     remote, local = [12, 11, 10, 9], [7, 6, 5, 4]  # how vLLM hands out blocks it freed in reverse
     _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)

@@ -36,9 +36,9 @@ import torch
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
-from deploy.harness.engine_run import token_draws
 from deploy.services.pool import pool_down, pool_up
 from deploy.services.ports import free_port_range
+from testbed.prompts import token_draws
 from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, LOGPROB_TOL, PAGE_BYTES, POOL_ENV, POOL_TIMERS, \
     assert_same_output, pool_prompts, run_pool_engine, store_config, worker_stats
@@ -70,12 +70,12 @@ class Scenario:
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"connectors": [pd, cfg]}}
 
-    def run(self, tag: str, actions: list, prefill: bool = False, *extra: str) -> dict:
-        """One engine of the scenario over `actions`; `extra` engine flags (e.g. --staging 0)."""
-        args = ["--tp", str(self.tp), "--kv-transfer-config", json.dumps(self.transfer_config(tag, prefill)), *extra]
-        args += ["--kvpp", "--kv-bytes", str(ON_KV_BYTES), "--max-model-len", "512"] if self.kvpp else []
-        args += ["--mtp", str(self.mtp)] if self.mtp else []
-        return run_pool_engine(self.model, self.tmp, tag, actions, *args, binds="0|1" if self.tp == 2 else "0")
+    def run(self, tag: str, actions: list, prefill: bool = False, **settings) -> dict:
+        """One engine of the scenario over `actions`; `settings`: further EngineSettings (e.g. staging=0)."""
+        if self.kvpp:
+            settings.update(kvpp=True, kv_bytes=ON_KV_BYTES, max_model_len=512)
+        return run_pool_engine(self.model, self.tmp, tag, actions, tp=self.tp, mtp=self.mtp,
+                               kv_transfer_config=self.transfer_config(tag, prefill), **settings)
 
     def stats(self, tag: str) -> dict[str, int]:
         """Counters summed over the engine's workers (each keeps its own file)."""
@@ -294,12 +294,12 @@ def test_on_pool_batch_holds_blocks_past_kvpp_off_capacity(on):
 # ---- zero-copy KVPP over the KVPP scenario's pool ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def zero_copy(on):
-    """One zero-copy engine (`--staging 0`), started once the scenario's engines have exited, over their pool:
+    """One zero-copy engine (`staging=0`), started once the scenario's engines have exited, over their pool:
     it loads the prefix the staging engine saved and saves a prompt of its own (6 whole blocks)."""
     sc = on[0]
     own = token_draws(sc.model, 11)(100)
-    return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own]], False,
-                       "--staging", "0")
+    return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own]],
+                       staging=0)
 
 
 def test_zero_copy_keeps_the_owner_shards_and_loads_what_staging_saved(on, zero_copy):

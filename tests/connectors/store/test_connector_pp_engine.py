@@ -10,7 +10,6 @@ second from scratch (a miss), with the reference tokens both times.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -18,8 +17,8 @@ import pytest
 from connectors.store.backends import Status, open_backend
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
-from deploy.harness.engine_run import token_draws
 from deploy.services.pool import pool_down, pool_up
+from testbed.prompts import token_draws
 from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, POOL_TIMERS, assert_same_output, run_pool_engine, \
     store_config, worker_stats
 
@@ -55,8 +54,7 @@ def pooled(tiny_model, tmp_path_factory):
     def engine(tag: str) -> dict:
         actions = [["gen", name, ids] for name, ids in prompts.items()]
         cfg = store_config(pool, tmp, tag, load_async=True, backend_timeout_ms=STORE_CALL_BOUND_MS)
-        return run_pool_engine(tiny_model, tmp, tag, actions, "--tp", "2", "--pp", "2", "--kvpp",
-                               "--kv-transfer-config", json.dumps(cfg), binds="0|1|0|1",
+        return run_pool_engine(tiny_model, tmp, tag, actions, tp=2, pp=2, kvpp=True, kv_transfer_config=cfg,
                                env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT)),
                                     "MC_RPC_TIMEOUT_MS": str(STORE_RPC_TIMEOUT_MS)})
 

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from connectors.store.config import parse_store_config
-from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _engine_urls, _front_counts, _tally, check_attached, \
-    soak_schedule
+from deploy.cli.chaos import _engine_urls
+from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _front_counts, _tally, check_attached, soak_schedule
 from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
 from deploy.harness.chaos_stack import Member, Stack, StackSettings, adopt_pool, inject, start_front
 from deploy.services.ports import free_port

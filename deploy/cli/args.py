@@ -1,8 +1,6 @@
 """Argument types of the `kvpp` command: each refuses a bad value at parse time with one line naming
-the accepted range, so no subcommand meets NaN, an out-of-range port or a 10**30-rank topology.
-
-Bounds are generous ceilings, not tuning advice: they exist so that a typo cannot make a command
-allocate per-rank tables for a trillion ranks or bind port 99999.
+the accepted range (deploy.bounds holds the ceilings), so no subcommand meets NaN, an out-of-range port or
+a 10**30-rank topology.
 """
 
 from __future__ import annotations
@@ -18,12 +16,7 @@ from kvpp_core.config import shown
 
 from connectors.hosts import host_problem
 
-# Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
-MAX_PARALLEL = 1024
-MAX_LAYERS = 4096
-MAX_SECONDS = 7 * 24 * 3600.0
-MAX_IN_FLIGHT = 1 << 16
-"""Most completions a `kvpp proxy` may be told to serve at once (each costs two sockets)."""
+from deploy.bounds import MAX_IN_FLIGHT, MAX_PARALLEL, MAX_SECONDS
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:

@@ -6,16 +6,20 @@ cross a process boundary exactly as between a decode and a prefill worker. It pr
 line when ready, one line per released/expired hold and per refused side-channel request, and exits
 when stdin closes.
 
-    python bench/mooncake_peer.py --port 37000 --layers 4 --blocks 64 --seed 1 [--owned 0,1 --tp-rank 0 --tp-size 2]
+    python -m testbed.mooncake_peer '{"port": 37000, "layers": 4, "blocks": 64, "seed": 1, "holds": {"r1": "<token>"}}'
+
+Its one argument is a PeerJob as JSON; `start(job)` runs it so.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import subprocess
 import sys
 import threading
+from typing import Annotated
 
+import msgspec
 import torch
 
 from connectors.mooncake.channel import SideChannelServer
@@ -23,11 +27,39 @@ from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, WorkerMeta
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.transfer import MooncakeTransfer
+from testbed.scripts import script_argv, script_env
 
 BLOCK_SHAPE = (16, 576)  # block size 16 x MLA head 576, the tiny model's page
 MODEL_KEY = "DeepseekV2ForCausalLM/peer"
 TOKEN = "peer-token-" + "x" * 32
-"""Token of holds given as --hold ID (a real prefill issues a random one per request)."""
+"""A token for holds (a real prefill issues a random one per request)."""
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class PeerJob(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    """Side-channel (handshake) port."""
+    layers: Count = 4
+    blocks: Count = 64
+    seed: int = 0
+    engine_id: str = "peer"
+    tp_rank: Count = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    owned: tuple[int, ...] | None = None
+    """Layers to publish as KVPP owner; None: every layer, KVPP off."""
+    holds: dict[str, str] = {}
+    """Request id -> token of each hold taken at start."""
+    hold_timeout: Seconds = 60.0
+    lease: Seconds | None = None
+    """What a renewal grants (default: hold_timeout)."""
+
+
+def start(job: PeerJob, stderr=None) -> subprocess.Popen:
+    """The peer in a process of its own, stdin and stdout piped (it lives until stdin closes), Mooncake's
+    log quiet."""
+    return subprocess.Popen(script_argv("mooncake_peer", msgspec.json.encode(job).decode()), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=script_env({"MC_LOG_LEVEL": "ERROR"}))
 
 
 def layer_name(i: int) -> str:
@@ -54,35 +86,21 @@ def local_meta(kv: torch.Tensor, engine_id: str, tp_rank: int, tp_size: int, te:
                       block_size=BLOCK_SHAPE[0], kvpp=owned is not None, layers=layers)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, required=True, help="side-channel (handshake) port")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engine-id", default="peer")
-    ap.add_argument("--tp-rank", type=int, default=0)
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--owned", default=None, help="comma-separated layers to publish as KVPP owner")
-    ap.add_argument("--hold", action="append", default=[], help="ID or ID=TOKEN to hold (repeatable)")
-    ap.add_argument("--hold-timeout", type=float, default=60.0)
-    ap.add_argument("--lease", type=float, default=None, help="lease a renewal grants (s; default: --hold-timeout)")
-    args = ap.parse_args()
-
-    kv = pages(args.layers, args.blocks, args.seed)
+def main(job_json: str) -> int:
+    job = msgspec.json.decode(job_json, type=PeerJob)
+    kv = pages(job.layers, job.blocks, job.seed)
     te = MooncakeTransfer("127.0.0.1", timeout_s=5)
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
-    owned = None if args.owned is None else {int(x) for x in args.owned.split(",") if x}
-    meta = local_meta(kv, args.engine_id, args.tp_rank, args.tp_size, te, owned)
-    holds = HoldTable(args.hold_timeout, args.lease)
-    for spec in args.hold:
-        request_id, _, token = spec.partition("=")
-        holds.hold(request_id, args.hold_timeout, token or TOKEN)
+    owned = None if job.owned is None else set(job.owned)
+    meta = local_meta(kv, job.engine_id, job.tp_rank, job.tp_size, te, owned)
+    holds = HoldTable(job.hold_timeout, job.lease)
+    for request_id, token in job.holds.items():
+        holds.hold(request_id, job.hold_timeout, token)
     responder = PrefillResponder(holds)
     responder.meta = meta
-    server = SideChannelServer("127.0.0.1", args.port, responder, what="mooncake peer",
+    server = SideChannelServer("127.0.0.1", job.port, responder, what="mooncake peer",
                                on_refused=lambda code: print(json.dumps({"refused": code}), flush=True))
-    print(json.dumps({"ready": True, "port": args.port, "te": te.session}), flush=True)
+    print(json.dumps({"ready": True, "port": job.port, "te": te.session}), flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     while not stop.wait(0.1):
@@ -97,4 +115,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))

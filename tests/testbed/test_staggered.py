@@ -1,8 +1,8 @@
-"""deploy/harness/engine_run.py's comparison of two runs, without an engine."""
+"""testbed/staggered.py's comparison of two runs, without an engine."""
 
 import pytest
 
-from deploy.harness.engine_run import logprob_agreement
+from testbed.staggered import logprob_agreement
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,126 @@
+"""The one offline vLLM engine of the tests and the benchmarks: its settings, the one place it is built, and
+the one loop that steps its requests.
+
+The engine core runs in the driver's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python start-up
+(~20 s here) less per run, and the step at which a request joins depends on the steps taken, not on
+wall-clock time, so runs that step at different speeds (KVPP off and on) batch alike. With TP or PP > 1 the
+workers are still processes of their own, as in a served engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
+
+from deploy.services.processes import reference_engine
+from testbed.block_zeroing import BLOCK_ZEROING
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An fp32 engine of a local model on the reference kernel (deploy.services.processes.reference_engine)."""
+
+    model: str
+    tp: Positive = 1
+    pp: Positive = 1
+    """PP stages; the split comes from VLLM_PP_LAYER_PARTITION."""
+    mtp: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """MTP speculative tokens (the model needs MTP layers)."""
+    kvpp: bool = False
+    staging: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """kvpp_staging_buffers (0: zero-copy); None: KVPP's default."""
+    compiled: bool = False
+    """torch.compile instead of eager mode."""
+    kv_bytes: Positive = 64 << 20
+    max_model_len: Positive = 1024
+    max_num_batched_tokens: Positive | None = None
+    kv_transfer_config: dict | None = None
+    worker_extension: str = ""
+    """A worker_extension_cls (qualified name) every worker imports: a test's patches there."""
+
+    @property
+    def workers(self) -> int:
+        return self.tp * self.pp
+
+
+def build_llm(settings: EngineSettings, block_zeroing: bool = False):
+    """The engine, its scheduler's gauges and counters on (`llm_metric`); `block_zeroing` installs BlockZeroing
+    in every worker."""
+    if block_zeroing and settings.worker_extension:
+        raise ValueError("a worker extension and block zeroing each set the worker extension; use one of them")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    additional = {}
+    if settings.kvpp:
+        additional = {"enable_kvpp": True, **({} if settings.staging is None else
+                                              {"kvpp_staging_buffers": settings.staging})}
+    optional: dict[str, Any] = {}
+    if settings.workers > 1:
+        optional["distributed_executor_backend"] = "mp"
+    if settings.kv_transfer_config is not None:
+        optional["kv_transfer_config"] = settings.kv_transfer_config
+    if settings.max_num_batched_tokens is not None:
+        optional["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    return LLM(
+        model=settings.model, tensor_parallel_size=settings.tp, pipeline_parallel_size=settings.pp,
+        **reference_engine(settings.mtp), enforce_eager=not settings.compiled,
+        kv_cache_memory_bytes=settings.kv_bytes, additional_config=additional,
+        max_model_len=settings.max_model_len, seed=0, disable_log_stats=False,
+        worker_extension_cls=BLOCK_ZEROING if block_zeroing else settings.worker_extension, **optional,
+    )
+
+
+def greedy(max_tokens: int, extra_args: dict | None = None):
+    """Sampling of every driven request: greedy, exactly `max_tokens` tokens, each with its logprob."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, extra_args=extra_args)
+
+
+def tokens_and_logprobs(out) -> tuple[list[int], list[float]]:
+    """A finished request's tokens and the logprob of each."""
+    comp = out.outputs[0]
+    return list(comp.token_ids), [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
+
+
+def llm_metric(llm, name: str) -> float:
+    """One of vLLM's own metrics of the engine, summed over its label sets."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+class Stepper:
+    """Requests stepped by hand (LLM.generate's loop, opened up): a workload adds requests between steps,
+    each step is timed, and `after_step` acts after each (zeroing blocks, reading gauges)."""
+
+    def __init__(self, llm, after_step: Callable[[Stepper], None] | None = None):
+        self.engine = llm.llm_engine
+        self.after_step = after_step
+        self.finished: dict[str, Any] = {}
+        """Request id -> its final RequestOutput."""
+        self.step_seconds: list[float] = []
+
+    def add(self, request_id: str, ids: list[int], params, cache_salt: str | None = None) -> None:
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_seconds.append(time.perf_counter() - started)
+        self.finished.update((out.request_id, out) for out in outputs if out.finished)
+        if self.after_step is not None:
+            self.after_step(self)
+
+    def finish(self) -> dict[str, Any]:
+        """Step until every request has finished; `finished`."""
+        while self.engine.has_unfinished_requests():
+            self.step()
+        return self.finished

@@ -1,0 +1,114 @@
+"""The runtime tests' workload: requests arriving in two waves, so that later steps mix fresh prefills with
+decodes that need history (the steps where KVPP broadcasts); tests compare two runs of it (KVPP off and on),
+each an engine of its own.
+
+After the waves the same engine can answer further prompts, each alone (`references`: the reference answers
+another test needs from an engine of this shape, without starting one more), and serve a capacity load
+(`load`: every prompt at once, vLLM's own scheduler gauges read after every step, so a test sees how many ran
+together and how many blocks they held). With `corrupt_above` N the load is served a second time while every
+worker zeroes each KV block numbered N or higher after every step: the negative control of a capacity test
+(answers that depended on blocks past N must change).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from testbed.engine import Stepper, greedy, llm_metric, tokens_and_logprobs
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Tokens = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, frozen=True):
+    prompts: list[list[int]]
+    first_wave: Count = 2
+    """Prompts submitted before the first step; the rest join after `steps_between_waves` steps."""
+    steps_between_waves: Count = 3
+    max_tokens: Tokens = 8
+    references: dict[str, list[int]] = {}
+    reference_max_tokens: Tokens = 8
+    load: list[list[int]] = []
+    load_max_tokens: Tokens = 8
+    corrupt_above: Count | None = None
+
+    @property
+    def block_zeroing(self) -> bool:
+        return self.corrupt_above is not None
+
+    def serve(self, llm) -> dict:
+        """{"outputs": {index: {"token_ids", "logprobs"}}, "workers": each worker's kvpp_stats, "step_seconds"
+        of the waves, "references": {name: {"tokens", "logprobs"}}, "load": {"clean", "corrupted"}}."""
+        waves = Stepper(llm)
+        params = greedy(self.max_tokens)
+        for i in range(min(self.first_wave, len(self.prompts))):
+            waves.add(str(i), self.prompts[i], params)
+        for _ in range(self.steps_between_waves):
+            waves.step()
+        for i in range(self.first_wave, len(self.prompts)):
+            waves.add(str(i), self.prompts[i], params)
+        outputs = {}
+        for request_id, out in waves.finish().items():
+            token_ids, logprobs = tokens_and_logprobs(out)
+            outputs[request_id] = {"token_ids": token_ids, "logprobs": logprobs}
+        reports = llm.collective_rpc("kvpp_stats")
+        references = {name: self._alone(llm, name, ids) for name, ids in self.references.items()}
+        load = {}
+        if self.load:
+            load["clean"] = self._serve_load(llm, "load-")
+            if self.corrupt_above is not None:
+                load["corrupted"] = self._serve_load(llm, "corrupt-", self.corrupt_above)
+        return {"outputs": outputs, "workers": reports, "step_seconds": waves.step_seconds,
+                "references": references, "load": load}
+
+    def _alone(self, llm, name: str, ids: list[int]) -> dict:
+        stepper = Stepper(llm)
+        stepper.add(f"reference-{name}", ids, greedy(self.reference_max_tokens))
+        (out,) = stepper.finish().values()
+        tokens, logprobs = tokens_and_logprobs(out)
+        return {"tokens": tokens, "logprobs": logprobs}
+
+    def _serve_load(self, llm, tag: str, corrupt_above: int | None = None) -> dict:
+        """Every load prompt at once, stepped to the end: outputs plus the peaks of vLLM's own gauges and the
+        preemptions its counter added meanwhile."""
+        peaks = {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+
+        def after_step(_stepper: Stepper) -> None:
+            if corrupt_above is not None:
+                llm.collective_rpc("zero_blocks_from", args=(corrupt_above,))
+            for name, peak in peaks.items():
+                peaks[name] = max(peak, llm_metric(llm, name))
+
+        preempted_before = llm_metric(llm, "vllm:num_preemptions")
+        stepper = Stepper(llm, after_step)
+        params = greedy(self.load_max_tokens)
+        for i, ids in enumerate(self.load):
+            stepper.add(f"{tag}{i}", ids, params)
+        outputs = {}
+        for request_id, out in stepper.finish().items():
+            token_ids, logprobs = tokens_and_logprobs(out)
+            outputs[request_id.removeprefix(tag)] = {"token_ids": token_ids, "logprobs": logprobs}
+        return {"outputs": outputs, "peak_running": peaks["vllm:num_requests_running"],
+                "peak_kv_usage": peaks["vllm:kv_cache_usage_perc"],
+                "preemptions": llm_metric(llm, "vllm:num_preemptions") - preempted_before}
+
+
+def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int, logprob_tol: float = 1e-5) -> None:
+    """Two runs answered every prompt with the same tokens, and logprobs equal within `logprob_tol` (fp32)."""
+    assert sorted(ref["outputs"]) == sorted(got["outputs"]) == sorted(str(i) for i in range(num_prompts))
+    for req, want in ref["outputs"].items():
+        have = got["outputs"][req]
+        assert len(want["token_ids"]) == max_tokens
+        assert have["token_ids"] == want["token_ids"], f"request {req}"
+        worst = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"]))
+        assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
+
+
+def logprob_agreement(ref: dict, got: dict) -> dict:
+    """How closely two runs' logprobs agree: how many are bit-identical out of all, and the largest gap."""
+    pairs = [(a, b) for req, want in ref["outputs"].items()
+             for a, b in zip(want["logprobs"], got["outputs"][req]["logprobs"])]
+    return {"bit_identical": sum(a == b for a, b in pairs), "total": len(pairs),
+            "max_abs_diff": max((abs(a - b) for a, b in pairs), default=0.0)}
