@@ -5,6 +5,9 @@ STAMP   := $(VENV)/.kvpp-setup-stamp
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST  := $(PY) -m pytest tests -v -ra --durations=30
+# The docs site (mkdocs.yml). The variable silences Material's banner about its own end of life, which
+# is advice printed on every build, not a finding about these docs.
+MKDOCS  := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 # The vLLM 0.33.0 contract tier: vLLM 0.33.0 (the CUDA release) layered over the main venv, no engine.
 VLLM033 := 0.33.0
 VENV033 := $(VENV)/vllm-$(VLLM033)
@@ -17,7 +20,7 @@ WHEELS  := $(HOME)/.cache/kvpp-connectors/wheels
 PYTEST033 := VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest tests/kvpp_core tests/connectors -v -ra --durations=10 \
 	-m "(unit or vllm) and not engine"
 
-.PHONY: setup test test-fast test-vllm033 demo clean-venv
+.PHONY: setup test test-fast test-vllm033 demo docs clean-venv
 
 setup: $(STAMP)
 
@@ -54,14 +57,16 @@ $(STAMP033): $(STAMP)
 		print("vLLM", vllm.__version__, "over torch", torch.__version__)'
 	@touch $@
 
-# The engine tier in the foreground; beside it every other test, then the vLLM 0.33 contract tier, on the
-# CPU that engines leave idle while they start and wait. Their output follows the engine tier's.
+# The engine tier in the foreground; beside it every other test, then the vLLM 0.33 contract tier and a
+# strict build of the docs site (a broken link or anchor, or a page missing from the nav, fails it), on
+# the CPU that engines leave idle while they start and wait. Their output follows the engine tier's.
 test: setup $(STAMP033)
-	@others=$$(mktemp); \
-	( $(PYTEST) -m "not engine"; a=$$?; $(PYTEST033); b=$$?; exit $$((a | b)) ) > $$others 2>&1 & pid=$$!; \
+	@others=$$(mktemp); site=$$(mktemp -d); \
+	( $(PYTEST) -m "not engine"; a=$$?; $(PYTEST033); b=$$?; $(MKDOCS) build --strict --site-dir $$site; c=$$?; \
+	  exit $$((a | b | c)) ) > $$others 2>&1 & pid=$$!; \
 	$(PYTEST) -m engine; engine=$$?; \
-	wait $$pid; rest=$$?; cat $$others; rm -f $$others; \
-	echo "make test: engine tier exit $$engine; unit, integration and vLLM 0.33 tiers exit $$rest"; \
+	wait $$pid; rest=$$?; cat $$others; rm -rf $$others $$site; \
+	echo "make test: engine tier exit $$engine; unit, integration, vLLM 0.33 and docs tiers exit $$rest"; \
 	[ $$engine = 0 ] && [ $$rest = 0 ]
 
 # The unit tier and the no-engine tests that touch vLLM, against vLLM 0.33.0.
@@ -73,6 +78,10 @@ test-fast: setup
 
 demo: setup
 	$(VENV)/bin/kvpp demo
+
+# The docs site on http://127.0.0.1:8000, rebuilt as pages change.
+docs: setup
+	$(MKDOCS) serve
 
 clean-venv:
 	rm -rf $(VENV)

@@ -294,7 +294,7 @@ def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
     """What the threat model says about Mooncake's own ports, checked: a stranger's transfer engine
     learns a prefill's first registered buffer from the engine's handshake (no side channel, no
     token) and reads and writes it. If this ever fails, Mooncake gained access control: update
-    README's threat model."""
+    the threat model in docs/security.md."""
     victim, stranger = MooncakeTransfer("127.0.0.1", timeout_s=5), MooncakeTransfer("127.0.0.1", timeout_s=5)
     try:
         secret = torch.arange(1024, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """deploy/harness/routers.py: the real vllm-router (the pinned release) in front of stub engines
 (tests/helpers/stub_engine.py), recording the P/D wire contract that the engine tests
-(tests/connectors/mooncake/test_connector_engine.py) and the README's "Routers" section rely on, so a
-release that changes it fails here first."""
+(tests/connectors/mooncake/test_connector_engine.py) and the docs' routers page (docs/routers.md) rely
+on, so a release that changes it fails here first."""
 
 from __future__ import annotations
 
