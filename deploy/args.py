@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from kvpp_core.config import shown
 
-from connectors.hosts import host_problem
+from connectors.common.hosts import host_problem
 
 # Largest parallel size (TP, PP, PCP, DCP, DP) a command accepts; real deployments stay far below.
 MAX_PARALLEL = 1024

@@ -88,7 +88,7 @@ def _package(module: str) -> str:
 
 def test_the_walk_sees_every_package_and_its_imports():
     assert {_package(m) for m in MODULES} == set(ORDER)
-    assert "kvpp_core.config" in GRAPH["connectors.store.config"]
+    assert "kvpp_core.config" in GRAPH["connectors.store.settings"]
     assert "kvpp_core.setup" in GRAPH["kvpp_core.startup"]
 
 

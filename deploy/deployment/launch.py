@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 
 from kvpp_core.config import ENABLE_KEY
-from connectors.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
-from connectors.names import MOONCAKE, MULTI, STORE
+from connectors.common.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
+from connectors.common.names import MOONCAKE, MULTI, STORE
 
-from connectors.store.config import MooncakeSettings
+from connectors.store.backends.settings import MooncakeSettings
 
 from deploy.deployment.spec import Instance, Spec, compact_json
 

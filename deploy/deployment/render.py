@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from deploy import args as cli_args
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import msgspec
 
 from kvpp_core.files import read_small_file
-from connectors.hosts import join_host_port, mooncake_family
+from connectors.common.hosts import join_host_port, mooncake_family
 
-from connectors.store.config import BACKENDS, MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
+from connectors.store.backends.settings import BACKENDS, MemcacheSettings, MooncakeSettings
+from connectors.store.settings import StoreSettings, parse_store_settings
 
 from deploy import args as cli_args
 from deploy.services.ports import NoFreePorts, free_port
@@ -60,9 +61,9 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
         return [p.pid for p in self.processes]
 
     @property
-    def store_config(self) -> StoreConfig:
+    def store_config(self) -> StoreSettings:
         """The connector settings this pool printed, as the connector reads them."""
-        return parse_store_config(self.kv_connector_extra_config)
+        return parse_store_settings(self.kv_connector_extra_config)
 
 
 def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:

@@ -23,7 +23,7 @@ from typing import Annotated
 
 import msgspec
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from deploy.deployment import launch
 from deploy.deployment.spec import Instance, InstanceSettings, Memory, Model, Spec, placed

@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from deploy import args as cli_args
 from deploy.services.ports import free_port
