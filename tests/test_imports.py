@@ -1,5 +1,6 @@
 """The packages import one way, deploy -> connectors -> kvpp_core (inside deploy: cli -> harness ->
-services -> deployment -> args), and no module imports itself back.
+services -> deployment -> args), no module imports itself back, and no folder does either (inside
+connectors: the plugin's composition -> each connector -> what they share in common/).
 
 Every import statement counts, those inside functions included (they run when the function does);
 imports under `if TYPE_CHECKING:` are left out, since they never run. A package's implicit import of
@@ -145,14 +146,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _a_cycle_through(component: list[str]) -> list[str]:
-    """One import path from the component's first module back to itself, to show in the failure."""
+def _a_cycle_through(component: list[str], graph: dict[str, set[str]] = GRAPH) -> list[str]:
+    """One import path from the component's first node back to itself, to show in the failure."""
     members, start = set(component), component[0]
     paths = {start: [start]}
     frontier = [start]
     while frontier:
         node = frontier.pop(0)
-        for target in sorted(GRAPH[node] & members):
+        for target in sorted(graph[node] & members):
             if target == start:
                 return paths[node] + [start]
             if target not in paths:
@@ -171,3 +172,34 @@ def test_no_import_cycle(package):
     cycles = [c for c in _cycles(GRAPH) if _package(c[0]) == package]
     shown = "\n".join(" -> ".join(_a_cycle_through(c)) + f"  (modules {', '.join(c)})" for c in cycles)
     assert cycles == [], f"import cycles in {package}:\n{shown}"
+
+
+def _folder(module: str) -> str:
+    """The folder a module lies in, dotted (`connectors.store.backends` for its `__init__` and its modules)."""
+    return ".".join(MODULES[module].relative_to(REPO).parent.parts)
+
+
+def _folder_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
+    """The import graph contracted to folders, and one module edge behind each folder edge."""
+    graph: dict[str, set[str]] = {_folder(m): set() for m in MODULES}
+    witness = {}
+    for module, targets in sorted(GRAPH.items()):
+        for target in sorted(targets):
+            edge = (_folder(module), _folder(target))
+            if edge[0] != edge[1]:
+                graph[edge[0]].add(edge[1])
+                witness.setdefault(edge, f"{module} -> {target}")
+    return graph, witness
+
+
+def test_no_import_loop_between_folders():
+    graph, witness = _folder_graph()
+    assert {"connectors", "connectors.common", "connectors.mooncake", "connectors.store",
+            "connectors.store.backends", "kvpp_core", "deploy", "deploy.cli"} <= set(graph)
+    assert "connectors.common" in graph["connectors.mooncake"] and "connectors.mooncake" in graph["connectors"]
+    shown = []
+    for component in _cycles(graph):
+        path = _a_cycle_through(component, graph)
+        shown.append(" -> ".join(path) + f"  (folders {', '.join(component)})\n"
+                     + "\n".join(f"  {witness[edge]}" for edge in zip(path, path[1:])))
+    assert shown == [], "import loops between folders:\n" + "\n".join(shown)
