@@ -174,7 +174,7 @@ def mooncake_pool(device: torch.device, dry_run: bool) -> dict:
     _mooncake_or_skip("mooncake.store")
     from connectors.store.backends.base import Status
     from connectors.store.backends.mooncake import MooncakeBackend
-    from connectors.store.config import MooncakeSettings
+    from connectors.store.backends.settings import MooncakeSettings
 
     objects, object_bytes = (8, 64 << 10) if dry_run else (64, 4 << 20)
     master, address = _start_master()

@@ -1,22 +1,22 @@
 """The connectors' launch rules, composed: each connector's own (by kv_connector name, each child of a
-MultiConnector with its own), and what holds for any connector under KVPP. The plugin hands them to
-kvpp_core's launch check; `kvpp check`/`kvpp plan` apply the same ones to a deployment."""
+MultiConnector with its own), and what holds for any connector under KVPP. The plugin installs them in
+kvpp_core's launch check, which the connectors read (connectors.common.startup); `kvpp check`/`kvpp plan`
+apply the same ones to a deployment."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kvpp_core import ascend, startup
-from kvpp_core.config import KvppConfigError
+from kvpp_core import startup
 from kvpp_core.setup import KvppSetup
 from kvpp_core.startup import ConnectorSettings, LaunchCheck
 from kvpp_core.validation import DISABLE, Problem, error
 
-from connectors.mooncake.rules import mooncake_rules
-from connectors.names import MOONCAKE, MULTI, STORE
+from connectors.common.names import MOONCAKE, MULTI, STORE
+from connectors.mooncake.rules import mooncake_v2_rules
 from connectors.store.rules import store_rules
 
-RULES = {MOONCAKE: mooncake_rules, STORE: store_rules}
+RULES = {MOONCAKE: mooncake_v2_rules, STORE: store_rules}
 
 
 def connector_rules(setup: KvppSetup, settings: ConnectorSettings | None = None) -> list[Problem]:
@@ -73,19 +73,5 @@ def _multi_connector_rules(setup: KvppSetup, settings: ConnectorSettings) -> lis
 
 
 def check_launch(vllm_config) -> LaunchCheck:
-    """Check `vllm_config` now (the engine config's check; tests)."""
+    """Check `vllm_config` now with these rules, installed or not (tests)."""
     return startup.check(vllm_config, connector_rules)
-
-
-def launch_check(vllm_config) -> LaunchCheck:
-    """This process's check of `vllm_config` (or of the MultiConnector config it is a child copy of), as one
-    of this project's connectors starts. Under vllm-ascend the caches are laid out by its own KVPP, which
-    these connectors cannot read: only `kv_connector_module_path` reaches them there, so that is refused."""
-    check = startup.checked(vllm_config, connector_rules)
-    if check.kvpp.enabled and ascend.installed() is not None:
-        raise KvppConfigError(
-            f"kv_connector_module_path: this project's {vllm_config.kv_transfer_config.kv_connector} was loaded "
-            f"under vllm-ascend, whose own KVPP ({ascend.implementation()}) lays out the KV caches, and this "
-            "connector reads only the layout of this project's adapter, which patches nothing there; remove "
-            "kv_connector_module_path to use vllm-ascend's connector of that name")
-    return check

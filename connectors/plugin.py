@@ -2,15 +2,15 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers), before
 configs are built; it must be cheap and idempotent. It installs the KVPP adapter (whose patches
-stay inert unless `enable_kvpp` is set) with the connectors' launch rules, and makes the connectors
-reachable by name.
+stay inert unless `enable_kvpp` is set) and, in kvpp_core's launch check, the connectors' launch rules
+(`connectors.launch`), and makes the connectors reachable by name.
 """
 
 from __future__ import annotations
 
 from kvpp_core import ascend
 
-from connectors.names import MOONCAKE, STORE
+from connectors.common.names import MOONCAKE, STORE
 
 CONNECTORS = {
     MOONCAKE: ("connectors.mooncake.connector", "MooncakeConnectorV2"),

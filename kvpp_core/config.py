@@ -21,7 +21,7 @@ ZERO_COPY = 0
 
 
 class KvppConfigError(ValueError):
-    """A KVPP setting the user must change; the message names the option and the fix."""
+    """A setting the user must change (KVPP's, or a connector's); the message names the option and the fix."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ class Parsed(Generic[S]):
     """Every field the user set that converted cleanly (even when another field failed)."""
     problems: list[tuple[str, str]] = field(default_factory=list)
     """(option, message) pairs, every problem at once; option is `<where>.<key>`."""
+
+    def value_or_raise(self) -> S:
+        """The struct, or KvppConfigError listing every problem, one `option: message` per line."""
+        if self.value is None:
+            raise KvppConfigError("\n".join(f"{option}: {message}" for option, message in self.problems))
+        return self.value
 
 
 def parse_struct(raw: Mapping[str, Any] | None, cls: type[S], where: str,

@@ -1,6 +1,8 @@
 """One launch check per process: `enable_kvpp` and each connector's extra config are parsed once, when
 the engine config is built (or by whoever asks first in a process that did not build it), and the
-result is carried to the connectors' constructors and the worker context instead of parsed again."""
+result is carried to the connectors' constructors and the worker context instead of parsed again.
+The connectors' rules are installed here by the plugin (`install_rules`): kvpp_core never imports the
+connectors, and a connector never imports the module that composes their rules."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpp_core import ascend
-from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, parse_additional_config
+from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, Parsed, parse_additional_config
 from kvpp_core.setup import KvppSetup, setup_from_vllm_config
-from kvpp_core.validation import Problem, raise_for_errors, validate
+from kvpp_core.validation import Problem, error, raise_for_errors, validate
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 """The vLLM releases the adapter's patches were written for: 0.32.0 (the CPU build, engine-tested here)
@@ -61,6 +63,12 @@ class ConnectorSettings:
     def add(self, connector: str, extra: dict[str, Any], value: Any) -> None:
         self._parsed.append((connector, extra, value))
 
+    def record(self, connector: str, extra: dict[str, Any], parsed: Parsed) -> list[Problem]:
+        """Keep what `parse_struct` read of `connector`'s `extra` if it parsed; its problems, as errors."""
+        if parsed.value is not None:
+            self.add(connector, extra, parsed.value)
+        return [error(option, message) for option, message in parsed.problems]
+
     def find(self, connector: str, extra: dict[str, Any] | None) -> tuple[bool, Any]:
         for name, raw, value in self._parsed:
             if name == connector and raw == (extra or {}):
@@ -106,14 +114,32 @@ class LaunchCheck:
 
 _latest: LaunchCheck | None = None
 _logged: set[Problem] = set()
+_rules: ConnectorRules | None = None
 
 
-def check(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
+def install_rules(connector_rules: ConnectorRules) -> None:
+    """The connectors' rules every later check of this process applies (the plugin installs them)."""
+    global _rules
+    _rules = connector_rules
+
+
+def _installed_rules() -> ConnectorRules:
+    if _rules is None:
+        raise RuntimeError(
+            "KVPP's launch check has no connector rules in this process: the kvpp vLLM plugin installs them "
+            "(entry point vllm.general_plugins: kvpp = connectors.plugin:register), which vLLM loads when it "
+            "builds an engine config; install this package, or call connectors.plugin.register() first")
+    return _rules
+
+
+def check(vllm_config, connector_rules: ConnectorRules | None = None) -> LaunchCheck:
     """Refuse an unsupported launch with every error at once (KvppConfigError); log each warning once per
-    process however many checks run; keep the result for `checked`."""
+    process however many checks run; keep the result for `checked`. `connector_rules`: the installed ones
+    unless given (`connectors.launch.check_launch`)."""
     global _latest
     from vllm.logger import init_logger
 
+    rules = connector_rules or _installed_rules()
     kvpp = parse_additional_config(vllm_config.additional_config)
     if kvpp.enabled:
         if ascend.refusal():
@@ -122,7 +148,7 @@ def check(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
             check_vllm_version()
     setup = setup_from_vllm_config(vllm_config, kvpp)
     settings = ConnectorSettings()
-    warnings = raise_for_errors(validate(setup, lambda s: connector_rules(s, settings), ascend.platform()))
+    warnings = raise_for_errors(validate(setup, lambda s: rules(s, settings), ascend.platform()))
     if kvpp.enabled and _latest is None:
         init_logger(f"vllm.{__name__}").info("KVPP implementation: %s", ascend.implementation())
     for warning in warnings:
@@ -133,8 +159,8 @@ def check(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
     return _latest
 
 
-def checked(vllm_config, connector_rules: ConnectorRules) -> LaunchCheck:
-    """This process's check of `vllm_config`: the one already made, else made now."""
+def checked(vllm_config) -> LaunchCheck:
+    """This process's check of `vllm_config`: the one already made, else made now with the installed rules."""
     if _latest is not None and _latest.belongs_to(vllm_config):
         return _latest
-    return check(vllm_config, connector_rules)
+    return check(vllm_config)

@@ -26,7 +26,8 @@ from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.shm_broadcast import ShmGroup
-from kvpp_core.startup import SUPPORTED_VLLM, ConnectorRules, check, checked, record_adapter_gaps, vllm_version
+from kvpp_core.startup import (SUPPORTED_VLLM, ConnectorRules, check, checked, install_rules, record_adapter_gaps,
+                               vllm_version)
 from kvpp_core.topology import Topology
 
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
@@ -40,8 +41,6 @@ READER_POLL_MS = 1
 
 _installed = False
 _readers_poll = False
-_connector_rules: ConnectorRules | None = None
-"""The connectors' launch rules, given by the plugin (kvpp_core does not import the connectors)."""
 
 
 def _logger():
@@ -126,7 +125,7 @@ class WorkerContext:
 def _build_context(worker) -> WorkerContext | None:
     from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
 
-    setup = checked(worker.vllm_config, _connector_rules).setup
+    setup = checked(worker.vllm_config).setup
     cfg, topology = setup.kvpp, setup.topology
     if not cfg.enabled:
         return None
@@ -589,7 +588,7 @@ def _proving_activation(orig):
     @functools.wraps(orig)
     def initialize_from_config(self, kv_cache_configs) -> None:
         orig(self, kv_cache_configs)
-        if not checked(self.vllm_config, _connector_rules).kvpp.enabled:
+        if not checked(self.vllm_config).kvpp.enabled:
             return
         world = self.vllm_config.parallel_config.world_size
         try:
@@ -607,19 +606,20 @@ def _proving_activation(orig):
 
 
 def install(connector_rules: ConnectorRules) -> None:
-    """Install the patches once per process (vLLM loads general plugins in every process); engine
-    configs are checked with KVPP's rules and `connector_rules`."""
-    global _installed, _connector_rules
+    """Install the patches once per process (vLLM loads general plugins in every process), and
+    `connector_rules` in the launch check: engine configs are checked with KVPP's rules and those."""
+    global _installed
     if _installed:
         return
-    _installed, _connector_rules = True, connector_rules
+    _installed = True
+    install_rules(connector_rules)
     from vllm.engine.arg_utils import EngineArgs
 
     def _validated(orig):
         @functools.wraps(orig)
         def create_engine_config(self, *args, **kwargs):
             vllm_config = orig(self, *args, **kwargs)
-            check(vllm_config, connector_rules)  # refuses an unsupported launch with every problem at once
+            check(vllm_config)  # refuses an unsupported launch with every problem at once
             return vllm_config
 
         return create_engine_config

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import zmq
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from connectors.mooncake.affinity import run_unpinned, unpin_current_thread
 from connectors.mooncake.curve import CurveKeys

@@ -15,14 +15,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpp_core.vllm_adapter import quiet_shm_readers
-
-from connectors.launch import launch_check
+from connectors.common.names import MOONCAKE
+from connectors.common.startup import connector_settings
 from connectors.mooncake.messages import is_ident
-from connectors.mooncake.settings import parse_settings
+from connectors.mooncake.metadata import MooncakeV2Metadata
+from connectors.mooncake.settings import parse_mooncake_v2_settings
 from connectors.mooncake.stats import MooncakeV2PromMetrics, MooncakeV2Stats
-from connectors.mooncake.step_meta import MooncakeV2Metadata
-from connectors.names import MOONCAKE
 
 if TYPE_CHECKING:
     import torch
@@ -41,16 +39,13 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...), checked once per process
-        check = launch_check(vllm_config)
-        quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
+        settings = connector_settings(vllm_config, MOONCAKE, parse_mooncake_v2_settings)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
                 "MooncakeConnectorV2 supports models with one KV cache group (MLA/SFA non-hybrid); "
                 f"this model has {len(kv_cache_config.kv_cache_groups)}"
             )
-        transfer = vllm_config.kv_transfer_config
-        settings = check.settings.get(MOONCAKE, transfer.kv_connector_extra_config, parse_settings)
-        engine_id = transfer.engine_id
+        engine_id = vllm_config.kv_transfer_config.engine_id
         if not is_ident(engine_id):
             raise ValueError(f"kv_transfer_config.engine_id {engine_id!r} cannot travel in kv_transfer_params: "
                              "use 1-256 visible ASCII characters (no spaces), or leave it unset")

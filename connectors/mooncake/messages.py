@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from connectors.hosts import host_problem, join_host_port
+from connectors.common.hosts import host_problem, join_host_port
 from connectors.mooncake.ports import PortLayout
 
 PROTOCOL_VERSION = 2

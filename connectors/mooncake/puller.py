@@ -29,7 +29,7 @@ from connectors.mooncake.messages import (
 )
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
 from connectors.mooncake.transfer import MooncakeTransfer
-from connectors.hosts import join_host_port
+from connectors.common.hosts import join_host_port
 
 
 MAX_PEERS = 64

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from connectors.common.hosts import local_host
 from connectors.mooncake import tokens
 from connectors.mooncake.curve import load_curve, server_key
 from connectors.mooncake.leases import LeaseKeeper
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, PrefillHandle, is_ident, parse_handle
+from connectors.mooncake.metadata import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.puller import prefill_ports
-from connectors.mooncake.settings import Settings, local_host
+from connectors.mooncake.settings import MooncakeV2Settings
 from connectors.mooncake.stats import MooncakeV2Stats
-from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,7 +46,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class MooncakeV2Scheduler:
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: MooncakeV2Settings) -> None:
         parallel = vllm_config.parallel_config
         transfer = vllm_config.kv_transfer_config
         self.engine_id = engine_id

@@ -1,18 +1,23 @@
-"""MooncakeConnectorV2 options from `kv_connector_extra_config`, checked once at startup."""
+"""MooncakeConnectorV2's settings: `kv_connector_extra_config` read once at startup into a typed struct,
+by the project's one reader of user settings (unknown keys refused with the closest valid one, every
+problem at once)."""
 
 from __future__ import annotations
 
-import difflib
-import os
 from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 
+from kvpp_core.config import Parsed, parse_struct
+
+from connectors.common.names import EXTRA_CONFIG
 from connectors.mooncake.transfer import DEFAULT_MAX_BATCH_ENTRIES, DEFAULT_MAX_ENTRY_BYTES, MIN_TRANSFER_TIMEOUT_S
 
 
-class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What MooncakeConnectorV2 reads from its kv_connector_extra_config."""
+
     protocol: str = "tcp"
     """Mooncake transport: 'tcp' runs anywhere; 'rdma' needs an RDMA NIC and device_name."""
     device_name: str = ""
@@ -40,32 +45,21 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Directory of the public certificates of the peers this node trusts (CURVE)."""
 
 
-def parse_settings(extra: Mapping[str, Any] | None) -> Settings:
-    """Every problem at once: each unknown key (with the closest valid one) and each bad value."""
-    extra = dict(extra or {})
-    fields = Settings.__struct_fields__
-    problems = []
-    for key in sorted(k for k in extra if k not in fields):
-        close = difflib.get_close_matches(key, fields, n=1)
-        problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    for key in fields:
-        if key in extra:
-            try:
-                msgspec.convert({key: extra[key]}, Settings)
-            except msgspec.ValidationError as exc:
-                problems.append(str(exc))
-    settings = None if problems else msgspec.convert(extra, Settings)
+_HINTS = {"transfer_timeout_s": f"Mooncake ignores a transfer timeout under {MIN_TRANSFER_TIMEOUT_S} s"}
+
+
+def read_mooncake_v2_settings(extra: Mapping[str, Any] | None) -> Parsed[MooncakeV2Settings]:
+    """The struct and every problem of `extra`: each field's, then whether the initial lease covers one
+    renewal."""
+    parsed = parse_struct(extra, MooncakeV2Settings, EXTRA_CONFIG, _HINTS)
+    settings = parsed.value
     if settings is not None and settings.lease_s > settings.hold_timeout_s:
-        problems.append(f"lease_s {settings.lease_s} exceeds hold_timeout_s {settings.hold_timeout_s}; "
-                        "the initial lease must cover one renewal")
-    if problems:
-        raise ValueError(
-            f"invalid kv_connector_extra_config for MooncakeConnectorV2: {'; '.join(problems)} "
-            f"(accepted keys: {', '.join(fields)})"
-        )
-    return settings
+        parsed.problems.append((f"{EXTRA_CONFIG}.lease_s", (
+            f"{settings.lease_s} exceeds hold_timeout_s {settings.hold_timeout_s}: the initial lease must cover "
+            "one renewal; lower lease_s or raise hold_timeout_s")))
+        parsed.value = None
+    return parsed
 
 
-def local_host() -> str:
-    """Address to bind and publish: VLLM_HOST_IP when set, else loopback."""
-    return os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+def parse_mooncake_v2_settings(extra: Mapping[str, Any] | None) -> MooncakeV2Settings:
+    return read_mooncake_v2_settings(extra).value_or_raise()

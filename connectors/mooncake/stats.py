@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connectors.metrics import CounterPromMetrics
+from connectors.common.metrics import CounterPromMetrics
 
 _FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed", "renewed", "lapsed")
 _HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}

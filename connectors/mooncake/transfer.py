@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from connectors.hosts import join_host_port, mooncake_family
+from connectors.common.hosts import join_host_port, mooncake_family
 
 from connectors.mooncake.affinity import run_unpinned
 

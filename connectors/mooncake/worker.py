@@ -17,20 +17,22 @@ import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.logger import init_logger
 
+from kvpp_core.runtime import active_layout
+
+from connectors.common.hosts import local_host
 from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
 from connectors.mooncake.curve import load_curve
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.messages import PROTOCOL_VERSION, LayerDesc, WorkerMeta
+from connectors.mooncake.metadata import LoadSpec, MooncakeV2Metadata
+from connectors.mooncake.ports import PortLayout
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.pulls import PullPool
 from connectors.mooncake.responder import PrefillResponder
-from connectors.mooncake.settings import Settings, local_host
+from connectors.mooncake.settings import MooncakeV2Settings
 from connectors.mooncake.stats import MooncakeV2Stats
-from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
 from connectors.mooncake.transfer import MooncakeTransfer, TransferError
-from connectors.mooncake.ports import PortLayout
-from kvpp_core.runtime import active_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,7 +78,7 @@ class _Pulled(NamedTuple):
 
 
 class MooncakeV2Worker:
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: MooncakeV2Settings) -> None:
         parallel = vllm_config.parallel_config
         transfer_config = vllm_config.kv_transfer_config
         self.vllm_config = vllm_config

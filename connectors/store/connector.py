@@ -11,12 +11,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
-from kvpp_core.vllm_adapter import quiet_shm_readers
-
-from connectors.launch import launch_check
-from connectors.names import STORE
-from connectors.store.config import parse_store_config
+from connectors.common.names import STORE
+from connectors.common.startup import connector_settings
 from connectors.store.metadata import StoreMetadata
+from connectors.store.settings import parse_store_settings
 from connectors.store.stats import StorePromMetrics, StoreStats
 
 if TYPE_CHECKING:
@@ -31,9 +29,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         # every problem of the launch at once, this connector's settings included, checked once per process
-        check = launch_check(vllm_config)
-        quiet_shm_readers()  # transfers need the cores vLLM's queue readers would spin on (CPU hosts)
-        cfg = check.settings.get(STORE, transfer.kv_connector_extra_config, parse_store_config)
+        settings = connector_settings(vllm_config, STORE, parse_store_settings)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "AscendStoreConnector: kv_load_failure_policy is %r; a pooled block that cannot be loaded "
@@ -43,11 +39,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from connectors.store.scheduler import StoreScheduler
 
-            self._scheduler = StoreScheduler(vllm_config, cfg)
+            self._scheduler = StoreScheduler(vllm_config, settings)
         else:
             from connectors.store.worker import StoreWorker
 
-            self._worker = StoreWorker(vllm_config, cfg)
+            self._worker = StoreWorker(vllm_config, settings)
 
     @property
     def requires_kv_delivery(self) -> bool:

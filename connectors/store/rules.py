@@ -9,8 +9,8 @@ from kvpp_core.setup import KvppSetup
 from kvpp_core.startup import ConnectorSettings
 from kvpp_core.validation import DISABLE, Problem, error
 
-from connectors.names import STORE
-from connectors.store.config import StoreConfig, read_store_config
+from connectors.common.names import STORE
+from connectors.store.settings import StoreSettings, read_store_settings
 
 # Extra-config keys KVPP depends on, and the value it needs.
 _STORE_FLAGS = {"use_layerwise": False, "load_async": True, "discard_partial_chunks": True, "consumer_is_to_put": False}
@@ -29,10 +29,8 @@ def store_rules(setup: KvppSetup, settings: ConnectorSettings) -> list[Problem]:
         problems.append(error("kv_role", (
             f"{STORE} supports KVPP with kv_role kv_producer or kv_both, got {setup.kv_role!r}; "
             'set "kv_role": "kv_producer" or "kv_both"')))
-    parsed = read_store_config(setup.kv_extra)
-    if parsed.value is not None:
-        settings.add(STORE, setup.kv_extra, parsed.value)
-    problems += [error(option, message) for option, message in parsed.problems]
+    parsed = read_store_settings(setup.kv_extra)
+    problems += settings.record(STORE, setup.kv_extra, parsed)
     if not kvpp:
         return problems
     problems += _kvpp_flag_rules(parsed.given, {p.option for p in problems})
@@ -46,7 +44,7 @@ def store_rules(setup: KvppSetup, settings: ConnectorSettings) -> list[Problem]:
 def _kvpp_flag_rules(given: dict, reported: set[str]) -> list[Problem]:
     """What KVPP needs of the flags that parsed (a flag already refused is not refused twice)."""
     problems = []
-    defaults = {f.name: f.default for f in msgspec.inspect.type_info(StoreConfig).fields}
+    defaults = {f.name: f.default for f in msgspec.inspect.type_info(StoreSettings).fields}
     for key, required in _STORE_FLAGS.items():
         option = f"kv_connector_extra_config.{key}"
         value = given.get(key, defaults[key])

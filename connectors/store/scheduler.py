@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from connectors.store.config import StoreConfig, role_actions
+from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import UnhashableExtraKeys
 from connectors.store.lookup import LookupChannel, LookupClient
 from connectors.store.metadata import BlockJob, StoreMetadata
@@ -35,7 +35,7 @@ class _SaveTracker:
 
 
 class StoreScheduler:
-    def __init__(self, vllm_config: "VllmConfig", cfg: StoreConfig) -> None:
+    def __init__(self, vllm_config: "VllmConfig", cfg: StoreSettings) -> None:
         self._cfg = cfg
         self._block_size = vllm_config.cache_config.block_size
         self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)

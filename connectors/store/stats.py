@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connectors.metrics import CounterPromMetrics
+from connectors.common.metrics import CounterPromMetrics
 
 COUNTERS = (
     "lookups", "lookup_hit_blocks", "lookup_hit_tokens", "lookup_failures", "unpoolable_requests",

@@ -25,7 +25,7 @@ from kvpp_core.ownership import target_layer
 from kvpp_core.runtime import ActiveLayout, active_layout
 
 from connectors.store.backends import Backend, Status, open_backend
-from connectors.store.config import StoreConfig, role_actions
+from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import CacheLayout
 from connectors.store.lookup import LookupChannel, LookupServer
 from connectors.store.metadata import BlockJob, StoreMetadata
@@ -53,7 +53,7 @@ def order_caches(names: Sequence[str], layer_of: dict[str, int | None]) -> tuple
 
 
 class StoreWorker:
-    def __init__(self, vllm_config: "VllmConfig", cfg: StoreConfig) -> None:
+    def __init__(self, vllm_config: "VllmConfig", cfg: StoreSettings) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self._vllm_config = vllm_config

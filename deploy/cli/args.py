@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from kvpp_core.config import shown
 
-from connectors.hosts import host_problem
+from connectors.common.hosts import host_problem
 
 from deploy.bounds import MAX_IN_FLIGHT, MAX_PARALLEL, MAX_SECONDS
 

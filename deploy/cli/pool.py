@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from connectors.store.config import BACKENDS
+from connectors.store.backends.settings import BACKENDS
 
 from deploy.cli import args as cli_args
 from deploy.services.pool import DEFAULT_STATE_DIR, pool_down, pool_up, serve_mooncake

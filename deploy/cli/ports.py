@@ -11,7 +11,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from connectors.hosts import canonical_host
+from connectors.common.hosts import canonical_host
 from connectors.mooncake.ports import PortLayout, overlaps
 
 from deploy.bounds import MAX_PARALLEL

@@ -13,16 +13,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
-from connectors.hosts import MOONCAKE_IPV6, canonical_host, ip_version
+from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.setup import KvppSetup
 from kvpp_core.validation import Problem, validate
 from connectors.launch import connector_rules
-from connectors.names import MOONCAKE, MULTI, STORE
+from connectors.common.names import MOONCAKE, MULTI, STORE
 
-from connectors.store.config import StoreConfig, read_store_config, role_actions
+from connectors.store.settings import StoreSettings, read_store_settings, role_actions
 from connectors.store.layouts import KeyLayout, key_differences
 from connectors.store.shards import StageLayers
 
@@ -260,7 +260,7 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
     store = _store_connector(instance.kv_transfer_config or {})
     if model is None or spec.pool is None or store is None:
         return None
-    cfg = read_store_config(store.get("kv_connector_extra_config")).value
+    cfg = read_store_settings(store.get("kv_connector_extra_config")).value
     try:
         topo = _topology(inst)
         ranges = topo.stage_layers(model.num_layers)
@@ -293,7 +293,7 @@ def _store_connector(kv_cfg: dict) -> dict | None:
     return None
 
 
-def _pool_address(spec: Spec, cfg: StoreConfig) -> str:
+def _pool_address(spec: Spec, cfg: StoreSettings) -> str:
     """Where the instance's pool client connects: its own settings, else the rendered config file's."""
     if cfg.backend == "mooncake":
         rendered = spec.pool.mooncake.master_server_address if spec.pool.mooncake else None
@@ -333,7 +333,7 @@ def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str |
 
 def _family_findings(spec: Spec) -> list[Finding]:
     """The IP literals among the hosts that exchange Mooncake traffic (P/D transfers, the Mooncake
-    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (connectors.hosts.MOONCAKE_IPV6)."""
+    pool) must be of one family: Mooncake runs IPv4 or IPv6 per deployment (connectors.common.hosts.MOONCAKE_IPV6)."""
     members = [(i.where, "hosts", h) for i in spec.instances
                if spec.disaggregated or (i.uses_pool and _mooncake_pool(spec)) for h in i.hosts]
     if _mooncake_pool(spec):

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
-from connectors.hosts import host_url, wildcard
+from connectors.common.hosts import host_url, wildcard
 
-from connectors.store.config import MooncakeSettings
+from connectors.store.backends.settings import MooncakeSettings
 
 from deploy.deployment.spec import Proxy, Spec
 

@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 
 from kvpp_core.config import ENABLE_KEY
-from connectors.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
+from connectors.common.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
 from connectors.mooncake.ports import PortLayout
-from connectors.names import MOONCAKE, MULTI, STORE
+from connectors.common.names import MOONCAKE, MULTI, STORE
 
 from deploy.deployment import launch
 from deploy.deployment.launch import ConfigFile, deep_merge

@@ -24,9 +24,9 @@ import yaml
 
 from kvpp_core.config import parse_struct, shown
 from kvpp_core.files import read_small_file
-from connectors.hosts import address_problem, host_problem, split_host_port
+from connectors.common.hosts import address_problem, host_problem, split_host_port
 
-from connectors.store.config import BackendName, MooncakeSettings
+from connectors.store.backends.settings import BackendName, MooncakeSettings
 
 from deploy.bounds import MAX_IN_FLIGHT, MAX_LAYERS, MAX_PARALLEL
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from connectors.hosts import host_url, join_host_port
+from connectors.common.hosts import host_url, join_host_port
 
 from deploy.services.processes import ProcessError, cpu_instance, http_ok
 from deploy.deployment.render import render, write_files

@@ -20,9 +20,10 @@ from pathlib import Path
 import msgspec
 
 from kvpp_core.files import read_small_file
-from connectors.hosts import join_host_port, mooncake_family
+from connectors.common.hosts import join_host_port, mooncake_family
 
-from connectors.store.config import BACKENDS, MemcacheSettings, MooncakeSettings, StoreConfig, parse_store_config
+from connectors.store.backends.settings import BACKENDS, MemcacheSettings, MooncakeSettings
+from connectors.store.settings import StoreSettings, parse_store_settings
 
 from deploy.services.ports import free_port
 from deploy.services.processes import (LOOPBACK, ManagedProcess, ProcessError, ProcessIdentity, boot_id, port_open,
@@ -57,9 +58,9 @@ class PoolInfo(msgspec.Struct, forbid_unknown_fields=True):
         return [p.pid for p in self.processes]
 
     @property
-    def store_config(self) -> StoreConfig:
+    def store_config(self) -> StoreSettings:
         """The connector settings this pool printed, as the connector reads them."""
-        return parse_store_config(self.kv_connector_extra_config)
+        return parse_store_settings(self.kv_connector_extra_config)
 
 
 def _identities(procs: list[ManagedProcess]) -> list[ProcessIdentity]:

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from connectors.hosts import is_ipv6
+from connectors.common.hosts import is_ipv6
 
 LOOPBACK = "127.0.0.1"
 SERVICE_PORTS = (20000, 32767)

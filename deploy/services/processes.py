@@ -23,7 +23,7 @@ from typing import Annotated
 
 import msgspec
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from deploy.deployment.launch import ConfigFile
 from deploy.deployment.resolved import ResolvedInstance, resolve

@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from connectors.hosts import host_url
+from connectors.common.hosts import host_url
 
 from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, ManagedProcess

@@ -120,10 +120,10 @@ def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
                             {"kv_connector": "AscendStoreConnector", "kv_connector_extra_config": {"backend": "redis"}}]}
     problems = validate(setup(kvpp=off, kv_connector="MultiConnector", kv_role="kv_both", kv_extra=multi))
     assert [p.option for p in problems] == [
-        "kv_connector_extra_config.connectors[0].kv_connector_extra_config",
+        "kv_connector_extra_config.connectors[0].kv_connector_extra_config.transfer_timeout",
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.backend",
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.lookup_rpc_port"]
-    assert "transfer_timeout" in problems[0].message
+    assert "did you mean transfer_timeout_s?" in problems[0].message
     assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message
 
 # ---- the launch check of a real vLLM config ----------------------------------------------------------
@@ -204,13 +204,13 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
     import connectors.store.worker
     from connectors import plugin
     from kvpp_core import config, vllm_adapter
-    from connectors.mooncake import settings
-    from connectors.store import config as store_config
+    from connectors.mooncake import settings as mooncake_settings
+    from connectors.store import settings as store_settings
 
     plugin.register()  # what vLLM's plugin loader does in every process (idempotent)
     kvpp_parses = _count_calls(monkeypatch, config.parse_additional_config)
-    mooncake_parses = _count_calls(monkeypatch, settings.parse_settings)
-    store_parses = _count_calls(monkeypatch, store_config.read_store_config)
+    mooncake_parses = _count_calls(monkeypatch, mooncake_settings.read_mooncake_v2_settings)
+    store_parses = _count_calls(monkeypatch, store_settings.read_store_settings)
     built = {}
 
     def worker_side(name):
@@ -247,7 +247,7 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
         scheduler.shutdown()
     assert (len(kvpp_parses), len(mooncake_parses), len(store_parses)) == (1, 1, 1)
     assert context.config.enabled and context.topology.tp == 2 and context.layout.group_size == 2
-    assert built["mooncake"] == settings.Settings() and built["store"].load_async
+    assert built["mooncake"] == mooncake_settings.MooncakeV2Settings() and built["store"].load_async
 
 
 @pytest.mark.parametrize("connector, extra", [("MooncakeConnectorV2", {}), ("AscendStoreConnector", GOOD_STORE_EXTRA)])

@@ -1,4 +1,4 @@
-"""Pool backends behind one `Backend` protocol; `open_backend` picks one from the connector config."""
+"""Pool backends behind one `Backend` protocol; `open_backend` picks one from the pool connector's settings."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from connectors.store.backends.base import Backend, BackendError, Status
 __all__ = ["Backend", "BackendError", "Status", "open_backend"]
 
 if TYPE_CHECKING:
-    from connectors.store.config import StoreConfig
+    from connectors.store.settings import StoreSettings
 
 
-def open_backend(cfg: StoreConfig, *, call_timeout_s: float | None = None, device_memory: bool = False) -> Backend:
+def open_backend(cfg: StoreSettings, *, call_timeout_s: float | None = None, device_memory: bool = False) -> Backend:
     """Connect to the configured backend with its typed settings (each call bounded by call_timeout_s,
-    default the config's backend_timeout_ms); imports its client library only when chosen."""
+    default the settings' backend_timeout_ms); imports its client library only when chosen."""
     timeout = cfg.backend_timeout_s if call_timeout_s is None else call_timeout_s
     if cfg.backend == "mooncake":
         from connectors.store.backends.mooncake import MooncakeBackend

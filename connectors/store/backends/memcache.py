@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from connectors.store.backends.base import (BackendError, BoundedCalls, BoundedClient, Status, all_status,
                                            exist_statuses)
-from connectors.store.config import MemcacheSettings
+from connectors.store.backends.settings import MemcacheSettings
 
 CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 # memfabric copy directions (memfabric_hybrid.bm.BmCopyType): host DRAM or device HBM <-> pool.

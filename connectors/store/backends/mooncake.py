@@ -13,18 +13,18 @@ from collections.abc import Sequence
 import msgspec
 
 from kvpp_core.config import parse_struct
-from connectors.hosts import mooncake_family
 
+from connectors.common.hosts import local_host, mooncake_family
 from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
-from connectors.store.config import MooncakeSettings
+from connectors.store.backends.settings import MooncakeSettings
 
 # Mooncake store error codes (mooncake-store/include/types.h) the pool reacts to.
 _OBJECT_NOT_FOUND = -704
 _BUFFER_OVERFLOW = -600
 
 CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
-DEFAULTS = MooncakeSettings(local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", protocol="tcp",
-                            rdma_devices="", global_segment_size=0, local_buffer_size=16 << 20)
+DEFAULTS = MooncakeSettings(metadata_server="P2PHANDSHAKE", protocol="tcp", rdma_devices="", global_segment_size=0,
+                            local_buffer_size=16 << 20)
 
 
 def resolve_settings(settings: MooncakeSettings) -> MooncakeSettings:
@@ -32,7 +32,7 @@ def resolve_settings(settings: MooncakeSettings) -> MooncakeSettings:
     $MOONCAKE_CONFIG_PATH (read as the same struct), which wins over the defaults."""
     # Peers reach this client's buffers at local_hostname: on a multi-host deployment that is the
     # node's address (VLLM_HOST_IP, as the P/D connector publishes), never loopback.
-    merged = msgspec.structs.replace(DEFAULTS, local_hostname=os.environ.get("VLLM_HOST_IP") or DEFAULTS.local_hostname)
+    merged = msgspec.structs.replace(DEFAULTS, local_hostname=local_host())
     path = settings.config_path or os.environ.get(CONFIG_ENV)
     if path:
         merged = msgspec.structs.replace(merged, **_read_file(path).explicit())

@@ -21,7 +21,7 @@ STEP = SimpleNamespace(total_num_scheduled_tokens=1, num_scheduled_tokens={})
 
 def _scheduler(hold=7.0, **settings):
     from connectors.mooncake.scheduler import MooncakeV2Scheduler
-    from connectors.mooncake.settings import Settings
+    from connectors.mooncake.settings import MooncakeV2Settings
 
     cfg = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
@@ -31,7 +31,7 @@ def _scheduler(hold=7.0, **settings):
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(max_model_len=4096),
     )
-    return MooncakeV2Scheduler(cfg, "engine-p", Settings(hold_timeout_s=hold, **settings))
+    return MooncakeV2Scheduler(cfg, "engine-p", MooncakeV2Settings(hold_timeout_s=hold, **settings))
 
 
 def _request(params, status=None, prompt=40, computed=40):

@@ -18,8 +18,8 @@ from connectors.mooncake import messages as m
 from connectors.mooncake import worker as worker_module
 from connectors.mooncake.channel import ChannelError, call
 from connectors.mooncake.messages import PrefillHandle
-from connectors.mooncake.settings import Settings
-from connectors.mooncake.step_meta import LoadSpec, MooncakeV2Metadata
+from connectors.mooncake.metadata import LoadSpec, MooncakeV2Metadata
+from connectors.mooncake.settings import MooncakeV2Settings
 from connectors.mooncake.worker import MooncakeV2Worker
 from deploy.services.ports import free_port
 from tests.helpers.mooncake_wire import KEY, OTHER, TOKEN, V, issued, names
@@ -59,7 +59,7 @@ def start_worker(monkeypatch):
     started: list[MooncakeV2Worker] = []
 
     def start(engine_id: str, **settings) -> MooncakeV2Worker:
-        started.append(MooncakeV2Worker(vllm_config(free_port()), engine_id, Settings(**settings)))
+        started.append(MooncakeV2Worker(vllm_config(free_port()), engine_id, MooncakeV2Settings(**settings)))
         return started[-1]
 
     yield start

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connectors.store.config import parse_store_config
+from connectors.store.settings import parse_store_settings
 from connectors.store.keys import block_hashes
 from tests.helpers.store_config import BASE
 
@@ -21,7 +21,7 @@ def _scheduler(role="kv_producer"):
         kv_transfer_config=SimpleNamespace(kv_role=role),
         parallel_config=SimpleNamespace(data_parallel_rank=0),
     )
-    return StoreScheduler(vllm_config, parse_store_config(BASE))
+    return StoreScheduler(vllm_config, parse_store_settings(BASE))
 
 
 def _output(new=(), cached=None, scheduled=None, preempted=None):
@@ -104,7 +104,7 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
                                   kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
                                   parallel_config=SimpleNamespace(data_parallel_rank=0))
-    sched = StoreScheduler(vllm_config, parse_store_config({**BASE, "load_async": True}))
+    sched = StoreScheduler(vllm_config, parse_store_settings({**BASE, "load_async": True}))
     sched._client.close()
     sched._client = client = _Client()
     from vllm.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connectors.store.config import parse_store_config
+from connectors.store.settings import parse_store_settings
 from connectors.store.metadata import BlockJob
 from connectors.store.transfer import SaveResult
 from connectors.store.backends import Status
@@ -22,7 +22,7 @@ def worker(tmp_path, monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
-    cfg = parse_store_config({"backend": "mooncake", "lookup_rpc_port": 6000, "stats_file": str(tmp_path / "stats")})
+    cfg = parse_store_settings({"backend": "mooncake", "lookup_rpc_port": 6000, "stats_file": str(tmp_path / "stats")})
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_rank=0),

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from connectors.hosts import MOONCAKE_IPV6
+from connectors.common.hosts import MOONCAKE_IPV6
 from deploy.deployment.check import check_spec, run_check
 from deploy.cli.main import main
 from deploy.deployment.render import render

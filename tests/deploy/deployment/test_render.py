@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from connectors.hosts import MOONCAKE_IPV6, host_url, join_host_port
+from connectors.common.hosts import MOONCAKE_IPV6, host_url, join_host_port
 
 from deploy.cli.main import main
 from deploy.deployment.check import check_spec

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from connectors.store.config import parse_store_config
+from connectors.store.settings import parse_store_settings
 from deploy.cli.chaos import _engine_urls
 from deploy.harness.chaos import SHORT_SCHEDULE, _by_kind, _front_counts, _tally, check_attached, soak_schedule
 from deploy.harness.chaos_load import Load, Prompt, Record, cancel_probe
@@ -158,7 +158,7 @@ def test_pool_master_restarts_on_its_port_and_the_holder_registers_again(tmp_pat
 
     stack = Stack(members=adopt_pool(tmp_path / "pool"))
     master, holder = stack.members["pool_master"], stack.members["pool_holder"]
-    address = parse_store_config(master.pool_extra).mooncake.master_server_address
+    address = parse_store_settings(master.pool_extra).mooncake.master_server_address
     try:
         pids = (master.pid, holder.pid)
         inject(master, "kill", 0.2, stack)

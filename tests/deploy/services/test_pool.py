@@ -123,9 +123,9 @@ def test_killing_the_supervisor_alone_takes_its_processes_with_it(pool):
 BACKEND_CLIENT = """
 import sys, torch
 from connectors.store.backends import Status, open_backend
-from connectors.store.config import parse_store_config
-cfg = parse_store_config({"backend": "mooncake", "lookup_rpc_port": 1,
-                          "mooncake": {"master_server_address": sys.argv[1], "local_hostname": "::1"}})
+from connectors.store.settings import parse_store_settings
+cfg = parse_store_settings({"backend": "mooncake", "lookup_rpc_port": 1,
+                            "mooncake": {"master_server_address": sys.argv[1], "local_hostname": "::1"}})
 b = open_backend(cfg, call_timeout_s=10)
 t = torch.arange(4096, dtype=torch.float32) if sys.argv[2] == "put" else torch.zeros(4096)
 b.register(t.data_ptr(), t.numel() * 4)

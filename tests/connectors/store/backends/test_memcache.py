@@ -14,9 +14,11 @@ import time
 
 import pytest
 
+from kvpp_core.config import KvppConfigError
+
 from connectors.store.backends import BackendError, Status, open_backend
-from connectors.store.config import StoreConfigError, parse_store_config
 from connectors.store.keys import CacheLayout, block_hashes
+from connectors.store.settings import parse_store_settings
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
 from deploy.services.pool import MetaServiceBusy, pool_down, pool_up
 from tests.helpers.paths import REPO as ROOT
@@ -50,11 +52,11 @@ def _extra(pool, **more):
 
 
 def _settings(pool, **more):
-    return parse_store_config(_extra(pool, **more))
+    return parse_store_settings(_extra(pool, **more))
 
 
 def _memcache(**settings):
-    return parse_store_config({"backend": "memcache", "lookup_rpc_port": 1, "memcache": settings})
+    return parse_store_settings({"backend": "memcache", "lookup_rpc_port": 1, "memcache": settings})
 
 
 def test_lookups_through_a_metadata_only_client(pool):
@@ -75,8 +77,8 @@ def test_lookups_through_a_metadata_only_client(pool):
 _FROM_FILE = """
 import json, sys
 from connectors.store.backends import open_backend
-from connectors.store.config import parse_store_config
-b = open_backend(parse_store_config({"backend": "memcache", "lookup_rpc_port": 1, "memcache": {"metadata_only": True}}),
+from connectors.store.settings import parse_store_settings
+b = open_backend(parse_store_settings({"backend": "memcache", "lookup_rpc_port": 1, "memcache": {"metadata_only": True}}),
                  call_timeout_s=4)
 print("RESULT " + json.dumps([s.name for s in b.exists(["kvpp/x/pp0/o0/" + "0" * 64])]))
 b.close()
@@ -96,7 +98,7 @@ def test_missing_configuration_names_the_fix(monkeypatch):
     monkeypatch.delenv("MMC_LOCAL_CONFIG_PATH", raising=False)
     with pytest.raises(BackendError, match="MMC_LOCAL_CONFIG_PATH"):
         open_backend(_memcache(metadata_only=True), call_timeout_s=BOUND_S)
-    with pytest.raises(StoreConfigError, match="kv_connector_extra_config.memcache.meta_service: unknown option; "
+    with pytest.raises(KvppConfigError, match="kv_connector_extra_config.memcache.meta_service: unknown option; "
                                                "did you mean meta_service_url?"):
         _memcache(meta_service="tcp://x")
 
@@ -104,9 +106,9 @@ def test_missing_configuration_names_the_fix(monkeypatch):
 _DATA_PATH = """
 import json, sys
 from connectors.store.backends import BackendError, open_backend
-from connectors.store.config import parse_store_config
+from connectors.store.settings import parse_store_settings
 try:
-    open_backend(parse_store_config(json.loads(sys.argv[1])), call_timeout_s=4).close()
+    open_backend(parse_store_settings(json.loads(sys.argv[1])), call_timeout_s=4).close()
     print("RESULT ok")
 except BackendError as exc:
     print("RESULT " + str(exc))

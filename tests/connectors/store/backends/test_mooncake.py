@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from connectors.store.backends import Status, open_backend
-from connectors.store.config import parse_store_config
+from connectors.store.settings import parse_store_settings
 from connectors.store.keys import CacheLayout, ShardKey, block_hashes
 from connectors.store.metadata import BlockJob, StoreMetadata
 from connectors.store.shards import StageLayers, all_shards, count_pooled, shard_keys
@@ -108,9 +108,9 @@ def test_missing_and_wrong_size_objects_are_refused(backend):
 _WRITER = """
 import sys, torch
 from connectors.store.backends import open_backend
-from connectors.store.config import parse_store_config
-b = open_backend(parse_store_config({"backend": "mooncake", "lookup_rpc_port": 1,
-                                     "mooncake": {"master_server_address": sys.argv[1]}}), call_timeout_s=4)
+from connectors.store.settings import parse_store_settings
+b = open_backend(parse_store_settings({"backend": "mooncake", "lookup_rpc_port": 1,
+                                       "mooncake": {"master_server_address": sys.argv[1]}}), call_timeout_s=4)
 t = torch.arange(4096, dtype=torch.float32)
 b.register(t.data_ptr(), t.numel() * 4)
 print(b.put(["test/survivor"], [[t.data_ptr()]], [[t.numel() * 4]]))
@@ -221,7 +221,7 @@ def _store_worker(pool, monkeypatch, bound_ms: float, caches):
         model_config=SimpleNamespace(model="late-calls", use_mla=True,
                                      hf_text_config=SimpleNamespace(num_hidden_layers=BIG_LAYERS)),
     )
-    cfg = parse_store_config({**pool.kv_connector_extra_config, "backend_timeout_ms": bound_ms})
+    cfg = parse_store_settings({**pool.kv_connector_extra_config, "backend_timeout_ms": bound_ms})
     worker = StoreWorker(vllm_config, cfg)
     _REGISTERED.extend(caches)
     worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)})
@@ -345,7 +345,7 @@ def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
     extra = out["kv_connector_extra_config"]
     assert extra["backend"] == "mooncake" and extra["mooncake"]["master_server_address"].startswith("127.0.0.1:")
     assert isinstance(extra["lookup_rpc_port"], int) and len(out["pids"]) == 2
-    b = open_backend(parse_store_config(extra), call_timeout_s=BOUND_S)
+    b = open_backend(parse_store_settings(extra), call_timeout_s=BOUND_S)
     assert b.exists(["anything"]) == [Status.MISSING]
     b.close()
     again = subprocess.run([*kvpp, "up", "--backend", "mooncake", "--state-dir", str(tmp_path)], cwd=ROOT, env=env,
@@ -362,7 +362,7 @@ def test_pool_cli_up_prints_the_connector_config_and_down_stops_it(tmp_path):
 def test_the_mooncake_config_file_is_read_as_the_same_struct(tmp_path, monkeypatch):
     from connectors.store.backends import BackendError
     from connectors.store.backends.mooncake import resolve_settings
-    from connectors.store.config import MooncakeSettings
+    from connectors.store.backends.settings import MooncakeSettings
 
     monkeypatch.delenv("VLLM_HOST_IP", raising=False)
     monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)

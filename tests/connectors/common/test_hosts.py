@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.hosts import (MOONCAKE_IPV6, address_problem, canonical_host, host_url, join_host_port,
+from connectors.common.hosts import (MOONCAKE_IPV6, address_problem, canonical_host, host_url, join_host_port,
                              mooncake_family, split_host_port, wildcard)
 
 pytestmark = pytest.mark.unit

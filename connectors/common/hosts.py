@@ -1,5 +1,5 @@
 """Hosts in addresses: the one place that validates a host, brackets IPv6 literals (`[fd00::1]:8000`,
-`tcp://[::1]:5000`) and splits `host:port`.
+`tcp://[::1]:5000`) and splits `host:port`, and this node's own address (`local_host`).
 
 Hosts travel bare (VLLM_HOST_IP, --master-addr, Mooncake's local_hostname all take `fd00::1`); only
 where a port or a scheme is joined to one does it need brackets, and every such join goes through
@@ -9,6 +9,7 @@ where a port or a scheme is joined to one does it need brackets, and every such 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 
 from kvpp_core.config import shown
@@ -35,6 +36,12 @@ def host_problem(host: object) -> str | None:
         return (f"{shown(host)} is neither an IP address nor a DNS name (letters, digits, '-' and '.' only; no "
                 "spaces, quotes or control characters)")
     return None
+
+
+def local_host() -> str:
+    """This node's address, where peers reach it (both connectors publish it): VLLM_HOST_IP when set,
+    else loopback."""
+    return os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
 
 
 def ip_version(host: str) -> int | None:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from connectors.store.config import MooncakeSettings, StoreConfigError, parse_store_config
+from kvpp_core.config import KvppConfigError
+
+from connectors.store.backends.settings import MooncakeSettings
+from connectors.store.settings import parse_store_settings
 from tests.helpers.store_config import BASE
 
 pytestmark = pytest.mark.unit
 
 
 def test_defaults_and_backend_settings():
-    cfg = parse_store_config(BASE)
+    cfg = parse_store_settings(BASE)
     assert (cfg.load_async, cfg.use_layerwise, cfg.discard_partial_chunks, cfg.consumer_is_to_put) == (False, False, True, False)
     assert cfg.backend_settings == MooncakeSettings(master_server_address="127.0.0.1:1")
-    assert parse_store_config({**BASE, "mooncake": None}).backend_settings == MooncakeSettings()
-    assert parse_store_config({**BASE, "load_async": "True"}).load_async is True
+    assert parse_store_settings({**BASE, "mooncake": None}).backend_settings == MooncakeSettings()
+    assert parse_store_settings({**BASE, "load_async": "True"}).load_async is True
 
 
 @pytest.mark.parametrize("extra, option", [
@@ -31,23 +34,23 @@ def test_defaults_and_backend_settings():
     ({"mooncake": "127.0.0.1:1"}, "mooncake"),
 ])
 def test_bad_settings_name_the_option(extra, option):
-    with pytest.raises(StoreConfigError, match=f"kv_connector_extra_config.{option}"):
-        parse_store_config({**BASE, **extra})
+    with pytest.raises(KvppConfigError, match=f"kv_connector_extra_config.{option}"):
+        parse_store_settings({**BASE, **extra})
 
 
 def test_a_consumer_saves_only_with_write_back():
-    from connectors.store.config import role_actions
+    from connectors.store.settings import role_actions
 
-    cfg = parse_store_config(BASE)
+    cfg = parse_store_settings(BASE)
     assert role_actions("kv_consumer", cfg) == (True, False)
-    assert role_actions("kv_consumer", parse_store_config({**BASE, "consumer_is_to_put": True})) == (True, True)
+    assert role_actions("kv_consumer", parse_store_settings({**BASE, "consumer_is_to_put": True})) == (True, True)
     assert role_actions("kv_producer", cfg) == (False, True)
     assert role_actions("kv_both", cfg) == (True, True)
 
 
 def test_every_unknown_key_is_named_at_once():
-    with pytest.raises(StoreConfigError) as err:
-        parse_store_config({**BASE, "load_asnyc": True, "lookup_timout_ms": 5, "load_async": "yes"})
+    with pytest.raises(KvppConfigError) as err:
+        parse_store_settings({**BASE, "load_asnyc": True, "lookup_timout_ms": 5, "load_async": "yes"})
     lines = str(err.value).splitlines()
     assert [line.split(":")[0] for line in lines] == ["kv_connector_extra_config.load_asnyc",
                                                       "kv_connector_extra_config.lookup_timout_ms",
@@ -56,9 +59,9 @@ def test_every_unknown_key_is_named_at_once():
 
 
 def _problems(extra):
-    from connectors.store.config import read_store_config
+    from connectors.store.settings import read_store_settings
 
-    return read_store_config(extra).problems
+    return read_store_settings(extra).problems
 
 
 def test_backend_settings_refusals_name_the_nested_option_and_come_all_at_once():
@@ -84,16 +87,16 @@ def test_master_address_must_be_host_port_with_ipv6_in_brackets(address):
 
 @pytest.mark.parametrize("address", ["10.0.0.9:50051", "[fd00::9]:50051", "[::1]:1", "pool-0.kvpp.svc:50051"])
 def test_master_address_accepts_names_ipv4_and_bracketed_ipv6(address):
-    assert parse_store_config({**BASE, "mooncake": {"master_server_address": address}}).mooncake.master_server_address \
+    assert parse_store_settings({**BASE, "mooncake": {"master_server_address": address}}).mooncake.master_server_address \
         == address
 
 
 def test_memcache_settings_are_typed_and_a_stray_group_is_refused():
-    from connectors.store.config import MemcacheSettings
+    from connectors.store.backends.settings import MemcacheSettings
 
     extra = {"backend": "memcache", "lookup_rpc_port": 1, "memcache": {
         "meta_service_url": "tcp://[fd00::9]:5000", "world_size": 4, "metadata_only": "true"}}
-    cfg = parse_store_config(extra)
+    cfg = parse_store_settings(extra)
     assert cfg.backend_settings == MemcacheSettings(meta_service_url="tcp://[fd00::9]:5000", world_size=4,
                                                     metadata_only=True)
     assert cfg.memcache.local_config() == {"meta_service_url": "tcp://[fd00::9]:5000", "world_size": 4}
@@ -108,6 +111,6 @@ def test_backend_settings_round_trip():
     extra = {**BASE, "load_async": True, "mooncake": {
         "master_server_address": "[fd00::9]:50051", "protocol": "rdma", "rdma_devices": "mlx5_0",
         "global_segment_size": 0, "local_buffer_size": 1 << 24}}
-    cfg = parse_store_config(extra)
+    cfg = parse_store_settings(extra)
     assert cfg.mooncake.explicit() == extra["mooncake"]  # unset fields stay unset, set ones keep their values
-    assert parse_store_config(msgspec.to_builtins(cfg)) == cfg
+    assert parse_store_settings(msgspec.to_builtins(cfg)) == cfg
