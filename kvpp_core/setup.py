@@ -3,12 +3,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpp_core.config import KvppConfig
-from kvpp_core.model import ModelSpec
+from kvpp_core.cpu_backends import BACKENDS, host_has_amx, selected
+from kvpp_core.model import ModelSpec, normalize_dtype
 from kvpp_core.topology import Topology
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Engine features the launch asked for by name (`--enable-prefix-caching`, ...; None: left to vLLM).
+    vLLM turns some of them off on CPU without an error, so only the request tells they were wanted."""
+
+    prefix_caching: bool | None = None
+    chunked_prefill: bool | None = None
+    async_scheduling: bool | None = None
+    attention_backend: str | None = None
+    """`--attention-backend` as given (vLLM runs CPU_MLA instead of AMX_MLA on a host without AMX)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,17 @@ class KvppSetup:
     """The serving host's architecture (platform.machine()); None when unknown (checked elsewhere)."""
     nnodes: int = 1
     """Hosts one instance spans (vLLM's --nnodes; a spec's hosts)."""
+    attention_backend: str | None = None
+    """The CPU MLA kernel the target model runs on (kvpp_core.cpu_backends); None off CPU or when unknown."""
+    draft_attention_backend: str | None = None
+    """The CPU MLA kernel of the MTP/draft caches, which vLLM picks apart from the target's."""
+    dtype: str | None = None
+    """The model's compute (and KV cache) dtype; None when unknown."""
+    block_size: int | None = None
+    """Tokens per KV block as the engine runs them; None when unknown."""
+    expert_parallel: bool = False
+    """vLLM's --enable-expert-parallel."""
+    request: LaunchRequest = LaunchRequest()
 
 
 def _pp_partition(value: str | None) -> tuple[int, ...] | None:
@@ -44,7 +68,28 @@ def _pp_partition(value: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in value.split(",")) if value else None
 
 
-def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
+def _cpu_kernels(vllm_config) -> tuple[str | None, str | None]:
+    """The CPU MLA kernels of the target and of its drafter, chosen by vLLM's rule (None off CPU or MLA)."""
+    if vllm_config.device_config.device_type != "cpu" or not vllm_config.model_config.use_mla:
+        return None, None
+    amx = host_has_amx()
+    target = vllm_config.attention_config.backend
+    kernel = selected(None if target is None else target.name, amx).name
+    speculative = vllm_config.speculative_config
+    if speculative is None:
+        return kernel, None
+    draft = speculative.attention_backend
+    return kernel, selected(None if draft is None else draft.name, amx).name
+
+
+def _block_size(cache_config, kernel: str | None) -> int:
+    """The block size the engine will run: a CPU kernel's own rule over what the launch asked (vLLM 0.33 sets
+    the kernel's default only once the backend is chosen, after the config is built)."""
+    asked = cache_config.block_size if cache_config.user_specified_block_size else None
+    return BACKENDS[kernel].block_size(asked) if kernel else cache_config.block_size
+
+
+def setup_from_vllm_config(vllm_config, kvpp: KvppConfig, request: LaunchRequest = LaunchRequest()) -> KvppSetup:
     transfer = vllm_config.kv_transfer_config
     connector = dict(
         kv_connector=None if transfer is None else transfer.kv_connector,
@@ -62,8 +107,12 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
     events = vllm_config.kv_events_config
     compilation = vllm_config.compilation_config
     speculative = vllm_config.speculative_config
+    dtype = normalize_dtype(str(model_config.dtype))
+    kernel, draft_kernel = _cpu_kernels(vllm_config)
+    backend = vllm_config.attention_config.backend
     return KvppSetup(
-        model=ModelSpec.from_hf_dict(model_config.hf_config.to_dict(), model_config.model),
+        model=ModelSpec.from_hf_dict(model_config.hf_config.to_dict(), model_config.model).with_overrides(
+            kv_dtype=dtype if vllm_config.cache_config.cache_dtype == "auto" else None),
         topology=Topology(
             tp=parallel.tensor_parallel_size,
             pp=parallel.pipeline_parallel_size,
@@ -85,4 +134,10 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig) -> KvppSetup:
         device=vllm_config.device_config.device_type,
         machine=platform.machine(),
         nnodes=parallel.nnodes,
+        attention_backend=kernel,
+        draft_attention_backend=draft_kernel,
+        dtype=dtype,
+        block_size=_block_size(vllm_config.cache_config, kernel),
+        expert_parallel=parallel.enable_expert_parallel,
+        request=replace(request, attention_backend=None if backend is None else backend.name),
     )

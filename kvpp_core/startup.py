@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from kvpp_core import ascend
 from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, Parsed, parse_additional_config
-from kvpp_core.setup import KvppSetup, setup_from_vllm_config
+from kvpp_core.setup import KvppSetup, LaunchRequest, setup_from_vllm_config
 from kvpp_core.validation import Problem, error, raise_for_errors, validate
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
@@ -132,10 +132,12 @@ def _installed_rules() -> ConnectorRules:
     return _rules
 
 
-def check(vllm_config, connector_rules: ConnectorRules | None = None) -> LaunchCheck:
+def check(vllm_config, connector_rules: ConnectorRules | None = None,
+          request: LaunchRequest = LaunchRequest()) -> LaunchCheck:
     """Refuse an unsupported launch with every error at once (KvppConfigError); log each warning once per
     process however many checks run; keep the result for `checked`. `connector_rules`: the installed ones
-    unless given (`connectors.launch.check_launch`)."""
+    unless given (`connectors.launch.check_launch`); `request`: what the launch's arguments asked for, known
+    only where they were parsed (the process that builds the engine config)."""
     global _latest
     from vllm.logger import init_logger
 
@@ -146,7 +148,7 @@ def check(vllm_config, connector_rules: ConnectorRules | None = None) -> LaunchC
             raise KvppConfigError(f"{ENABLE_KEY}: {ascend.refusal()}")
         if ascend.platform() is None:  # vllm-ascend's own KVPP answers for its vLLM, not this adapter
             check_vllm_version()
-    setup = setup_from_vllm_config(vllm_config, kvpp)
+    setup = setup_from_vllm_config(vllm_config, kvpp, request)
     settings = ConnectorSettings()
     warnings = raise_for_errors(validate(setup, lambda s: rules(s, settings), ascend.platform()))
     if kvpp.enabled and _latest is None:

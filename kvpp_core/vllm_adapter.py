@@ -25,6 +25,7 @@ from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
+from kvpp_core.setup import LaunchRequest
 from kvpp_core.shm_broadcast import ShmGroup
 from kvpp_core.startup import (SUPPORTED_VLLM, ConnectorRules, check, checked, install_rules, record_adapter_gaps,
                                vllm_version)
@@ -511,6 +512,7 @@ _PATCH_TARGETS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", ("prepare_kv_cache_update",)),
     ("vllm.model_executor.models.deepseek_v2", "Indexer", ("forward",)),
     ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", ("wait",)),
+    ("vllm.engine.arg_utils", "EngineArgs", ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling")),
     ("vllm.v1.kv_cache_interface", "KVCacheTensor", ("size", "layers", "layer_stride", "block_stride", "offset")),
     *((module, None, ("allocate_kv_cache",)) for module in _ALLOCATOR_CALLERS),
 )
@@ -605,6 +607,13 @@ def _proving_activation(orig):
     return initialize_from_config
 
 
+def launch_request(engine_args) -> LaunchRequest:
+    """The features an `EngineArgs` asks for by name (None where left to vLLM's default)."""
+    return LaunchRequest(prefix_caching=engine_args.enable_prefix_caching,
+                         chunked_prefill=engine_args.enable_chunked_prefill,
+                         async_scheduling=engine_args.async_scheduling)
+
+
 def install(connector_rules: ConnectorRules) -> None:
     """Install the patches once per process (vLLM loads general plugins in every process), and
     `connector_rules` in the launch check: engine configs are checked with KVPP's rules and those."""
@@ -618,8 +627,9 @@ def install(connector_rules: ConnectorRules) -> None:
     def _validated(orig):
         @functools.wraps(orig)
         def create_engine_config(self, *args, **kwargs):
+            request = launch_request(self)  # before vLLM fills in its defaults on these very arguments
             vllm_config = orig(self, *args, **kwargs)
-            check(vllm_config)  # refuses an unsupported launch with every problem at once
+            check(vllm_config, request=request)  # refuses an unsupported launch with every problem at once
             return vllm_config
 
         return create_engine_config

@@ -12,20 +12,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from deploy.services.processes import reference_engine
+from deploy.services.processes import CPU_ENGINES, REFERENCE
 from testbed.block_zeroing import BLOCK_ZEROING
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """An fp32 engine of a local model on the reference kernel (deploy.services.processes.reference_engine)."""
+    """An engine of a local model: fp32 on the reference kernel (exact, any host), or bf16 on AMX_MLA (a host with
+    AMX; vLLM's prefix cache and chunked prefill on), as deploy.services.processes.CpuEngine names them."""
 
     model: str
+    kernel: Literal[tuple(CPU_ENGINES)] = REFERENCE.kernel.name
     tp: Positive = 1
     pp: Positive = 1
     """PP stages; the split comes from VLLM_PP_LAYER_PARTITION."""
@@ -39,6 +41,9 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     kv_bytes: Positive = 64 << 20
     max_model_len: Positive = 1024
     max_num_batched_tokens: Positive | None = None
+    max_num_seqs: Positive | None = None
+    enable_prefix_caching: bool | None = None
+    """None: vLLM's choice (on with AMX_MLA; the reference kernel has it off for MLA)."""
     kv_transfer_config: dict | None = None
     worker_extension: str = ""
     """A worker_extension_cls (qualified name) every worker imports: a test's patches there."""
@@ -65,11 +70,12 @@ def build_llm(settings: EngineSettings, block_zeroing: bool = False):
         optional["distributed_executor_backend"] = "mp"
     if settings.kv_transfer_config is not None:
         optional["kv_transfer_config"] = settings.kv_transfer_config
-    if settings.max_num_batched_tokens is not None:
-        optional["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    for name in ("max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching"):
+        if getattr(settings, name) is not None:
+            optional[name] = getattr(settings, name)
     return LLM(
         model=settings.model, tensor_parallel_size=settings.tp, pipeline_parallel_size=settings.pp,
-        **reference_engine(settings.mtp), enforce_eager=not settings.compiled,
+        **CPU_ENGINES[settings.kernel].engine_args(settings.mtp), enforce_eager=not settings.compiled,
         kv_cache_memory_bytes=settings.kv_bytes, additional_config=additional,
         max_model_len=settings.max_model_len, seed=0, disable_log_stats=False,
         worker_extension_cls=BLOCK_ZEROING if block_zeroing else settings.worker_extension, **optional,
@@ -104,17 +110,25 @@ class Stepper:
         self.finished: dict[str, Any] = {}
         """Request id -> its final RequestOutput."""
         self.step_seconds: list[float] = []
+        self.added_at: dict[str, int] = {}
+        self.prefill_steps: dict[str, int] = {}
+        """Request id -> the steps from its arrival to its first token: more than one when chunked prefill
+        split its prompt (or the scheduler queued it)."""
 
     def add(self, request_id: str, ids: list[int], params, cache_salt: str | None = None) -> None:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
         self.engine.add_request(request_id, prompt, params)
+        self.added_at[request_id] = len(self.step_seconds)
 
     def step(self) -> None:
         started = time.perf_counter()
         outputs = self.engine.step()
         self.step_seconds.append(time.perf_counter() - started)
+        for out in outputs:
+            if out.outputs[0].token_ids and out.request_id not in self.prefill_steps:
+                self.prefill_steps[out.request_id] = len(self.step_seconds) - self.added_at[out.request_id]
         self.finished.update((out.request_id, out) for out in outputs if out.finished)
         if self.after_step is not None:
             self.after_step(self)

@@ -28,6 +28,9 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
     """Prompts submitted before the first step; the rest join after `steps_between_waves` steps."""
     steps_between_waves: Count = 3
     max_tokens: Tokens = 8
+    repeats: Count = 0
+    """Further passes over the same prompts after the waves, all submitted at once: where vLLM's prefix cache is
+    on, they find the prompts' blocks cached (each output's `cached_tokens`)."""
     references: dict[str, list[int]] = {}
     reference_max_tokens: Tokens = 8
     load: list[list[int]] = []
@@ -49,10 +52,13 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
             waves.step()
         for i in range(self.first_wave, len(self.prompts)):
             waves.add(str(i), self.prompts[i], params)
-        outputs = {}
-        for request_id, out in waves.finish().items():
-            token_ids, logprobs = tokens_and_logprobs(out)
-            outputs[request_id] = {"token_ids": token_ids, "logprobs": logprobs}
+        outputs = _outputs(waves, waves.finish())
+        repeats = []
+        for k in range(1, self.repeats + 1):
+            again = Stepper(llm)
+            for i, ids in enumerate(self.prompts):
+                again.add(f"{k}/{i}", ids, params)
+            repeats.append({key.partition("/")[2]: value for key, value in _outputs(again, again.finish()).items()})
         reports = llm.collective_rpc("kvpp_stats")
         references = {name: self._alone(llm, name, ids) for name, ids in self.references.items()}
         load = {}
@@ -60,8 +66,11 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
             load["clean"] = self._serve_load(llm, "load-")
             if self.corrupt_above is not None:
                 load["corrupted"] = self._serve_load(llm, "corrupt-", self.corrupt_above)
-        return {"outputs": outputs, "workers": reports, "step_seconds": waves.step_seconds,
-                "references": references, "load": load}
+        return {"outputs": outputs, "repeats": repeats, "workers": reports, "step_seconds": waves.step_seconds,
+                "references": references, "load": load,
+                "prefix_cache": {"hits": llm_metric(llm, "vllm:prefix_cache_hits"),
+                                 "queries": llm_metric(llm, "vllm:prefix_cache_queries")},
+                "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
 
     def _alone(self, llm, name: str, ids: list[int]) -> dict:
         stepper = Stepper(llm)
@@ -86,13 +95,21 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
         params = greedy(self.load_max_tokens)
         for i, ids in enumerate(self.load):
             stepper.add(f"{tag}{i}", ids, params)
-        outputs = {}
-        for request_id, out in stepper.finish().items():
-            token_ids, logprobs = tokens_and_logprobs(out)
-            outputs[request_id.removeprefix(tag)] = {"token_ids": token_ids, "logprobs": logprobs}
+        outputs = {key.removeprefix(tag): value for key, value in _outputs(stepper, stepper.finish()).items()}
         return {"outputs": outputs, "peak_running": peaks["vllm:num_requests_running"],
                 "peak_kv_usage": peaks["vllm:kv_cache_usage_perc"],
                 "preemptions": llm_metric(llm, "vllm:num_preemptions") - preempted_before}
+
+
+def _outputs(stepper: Stepper, finished: dict) -> dict:
+    """Each finished request's tokens and logprobs, the prompt tokens vLLM's prefix cache (or a connector)
+    supplied, and the steps it took to its first token."""
+    outputs = {}
+    for request_id, out in finished.items():
+        token_ids, logprobs = tokens_and_logprobs(out)
+        outputs[request_id] = {"token_ids": token_ids, "logprobs": logprobs, "cached_tokens": out.num_cached_tokens,
+                               "prefill_steps": stepper.prefill_steps[request_id]}
+    return outputs
 
 
 def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int, logprob_tol: float = 1e-5) -> None:

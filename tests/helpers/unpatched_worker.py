@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from deploy.services.processes import reference_engine
+from deploy.services.processes import REFERENCE
 
 WORKER_CLS = "tests.helpers.unpatched_worker.OwnAllocationWorker"  # not __name__: "__main__" when run
 
@@ -38,7 +38,7 @@ def main(job_json: str) -> None:
     from vllm import LLM
 
     LLM(model=job.model, worker_cls=job.worker_cls, tensor_parallel_size=job.tp,
-        distributed_executor_backend="mp", **reference_engine(),
+        distributed_executor_backend="mp", **REFERENCE.engine_args(),
         enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=256, additional_config={"enable_kvpp": True})
     print("ENGINE STARTED", flush=True)
 

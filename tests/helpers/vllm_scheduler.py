@@ -19,11 +19,11 @@ def engine_config(model: str, kv_transfer_config: dict | None, max_num_batched_t
     from vllm.engine.arg_utils import EngineArgs
 
     from connectors.plugin import register
-    from deploy.services.processes import reference_engine
+    from deploy.services.processes import REFERENCE
 
     register()
     return EngineArgs(
-        model=model, **reference_engine(), enforce_eager=True, max_model_len=1024,
+        model=model, **REFERENCE.engine_args(), enforce_eager=True, max_model_len=1024,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8, enable_chunked_prefill=True,
         enable_prefix_caching=True, kv_transfer_config=kv_transfer_config,
     ).create_engine_config()

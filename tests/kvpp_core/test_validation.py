@@ -4,6 +4,7 @@ import pytest
 
 from kvpp_core.config import KvppConfig, KvppConfigError
 from kvpp_core.model import PRESETS, ModelSpec
+from kvpp_core.setup import LaunchRequest
 from kvpp_core.topology import Topology
 from kvpp_core.validation import KV_UPDATE_OP, Problem, raise_for_errors
 
@@ -171,3 +172,44 @@ def test_zero_copy_where_the_device_is_unknown_warns_and_plans():
 
 def test_zero_copy_rules_do_not_touch_the_staging_mode():
     assert validate(setup(model=V3, device="cuda", machine="aarch64", topology=Topology(tp=16), nnodes=2)) == []
+
+
+def _cpu(**overrides):
+    return setup(**{"topology": Topology(tp=2), "device": "cpu", "machine": "x86_64", **overrides})
+
+
+def test_a_launch_each_cpu_kernel_runs_has_no_problems():
+    assert validate(_cpu(attention_backend="CPU_MLA", dtype="float32", block_size=16)) == []
+    assert validate(_cpu(attention_backend="AMX_MLA", dtype="bfloat16", block_size=128,
+                         request=LaunchRequest(prefix_caching=True, chunked_prefill=True))) == []
+
+
+def test_amx_mla_refuses_what_would_crash_inside_vllm():
+    dtype, block = validate(_cpu(attention_backend="AMX_MLA", dtype="float32", block_size=48))
+    assert dtype.option == "dtype" and "AMX_MLA runs bfloat16 weights only" in dtype.message
+    assert "set --dtype bfloat16, or --attention-backend CPU_MLA" in dtype.message
+    assert block.option == "block_size" and "multiple of 32, not 48" in block.message
+    assert "set --block-size 128" in block.message
+
+
+def test_a_drafter_on_another_kernel_is_refused_naming_the_speculative_config():
+    p = only(validate(_cpu(attention_backend="CPU_MLA", draft_attention_backend="AMX_MLA", dtype="float32",
+                           block_size=16, speculative_method="mtp")))
+    assert p.option == "speculative_config.attention_backend"
+    assert "runs AMX_MLA there" in p.message and "float32" in p.message and "not 16" in p.message
+    assert '"attention_backend": "CPU_MLA"' in p.message
+
+
+def test_features_vllm_would_drop_on_cpu_are_refused_by_name():
+    request = LaunchRequest(prefix_caching=True, chunked_prefill=True, async_scheduling=True,
+                            attention_backend="AMX_MLA")
+    problems = validate(_cpu(attention_backend="CPU_MLA", dtype="float32", block_size=16, request=request,
+                             expert_parallel=True))
+    assert [p.option for p in problems] == ["attention_backend", "enable_prefix_caching", "enable_chunked_prefill",
+                                            "enable_expert_parallel", "async_scheduling"]
+    assert "SIGSEGV" in problems[3].message and "drop --enable-expert-parallel" in problems[3].message
+    assert "no AMX tiles" in problems[0].message and "--attention-backend CPU_MLA" in problems[0].message
+    assert "drop --enable-prefix-caching" in problems[1].message and "AMX_MLA" in problems[1].message
+    assert "drop --async-scheduling" in problems[4].message
+    # vLLM's own defaults (None) are not a request, and AMX_MLA keeps both caches on.
+    assert validate(_cpu(attention_backend="CPU_MLA", dtype="float32", block_size=16)) == []

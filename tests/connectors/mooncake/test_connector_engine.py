@@ -33,7 +33,7 @@ from deploy.harness.chaos_load import Load, reference_prompts
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.harness.routers import start_vllm_router
 from deploy.services.ports import free_port, free_port_range
-from deploy.services.processes import ManagedProcess, mtp_config, run_in_group, start_servers
+from deploy.services.processes import ManagedProcess, REFERENCE, run_in_group, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import sample_prompt
 from testbed.block_zeroing import BLOCK_ZEROING
@@ -47,7 +47,7 @@ from tests.helpers.pd_http import (MAX_TOKENS, chat, completion, metric, post, p
 pytestmark = pytest.mark.engine
 
 LAYERS = 16
-MTP = ("--speculative-config", json.dumps(mtp_config(1)))
+MTP = ("--speculative-config", json.dumps(REFERENCE.mtp_config(1)))
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
 LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing

