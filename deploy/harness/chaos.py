@@ -169,17 +169,18 @@ class Run:
             # engine's worker shares a pinned core with the other engine, which spins while busy and
             # starves it for minutes.
             await asyncio.to_thread(member.kill)
+            down = time.monotonic()
             await asyncio.sleep(fault.down_s)
             end = time.monotonic()
             await self.load.pause()
             await asyncio.to_thread(restart, member, self.stack)
             self.load.resume()
         else:
-            await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
+            down = await asyncio.to_thread(inject, member, fault.kind, fault.down_s, self.stack)
             end = time.monotonic()
         back = time.monotonic()
-        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "end": end, "back": back,
-                            "recovered_s": round(back - start, 2)})
+        self.faults.append({**asdict(fault), "label": fault.label, "start": start, "down": down, "end": end,
+                            "back": back, "recovered_s": round(back - start, 2)})
 
     async def _cancel_probe(self, fault: Fault) -> None:
         """Quiesce the load, then have a client abandon a 600-token generation and time how long the
@@ -295,15 +296,19 @@ ENGINE_ROLES = frozenset(SERVED_BY.values())
 
 def _excused(record, faults: list[dict]) -> bool:
     """The only errors the issue allows: a stream already relayed (its headers reached the client)
-    from an instance that a kill took down under it; a request inside the proxy when the proxy was
-    killed, cut off with its connection (never an HTTP error the proxy chose to send); and any
-    request that ended while no instance of either role was alive. Judged against every fault,
-    not only the window the request is counted in (a request can span two)."""
+    from an instance that a kill took down under it; a request inside the proxy while the proxy was
+    being killed (from the SIGKILL until it was dead: the kernel still accepts connections meanwhile),
+    cut off with its connection (never an HTTP error the proxy chose to send); and any request that
+    ended while no instance of either role was alive. Judged against every fault, not only the window
+    the request is counted in (a request can span two)."""
     for f in faults:
-        if f["kind"] != "kill" or not record.start <= f["start"] <= record.end:
+        if f["kind"] != "kill":
             continue
-        if f["target"] == "proxy" and record.status in (None, 200):
+        in_flight = record.start <= f["down"] and f["start"] <= record.end
+        if f["target"] == "proxy" and in_flight and record.status in (None, 200):
             return True
+        if not record.start <= f["start"] <= record.end:
+            continue
         relayed = record.status == 200 and record.first_byte is not None \
             and record.start + record.first_byte <= f["start"]
         if f["target"] == SERVED_BY.get(record.path) and record.mode == "stream" and relayed:

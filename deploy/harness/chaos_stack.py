@@ -212,17 +212,21 @@ def start_front(stack: Stack, front: str, workdir: Path, settings: StackSettings
     stack.members["proxy"] = Member.of(proc, _http_ready(stack.proxy_url, 60))
 
 
-def inject(member: Member, kind: str, down_s: float, stack: Stack) -> None:
+def inject(member: Member, kind: str, down_s: float, stack: Stack) -> float:
     """One fault, blocking until it is over: `kill` (SIGKILL, `down_s` dead, restart, serving again)
-    or `stop` (SIGSTOP for `down_s`, then SIGCONT)."""
+    or `stop` (SIGSTOP for `down_s`, then SIGCONT). Returns when (time.monotonic) the member was down:
+    dead, or stopped."""
     if kind == "stop":
         member.signal(signal.SIGSTOP)
+        down = time.monotonic()
         time.sleep(down_s)
         member.signal(signal.SIGCONT)
-        return
+        return down
     member.kill()
+    down = time.monotonic()
     time.sleep(down_s)
     restart(member, stack)
+    return down
 
 
 def restart(member: Member, stack: Stack) -> None:

@@ -28,8 +28,9 @@ def _rec(mode, outcome, status=200, start=4.5, path="pd", first_byte=0.2, second
     return Record(0, 0, mode, start, start + seconds, outcome, status, first_byte=first_byte, path=path)
 
 
-def _kill(target, start=5.0, back=15.0, kind="kill"):
-    return {"kind": kind, "target": target, "start": start, "back": back}
+def _kill(target, start=5.0, back=15.0, kind="kill", down=None):
+    """A fault record: `down` is when the member was dead or stopped (default: at once)."""
+    return {"kind": kind, "target": target, "start": start, "down": start if down is None else down, "back": back}
 
 
 @pytest.mark.unit
@@ -52,6 +53,11 @@ def test_only_streams_relayed_from_the_killed_instance_and_requests_cut_by_a_pro
 
     inside, after = _rec("plain", "error", None, start=4.0), _rec("plain", "error", None, start=6.0)
     assert _tally([inside, after], [_kill("proxy")])["errors_unexcused"] == 1
+    # Sent after the SIGKILL but before the proxy was dead (the kernel still accepted it), then reset: cut off
+    # by the kill too. One sent once it was dead is not (clients retry a refused connection).
+    dying = _rec("stream", "error", None, start=5.01, seconds=0.002, first_byte=None)
+    assert _tally([dying], [_kill("proxy", down=5.02)])["errors_unexcused"] == 0
+    assert _tally([dying], [_kill("proxy", down=5.005)])["errors_unexcused"] == 1
     assert _tally([_rec("plain", "error", 502, start=4.0)], [_kill("proxy")])["errors_unexcused"] == 1  # its own 502
     assert _tally([inside], [])["errors_unexcused"] == 1
     # A request counted in a stall's window that the next fault, a proxy kill, ended is excused there too.
