@@ -18,6 +18,7 @@ import msgspec
 
 from deploy.services.processes import CPU_ENGINES, REFERENCE
 from testbed.block_zeroing import BLOCK_ZEROING
+from testbed.kv_events import events_config
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -45,6 +46,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     enable_prefix_caching: bool | None = None
     """None: vLLM's choice (on with AMX_MLA; the reference kernel has it off for MLA)."""
     kv_transfer_config: dict | None = None
+    kv_events: str | None = None
+    """A ZMQ endpoint (ipc://...) the engine publishes its KV cache events on, replays beside it (testbed.kv_events)."""
     worker_extension: str = ""
     """A worker_extension_cls (qualified name) every worker imports: a test's patches there."""
 
@@ -70,6 +73,8 @@ def build_llm(settings: EngineSettings, block_zeroing: bool = False):
         optional["distributed_executor_backend"] = "mp"
     if settings.kv_transfer_config is not None:
         optional["kv_transfer_config"] = settings.kv_transfer_config
+    if settings.kv_events is not None:
+        optional["kv_events_config"] = events_config(settings.kv_events)
     for name in ("max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching"):
         if getattr(settings, name) is not None:
             optional[name] = getattr(settings, name)

@@ -4,7 +4,8 @@ Tests and benchmarks call `run_engine(job)`, which writes the job to a file and 
 `python -m testbed.engine_run JOB_FILE` in a process group of its own; one process hosts one engine
 configuration, so every configuration a test compares is a run of its own. The driver reads the job (refusing
 one that does not match its types), builds the engine (testbed.engine.build_llm), serves the workload
-(testbed.staggered or testbed.script) and prints `RESULT {json}`.
+(testbed.staggered or testbed.script) and prints `RESULT {json}`, with the KV cache events a subscriber received
+when the job asked for them (testbed.kv_events).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 
 from deploy.services.processes import run_in_group
 from testbed.engine import EngineSettings, build_llm
+from testbed.kv_events import EventRecorder
 from testbed.script import Script
 from testbed.scripts import script_argv, script_env
 from testbed.staggered import Staggered
@@ -53,7 +55,11 @@ def run_engine(job: Job, env: Mapping[str, str] | None = None, timeout: float = 
 def main(job_file: str) -> None:
     job = msgspec.json.decode(Path(job_file).read_bytes(), type=Job)
     llm = build_llm(job.engine, job.workload.block_zeroing)
-    print(RESULT_PREFIX + json.dumps(job.workload.serve(llm)), flush=True)
+    recorder = None if job.engine.kv_events is None else EventRecorder(job.engine.kv_events)
+    result = job.workload.serve(llm)
+    if recorder is not None:
+        result["kv_events"] = recorder.collect()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

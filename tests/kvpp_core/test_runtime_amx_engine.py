@@ -9,10 +9,13 @@ the same steps, the same prefix-cache hits, the same preemptions. Then every tok
 bit-identical: through a second pass that hits vLLM's prefix cache, a prompt chunked over several steps, MTP
 speculative decoding, and a load that preempts and resumes requests under the full cache. In bf16 the answers
 depend on how the work was batched and which prefixes hit (a hit computes the rest over cached pages), so runs
-are compared only at equal blocks, where that is the same; no tolerance is needed there.
+are compared only at equal blocks, where that is the same; no tolerance is needed there. The TP2 runs also
+publish vLLM's KV cache events to a ZMQ subscriber: KVPP on must report the cache KVPP off reports.
 """
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 from testbed.engine import EngineSettings
@@ -66,11 +69,13 @@ def budget_for(model: str, topology: Topology, mode: dict) -> tuple[int, int]:
     return kv_bytes, plan.blocks_on if kvpp else plan.blocks_off
 
 
-def amx_run(model: str, topology: Topology, mode: dict, workload: Staggered, mtp: int = 0) -> dict:
-    """One engine of `mode` on AMX_MLA, sized to BLOCKS blocks, serving `workload`; the plan's blocks added."""
+def amx_run(model: str, topology: Topology, mode: dict, workload: Staggered, mtp: int = 0,
+            kv_events: str | None = None) -> dict:
+    """One engine of `mode` on AMX_MLA, sized to BLOCKS blocks, serving `workload`; the plan's blocks added, and
+    the KV cache events a subscriber to `kv_events` received."""
     kv_bytes, planned = budget_for(model, topology, mode)
     settings = EngineSettings(model=model, kernel=AMX_MLA.name, tp=topology.tp, pp=topology.pp, mtp=mtp,
-                              kv_bytes=kv_bytes, max_model_len=2048, **SEED_LAUNCH, **mode)
+                              kv_bytes=kv_bytes, max_model_len=2048, kv_events=kv_events, **SEED_LAUNCH, **mode)
     split = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, topology.pp_layers))} if topology.pp_layers else None
     result = run_engine(Job(settings, workload), env=split)
     result["planned_blocks"] = planned
@@ -78,10 +83,12 @@ def amx_run(model: str, topology: Topology, mode: dict, workload: Staggered, mtp
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(mtp_model) -> dict:
+def tp2_runs(mtp_model, tmp_path_factory) -> dict:
     workload = Staggered(_prompts(mtp_model), max_tokens=MAX_TOKENS, repeats=1,
                          load=token_prompts(mtp_model, LOAD, seed=9), load_max_tokens=LOAD_TOKENS)
-    return {name: amx_run(mtp_model, Topology(tp=2), mode, workload, mtp=1) for name, mode in MODES.items()}
+    events = tmp_path_factory.mktemp("kv-events")
+    return {name: amx_run(mtp_model, Topology(tp=2), mode, workload, mtp=1, kv_events=f"ipc://{events}/{i}")
+            for i, (name, mode) in enumerate(MODES.items())}
 
 
 def _answers(run: dict) -> list[dict]:
@@ -140,6 +147,19 @@ def test_kvpp_broadcast_and_kept_the_mtp_cache_on_every_rank(tp2_runs):
         assert sorted(layer for w in workers for layer in w["owned_layers"]) == list(range(16))
     for worker in tp2_runs["staging"]["workers"]:
         assert 0 < worker["broadcast"]["broadcast_steps"] < worker["broadcast"]["steps"]
+
+
+def test_vllms_kv_cache_events_with_kvpp_are_kvpp_offs(tp2_runs):
+    """vLLM's prefix-cache events (`--kv-events-config`), as a ZMQ subscriber received them: with KVPP on, staging or
+    zero-copy, the same blocks stored and evicted in the same steps as with KVPP off; each stored block a whole
+    block of the request's tokens. KVPP shards the layers, not the blocks, so a router reading them stays right."""
+    off = tp2_runs["off"]["kv_events"]
+    kinds = collections.Counter(event[0] for batch in off for event in batch)
+    assert kinds["BlockStored"] > 0 and kinds["BlockRemoved"] > 0, kinds  # the load evicts cached prompts
+    for event in (e for batch in off for e in batch if e[0] == "BlockStored"):
+        assert len(event[3]) == len(event[1]) * BLOCK == len(event[1]) * event[4], event[1:]
+    for name in ("staging", "zero-copy"):
+        assert tp2_runs[name]["kv_events"] == off, name
 
 
 @pytest.fixture(scope="module")
