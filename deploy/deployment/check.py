@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
+from kvpp_core.cpu_backends import BACKENDS
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from connectors.mooncake.ports import overlaps
@@ -197,6 +198,22 @@ def _single_port_clashes(host: str, instances: list[ResolvedInstance], layouts) 
             if port in layout.ports:
                 out.append(_error(owner, "port", f"HTTP port {port} on host {host} falls inside {where}'s "
                                   f"handshake range {layout.ports.start}-{layout.last_port}; move one of them"))
+    return out + _events_port_clashes(host, instances, {**lookup, **http}, layouts)
+
+
+def _events_port_clashes(host: str, instances: list[ResolvedInstance], taken: dict[int, str],
+                         layouts) -> list[Finding]:
+    """A KV event publisher's port against every other port the host's instances bind."""
+    out, events = [], {}
+    for inst in (i.instance for i in instances if i.instance.kv_events):
+        port = inst.kv_events_port
+        owner = events.get(port) or taken.get(port) or next(
+            (f"{where}'s handshake range" for where, layout in layouts if port in layout.ports), None)
+        if owner is not None:
+            out.append(_error(inst.where, "kv_events_port", (
+                f"KV event port {port} on host {host} is also used by {owner}; give each instance on a host its "
+                "own kv_events_port")))
+        events.setdefault(port, inst.where)
     return out
 
 
@@ -336,10 +353,13 @@ def _router_findings(resolved: ResolvedSpec) -> list[Finding]:
     spec = resolved.spec
     proxy, out = spec.proxy, []
     if not spec.disaggregated:
-        if proxy.router != "kvpp-proxy" or proxy.extra_args or proxy.metrics_port is not None:
+        if proxy.router != "kvpp-proxy" or proxy.extra_args or proxy.metrics_port is not None or proxy.cache_aware:
             out.append(_warning("proxy", "proxy", "without decode instances there is no P/D front to render; "
-                                "remove proxy.router, proxy.extra_args and proxy.metrics_port or add decode instances"))
+                                "remove proxy.router, proxy.extra_args, proxy.metrics_port and proxy.cache_aware "
+                                "or add decode instances"))
         return out
+    if proxy.cache_aware:
+        out += _cache_aware_findings(resolved)
     if proxy.router == "kvpp-proxy":
         if proxy.metrics_port is not None:
             out.append(_warning("proxy", "metrics_port", "kvpp proxy serves /metrics on proxy.port; metrics_port "
@@ -367,6 +387,42 @@ def _router_findings(resolved: ResolvedSpec) -> list[Finding]:
         out.append(_error("proxy", "metrics_port", (
             f"vllm-router's metrics port {metrics} on host {host} is also {taken[metrics]}; set proxy.metrics_port "
             "to a free port (default 29000)")))
+    return out
+
+
+VLLM_ROUTER_EVENT_BLOCK = 16
+"""The block size vllm-router 0.1.17 assumes for P/D KV event sources (`--pd-kv-events`: "Block size is 16")."""
+
+
+def _cache_aware_findings(resolved: ResolvedSpec) -> list[Finding]:
+    """What the cache-aware prefill choice needs of the prefills: an event stream each, one per instance, that
+    the front can reach and read."""
+    out = []
+    for instance in (i for i in resolved.instances if i.instance.role == "prefill"):
+        inst, engine = instance.instance, instance.engine
+        if not inst.kv_events:
+            out.append(_error(inst.where, "kv_events", "proxy.cache_aware picks prefills by their KV cache events; "
+                              "set kv_events: true on every prefill (or turn proxy.cache_aware off)"))
+        if ip_version(inst.hosts[0]) == 6:
+            out.append(_error(inst.where, "hosts", (
+                f"vLLM 0.32 binds its KV event publisher to tcp://*:{inst.kv_events_port}, IPv4 only, so a front "
+                "cannot reach it at an IPv6 address: give the prefills IPv4 addresses or turn proxy.cache_aware off")))
+        if inst.dp > 1:
+            out.append(_error(inst.where, "dp", (
+                f"with dp {inst.dp} vLLM publishes one event stream per DP rank (kv_events_port + rank), and the "
+                "front reads one per prefill: use dp: 1 on prefills with proxy.cache_aware, or turn it off")))
+        kernel = BACKENDS.get(engine.kernel) if engine.kernel else None
+        if engine.request.prefix_caching is False or (kernel is not None and not kernel.prefix_caching):
+            why = "--no-enable-prefix-caching" if engine.request.prefix_caching is False else (
+                f"vLLM turns it off for MLA models on {engine.kernel}")
+            out.append(_warning(inst.where, "kv_events", (
+                f"its prefix cache is off ({why}): it publishes no cached blocks, so the front picks it by load "
+                "only")))
+        if resolved.spec.proxy.router == "vllm-router" and engine.block_size not in (None, VLLM_ROUTER_EVENT_BLOCK):
+            out.append(_error("proxy", "cache_aware", (
+                f"vllm-router 0.1.17 reads P/D KV events as {VLLM_ROUTER_EVENT_BLOCK}-token blocks, and {inst.where} "
+                f"runs {engine.block_size}-token blocks: its kv_aware policy would match no prefix; set router: "
+                "kvpp-proxy (its --kv-events reads each event's own block size)")))
     return out
 
 

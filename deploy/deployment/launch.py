@@ -150,26 +150,36 @@ def pool_command(spec: Spec) -> tuple[list[str], dict[str, str]]:
 
 
 def vllm_router_args(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, metrics_port: int,
-                     extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+                     extra_args: tuple[str, ...] | list[str] = (), events: list[str] | None = None) -> list[str]:
     """`vllm-router` in its vLLM P/D mode, whose NIXL-shaped `kv_transfer_params` MooncakeConnectorV2 speaks
-    (its prefill leg asks for `do_remote_decode`, and the prefill's answer goes to the decode verbatim)."""
+    (its prefill leg asks for `do_remote_decode`, and the prefill's answer goes to the decode verbatim); with
+    `events` (each prefill's KV event endpoint) its `kv_aware` prefill policy reads them."""
     argv = ["vllm-router", "--vllm-pd-disaggregation"]
     for url in prefill_urls:
         argv += ["--prefill", url]
     for url in decode_urls:
         argv += ["--decode", url]
+    if events is not None:
+        argv += ["--prefill-policy", "kv_aware"]
+        for url, endpoint in zip(prefill_urls, events, strict=True):
+            argv += ["--pd-kv-events", f"{url}={endpoint}"]
     return argv + ["--host", host, "--port", str(port), "--prometheus-host", host,
                    "--prometheus-port", str(metrics_port), *extra_args]
 
 
-def proxy_args(proxy: Proxy, host: str, metrics_port: int | None, urls: dict[str, list[str]]) -> list[str]:
+def proxy_args(proxy: Proxy, host: str, metrics_port: int | None, urls: dict[str, list[str]],
+               events: list[str] | None = None) -> list[str]:
     """The P/D front's argv (`kvpp proxy` or `vllm-router`, proxy.router) on `host` for the P/D instances at
-    their base URLs; `metrics_port`: vllm-router's Prometheus port."""
+    their base URLs; `metrics_port`: vllm-router's Prometheus port; `events`: each prefill's KV event endpoint,
+    for the cache-aware prefill choice (proxy.cache_aware)."""
     listen = wildcard([host])
     if proxy.router == "vllm-router":
-        return vllm_router_args(urls["prefill"], urls["decode"], listen, proxy.port, metrics_port, proxy.extra_args)
+        return vllm_router_args(urls["prefill"], urls["decode"], listen, proxy.port, metrics_port, proxy.extra_args,
+                                events)
     argv = ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
             "--host", listen, "--port", str(proxy.port)]
     if proxy.max_in_flight is not None:
         argv += ["--max-in-flight", str(proxy.max_in_flight)]
+    if events is not None:
+        argv += ["--kv-events", ",".join(events)]
     return argv + list(proxy.extra_args)

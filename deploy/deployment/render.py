@@ -208,7 +208,11 @@ def _instance_objects(spec: Spec, instance: ResolvedInstance) -> list[dict[str, 
             }},
         }
         selector = {**selector, "role": "leader"}
-    return [workload, _service(inst.name, spec, component, inst.port, selector)]
+    service = _service(inst.name, spec, component, inst.port, selector)
+    if inst.kv_events:  # the head node's publisher, which a cache-aware front subscribes to by the Service's name
+        port = inst.kv_events_port
+        service["spec"]["ports"].append({"name": "kv-events", "port": port, "targetPort": port})
+    return [workload, service]
 
 
 def render_k8s(resolved: ResolvedSpec) -> dict[str, str]:

@@ -281,7 +281,8 @@ def _serve_args(spec: Spec, inst: Instance, node_rank: int, extra_cfg: dict[str,
     for key, value in inst.memory.given().items():
         args += ["--" + key.replace("_", "-"), str(value)]
     if inst.kv_events:
-        args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True})]
+        args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                     "endpoint": f"tcp://*:{inst.kv_events_port}"})]
     if extra_cfg:
         args += ["--additional-config", compact_json(extra_cfg)]
     if kv_cfg is not None:
@@ -315,9 +316,12 @@ def _proxy(spec: Spec) -> ResolvedProxy:
     host = spec.proxy.host or spec.prefill[0].hosts[0]
     metrics = (spec.proxy.metrics_port or VLLM_ROUTER_METRICS_PORT) if spec.proxy.router == "vllm-router" else None
 
-    def argv(url) -> tuple[str, ...]:
-        urls = {role: [url(i) for i in getattr(spec, role)] for role in ("prefill", "decode")}
-        return tuple(launch.proxy_args(spec.proxy, host, metrics, urls))
+    def argv(address) -> tuple[str, ...]:
+        urls = {role: [host_url("http", address(i), i.port) for i in getattr(spec, role)]
+                for role in ("prefill", "decode")}
+        events = ([host_url("tcp", address(i), i.kv_events_port) for i in spec.prefill]
+                  if spec.proxy.cache_aware else None)
+        return tuple(launch.proxy_args(spec.proxy, host, metrics, urls, events))
 
-    return ResolvedProxy(host=host, metrics_port=metrics, argv=argv(lambda i: host_url("http", i.hosts[0], i.port)),
-                         cluster_argv=argv(lambda i: f"http://{i.name}:{i.port}"))
+    return ResolvedProxy(host=host, metrics_port=metrics, argv=argv(lambda i: i.hosts[0]),
+                         cluster_argv=argv(lambda i: i.name))

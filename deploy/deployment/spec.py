@@ -37,6 +37,8 @@ MAX_VALUES = 100_000
 MAX_DEPTH = 64
 INT64_MAX = (1 << 63) - 1
 MAX_INSTANCES = 1024  # per role; port checks compare instances pairwise per host
+KV_EVENTS_PORT = 5557
+"""vLLM's own default port for its KV cache event publisher."""
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -97,6 +99,8 @@ class InstanceSettings(_Section):
     enable_kvpp: bool = False
     enforce_eager: bool = False
     kv_events: bool = False
+    """Publish vLLM's KV cache events (ZMQ PUB on every IPv4 address of the head node, `kv_events_port`)."""
+    kv_events_port: Port = KV_EVENTS_PORT
     uses_pool: bool = None
     """Left out: the pool serves the prefill side (see `placed`)."""
     lookup_rpc_port: Port = None
@@ -179,6 +183,10 @@ class Proxy(_Section):
     """vllm-router's Prometheus port (default 29000); kvpp proxy serves /metrics on `port`."""
     extra_args: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ()
     """Flags appended to the router's command (e.g. `--policy round_robin`)."""
+    cache_aware: bool = False
+    """Send each request's prefill leg to the prefill holding the longest cached prefix of its prompt, read
+    from the prefills' KV cache events (every prefill needs `kv_events`): `kvpp proxy --kv-events`, or
+    vllm-router's `kv_aware` prefill policy fed by `--pd-kv-events`."""
 
 
 class Kubernetes(_Section):

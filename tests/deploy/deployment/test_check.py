@@ -1,6 +1,7 @@
 """`kvpp check`: one spec per rule that breaks it, plus schema errors reported with their paths."""
 
 import json
+import shlex
 
 import pytest
 import yaml
@@ -513,3 +514,79 @@ def test_the_resolved_block_size_is_the_one_the_kernel_runs():
                             model="deepseek-v2-lite"))
     (instance,) = resolve(spec).instances
     assert (instance.engine.kernel, instance.engine.block_size) == ("CPU_MLA", 16)
+
+
+def _cache_aware(router: str = "kvpp-proxy", **prefill):
+    pair = [_prefill(name="p1", kv_port=37000, kv_events=True, **prefill),
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events=True, kv_events_port=5558, **prefill)]
+    return _spec(pair, [_decode(port=8200)]) | {"proxy": {"router": router, "cache_aware": True}}
+
+
+def test_cache_aware_front_is_fed_by_each_prefills_event_publisher(tmp_path):
+    """proxy.cache_aware: each prefill publishes on its own kv_events_port, and the front subscribes to every one in
+    --prefill's order (kvpp proxy's --kv-events; vllm-router's kv_aware prefill policy with --pd-kv-events)."""
+    spec = _cache_aware()
+    errors, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not errors and not warnings, (errors, warnings)
+    files = render(parse_spec(spec), "shell")
+    serve = shlex_argv(files["p2-node0.sh"])
+    assert json.loads(serve[serve.index("--kv-events-config") + 1]) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5558"}
+    proxy = shlex_argv(files["proxy.sh"])
+    assert proxy[proxy.index("--kv-events") + 1] == "tcp://h1:5557,tcp://h1:5558"
+    routed = render(parse_spec(_cache_aware("vllm-router")), "shell")["proxy.sh"]
+    argv = shlex_argv(routed)
+    assert argv[argv.index("--prefill-policy") + 1] == "kv_aware"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--pd-kv-events"] == [
+        "http://h1:8000=tcp://h1:5557", "http://h1:8100=tcp://h1:5558"]
+    k8s = yaml.safe_load_all(render(parse_spec(spec), "k8s")["p2.yaml"])
+    service = next(doc for doc in k8s if doc["kind"] == "Service")
+    assert {"name": "kv-events", "port": 5558, "targetPort": 5558} in service["spec"]["ports"]
+    assert "tcp://p1:5557,tcp://p2:5558" in render(parse_spec(spec), "k8s")["proxy.yaml"]
+
+
+def shlex_argv(script: str) -> list[str]:
+    return shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+
+
+def test_cache_aware_front_refuses_prefills_it_cannot_read(tmp_path):
+    spec = _cache_aware()
+    spec["prefill"][1]["kv_events"] = False
+    spec["prefill"][0]["dp"] = 2
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1
+    assert any(e.startswith("error: prefill[1] (p2): kv_events:") and "set kv_events: true" in e for e in errors), errors
+    assert any(e.startswith("error: prefill[0] (p1): dp:") and "one event stream per DP rank" in e for e in errors)
+    spec = _cache_aware()
+    spec["prefill"][0]["kv_events_port"] = 8200  # the decode's HTTP port on h1
+    errors, _, _ = _check(tmp_path, spec)
+    assert any("kv_events_port: KV event port 8200 on host h1 is also used by decode[0] (d)" in e for e in errors), errors
+    spec = _cache_aware()
+    spec["prefill"][1]["kv_events_port"] = 5557
+    errors, _, _ = _check(tmp_path, spec)
+    assert any(e.startswith("error: prefill[1] (p2): kv_events_port:") and "prefill[0] (p1)" in e for e in errors)
+
+
+def test_vllm_routers_kv_aware_is_refused_where_its_16_token_blocks_do_not_match(tmp_path):
+    """vllm-router 0.1.17 hashes P/D events as 16-token blocks: prefills on 128-token blocks (AMX_MLA's) would never
+    match, so the spec is refused with the fix; kvpp proxy reads each event's own tokens and takes them."""
+    errors, _, code = _check(tmp_path, _cache_aware("vllm-router", memory={"block_size": 128}))
+    assert code == 1 and len(errors) == 2, errors
+    assert errors[0].startswith("error: proxy: cache_aware: vllm-router 0.1.17 reads P/D KV events as 16-token blocks")
+    assert "set router: kvpp-proxy" in errors[0]
+    errors, _, code = _check(tmp_path, _cache_aware("kvpp-proxy", memory={"block_size": 128}))
+    assert code == 0 and not errors
+
+
+def test_cache_aware_warns_of_prefills_whose_prefix_cache_is_off(tmp_path):
+    _, warnings, code = _check(tmp_path, _cache_aware(extra_args=["--no-enable-prefix-caching"]))
+    assert code == 0 and len(warnings) == 2 and "picks it by load only" in warnings[0], warnings
+
+
+def test_cache_aware_refuses_an_ipv6_prefill_its_publisher_cannot_serve(tmp_path):
+    spec = _cache_aware()
+    for inst in (*spec["prefill"], *spec["decode"]):
+        inst["hosts"] = ["fd00::5"]
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1
+    assert sum(e.startswith("error: prefill[") and "tcp://*:" in e and "IPv4 only" in e for e in errors) == 2, errors
