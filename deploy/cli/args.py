@@ -105,6 +105,24 @@ def url_list(text: str) -> str:
     return text
 
 
+def zmq_endpoint(text: str) -> str:
+    """A ZMQ endpoint to connect to: tcp://HOST:PORT (a bracketed IPv6 host too) or ipc://PATH."""
+    if text.startswith("ipc://"):
+        path_text(text[len("ipc://"):])
+        return text
+    try:
+        parts = urlsplit(text)
+        parsed_port = parts.port
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a valid endpoint ({exc})") from None
+    if parts.scheme != "tcp" or not parts.hostname or not parsed_port or parts.path:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a ZMQ endpoint; write e.g. tcp://127.0.0.1:5557")
+    problem = host_problem(parts.hostname)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: host {problem}")
+    return text
+
+
 def value_list(item: Callable[[str], float], what: str, max_items: int) -> Callable[[str], tuple]:
     """Comma-separated values, each parsed by `item`, at most `max_items` of them; `what` describes
     the expected text for the error (e.g. "comma-separated integers like 38,40")."""

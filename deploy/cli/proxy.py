@@ -7,6 +7,7 @@ import logging
 
 from deploy.cli import args as cli_args
 from deploy.services.proxy import Limits, Timeouts, serve
+from deploy.services.routing import PrefixRouting
 
 
 def register(subparsers) -> None:
@@ -14,7 +15,9 @@ def register(subparsers) -> None:
         "proxy", help="OpenAI-compatible P/D proxy: prefill with KV export, then decode with the KV",
         description="Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health "
         "(?backends=1 also probes the backends) and /metrics. Instances are used round-robin; when one role "
-        "has no instance answering, the other role's instances serve whole requests.",
+        "has no instance answering, the other role's instances serve whole requests. With --kv-events, a "
+        "request's prefill goes to the instance holding the longest prefix of its prompt (vLLM's KV cache "
+        "events tell which).",
     )
     p.add_argument("--prefill", type=cli_args.url_list, required=True, metavar="URL[,URL]",
                    help="prefill instance base URL(s)")
@@ -40,6 +43,22 @@ def register(subparsers) -> None:
     p.add_argument("--max-upstream-bytes", type=cli_args.bounded_int(1024, 1 << 34),
                    default=Limits.max_upstream_bytes, metavar="N",
                    help=f"largest non-streamed answer read from an instance (default {Limits.max_upstream_bytes})")
+    routing = p.add_argument_group("cache-aware prefill choice (vLLM's KV cache events)")
+    routing.add_argument("--kv-events", type=cli_args.value_list(cli_args.zmq_endpoint, "ZMQ endpoints", 256),
+                         metavar="ENDPOINT[,ENDPOINT]", help="each prefill's KV event publisher (its "
+                         "--kv-events-config endpoint, e.g. tcp://10.0.0.5:5557), in the order of --prefill; "
+                         "turns on the cache-aware choice of prefill")
+    routing.add_argument("--overload-margin", type=cli_args.bounded_int(0, 1 << 20),
+                         default=PrefixRouting.overload_margin, metavar="N",
+                         help="an instance with more than N prefill legs in flight beyond the least loaded prefill "
+                         f"is passed over for its cached prefix (default {PrefixRouting.overload_margin})")
+    routing.add_argument("--kv-index-blocks", type=cli_args.bounded_int(1, 1 << 26),
+                         default=PrefixRouting.max_index_blocks, metavar="N",
+                         help=f"blocks indexed per prefill, oldest forgotten first (default {PrefixRouting.max_index_blocks})")
+    routing.add_argument("--kv-events-timeout", type=cli_args.bounded_float(0.1, 3600.0),
+                         default=PrefixRouting.event_timeout, metavar="S",
+                         help="a publisher not answering heartbeats this long counts as gone and its index is "
+                         f"emptied (default {PrefixRouting.event_timeout:g})")
     p.set_defaults(func=run)
 
 
@@ -50,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
                         args.body_timeout)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
                     max_upstream_bytes=args.max_upstream_bytes)
-    serve(prefill, decode, args.host, args.port, timeouts, limits)
+    routing = PrefixRouting(tuple(args.kv_events), args.overload_margin, args.kv_index_blocks,
+                            args.kv_events_timeout) if args.kv_events else None
+    serve(prefill, decode, args.host, args.port, timeouts, limits, routing)
     return 0
 
 

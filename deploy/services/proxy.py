@@ -3,7 +3,8 @@
 Each completion normally runs twice: on a prefill instance with `max_tokens: 1` and
 `kv_transfer_params: {"do_remote_decode": true}` (it computes the prompt's KV and keeps it), then on a
 decode instance with the `kv_transfer_params` the prefill returned, unchanged (it pulls that KV and
-generates). Instances are picked round-robin per role.
+generates). Instances are picked round-robin per role; with `routing` (`--kv-events`) a request's prefill
+leg goes first to the instance holding the longest prefix of its prompt (deploy/services/routing.py).
 
 The proxy's own ceiling is `Limits.max_in_flight` completions at once: beyond it a client gets an
 OpenAI-style 429 with `Retry-After` at once, and no instance is ever blamed for the proxy's own
@@ -34,11 +35,14 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from connectors.common.hosts import host_url
 
+from deploy.services.kv_events import run_streams
 from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, ManagedProcess
+from deploy.services.routing import PrefixRouter, PrefixRouting, prompt_tokens
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -48,6 +52,7 @@ FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
 # Outcomes counted on /metrics: the path an answered request took, or why it was not answered.
 PATHS = ("pd", "decode_only", "prefill_only", "failed", "cancelled", "rejected", "overloaded")
 PATH_HEADER = "X-Kvpp-Path"  # on every answer: pd, decode_only or prefill_only
+PREFILL_HEADER = "X-Kvpp-Prefill"  # on a pd answer: the prefill instance that computed the prompt
 FAILED_MID_STREAM = web.ResponseKey("kvpp_failed_mid_stream", bool)  # marks a relayed stream that ended with an error event
 
 
@@ -125,6 +130,8 @@ class Backend:
         self.up = True
         self.reason = ""
         self.failures = 0
+        self.in_flight = 0
+        """Prefill legs this proxy has on the instance now (the cache-aware policy's load)."""
 
 
 class Rotation:
@@ -199,10 +206,13 @@ def _too_deep(value, limit: int) -> bool:
 
 class PDProxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeouts: Timeouts = Timeouts(),
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), routing: PrefixRouting | None = None):
         self.prefill = Rotation("prefill", prefill)
         self.decode = Rotation("decode", decode)
         self.timeouts, self.limits = timeouts, limits
+        self.registry = CollectorRegistry()
+        self.router = PrefixRouter(self.prefill.backends, routing, self.registry) if routing else None
+        self._events: asyncio.Task | None = None
         self.outcomes: collections.Counter[str] = collections.Counter({p: 0 for p in PATHS})
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
@@ -237,10 +247,13 @@ class PDProxy:
         self._fresh = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
             limit=self.limits.connections, limit_per_host=0, force_close=True))
         self._prober = asyncio.create_task(self._probe_loop())
+        if self.router is not None:
+            self._events = asyncio.create_task(run_streams(list(self.router.streams.values())))
 
     async def _stop(self, _app) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
+        for task in (self._prober, self._events):
+            if task is not None:
+                task.cancel()
         for session in (self._session, self._fresh, self._probe_session):
             if session is not None:
                 await session.close()
@@ -302,7 +315,8 @@ class PDProxy:
                   "# TYPE kvpp_proxy_backend_failures_total counter"]
         lines += [f'kvpp_proxy_backend_failures_total{{role="{b.role}",backend="{b.url}"}} {b.failures}'
                   for b in backends]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        text = "\n".join(lines) + "\n" + generate_latest(self.registry).decode()
+        return web.Response(text=text, content_type="text/plain")
 
     async def _backend_ok(self, url: str, session: aiohttp.ClientSession | None = None) -> str:
         try:
@@ -401,11 +415,11 @@ class PDProxy:
         failures: list[BackendFailure] = []
         stream = body.get("stream") is True
         try:
-            params = None
+            params = prefilled = None
             if decodes:  # without a decode there is no one to hand the KV to
-                for b in prefills:
+                for b in await self._prefill_order(request.path, body, prefills):
                     try:
-                        params = await self._prefill(b, request.path, body, headers)
+                        params, prefilled = await self._prefill(b, request.path, body, headers), b
                         break
                     except BackendFailure as failure:
                         failures.append(self._failed(failure))
@@ -413,8 +427,9 @@ class PDProxy:
                 # A resend elsewhere pulls the same blocks only if the first decode never got the request.
                 send, path = (decode_body(body, params), "pd") if params is not None else (plain_body(body),
                                                                                           "decode_only")
+                tag = {PREFILL_HEADER: prefilled.url} if params is not None else {}
                 try:
-                    return await self._serve(request, b, send, headers, stream, path), path
+                    return await self._serve(request, b, send, headers, stream, path, tag), path
                 except BackendFailure as failure:
                     failures.append(self._failed(failure))
                     params = params if not failure.reached else None
@@ -432,10 +447,22 @@ class PDProxy:
 
     def _failed(self, failure: BackendFailure) -> BackendFailure:
         (self.prefill if failure.backend.role == "prefill" else self.decode).mark_failed(failure)
+        if self.router is not None and failure.backend.role == "prefill":
+            self.router.forget(failure.backend.url, "down")  # it may come back restarted, its cache empty
         return failure
+
+    async def _prefill_order(self, path: str, body: dict, order: list[Backend]) -> list[Backend]:
+        """The prefills to try, in order: the rotation's, or with the cache-aware policy the instance holding
+        the longest prefix of the prompt first. Finding the prompt's tokens can fail; routing cannot."""
+        if self.router is None or not order:
+            return order
+        tokens = await prompt_tokens(self._session, order[0].url, path, body, self.router.settings.tokenize_timeout) \
+            if self.router.indexed(order) else "no_index"
+        return self.router.choose(order, tokens)
 
     async def _prefill(self, backend: Backend, path: str, body: dict, headers: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.timeouts.prefill, connect=self.timeouts.connect)
+        backend.in_flight += 1
         try:
             async with await self._post(backend, path, prefill_body(body), headers, timeout) as resp:
                 data = await self._read_upstream(backend, resp)
@@ -444,6 +471,8 @@ class PDProxy:
             raise BackendFailure(backend, f"no answer within {self.timeouts.prefill:g} s") from None
         except aiohttp.ClientError as exc:
             raise _connection_failure(backend, exc) from None
+        finally:
+            backend.in_flight -= 1
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -454,9 +483,10 @@ class PDProxy:
         return params
 
     async def _serve(self, request: web.Request, backend: Backend, body: dict, headers: dict, stream: bool,
-                     path: str) -> web.StreamResponse:
-        """One instance answers the client, told the path taken in PATH_HEADER. Raises BackendFailure
-        while nothing has reached the client."""
+                     path: str, tag: dict[str, str] | None = None) -> web.StreamResponse:
+        """One instance answers the client, told the path taken in PATH_HEADER (and `tag`'s headers). Raises
+        BackendFailure while nothing has reached the client."""
+        tag = {PATH_HEADER: path, **(tag or {})}
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect, sock_read=self.timeouts.decode_read)
         silent = f"no answer within {self.timeouts.decode_read:g} s"
         try:
@@ -470,8 +500,7 @@ class PDProxy:
                 if not stream:
                     data = await self._read_upstream(backend, resp)
                     _check_status(backend, resp.status, data)
-                    out = web.Response(status=200, body=data, content_type="application/json",
-                                       headers={PATH_HEADER: path})
+                    out = web.Response(status=200, body=data, content_type="application/json", headers=tag)
                     resp.release()
                     return out
                 if resp.status != 200:
@@ -483,7 +512,7 @@ class PDProxy:
                 raise BackendFailure(backend, silent) from None
             except aiohttp.ClientError as exc:
                 raise BackendFailure(backend, f"failed while answering ({_reason(exc)})") from None
-            return await self._relay(request, resp, backend, first, path)
+            return await self._relay(request, resp, backend, first, tag)
         finally:
             resp.close()  # a no-op after release(); otherwise it cuts the connection, which aborts the request
 
@@ -525,10 +554,10 @@ class PDProxy:
         return b"".join(chunks)
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
-                     first: bytes, path: str) -> web.StreamResponse:
+                     first: bytes, tag: dict[str, str]) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": resp.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache",
-            PATH_HEADER: path})
+            **tag})
         await _to_client(out.prepare(request))
         await _to_client(out.write(first))
         try:
@@ -605,12 +634,13 @@ def _open_files_for(limits: Limits) -> None:
 
 
 def serve(prefill: Sequence[str], decode: Sequence[str], host: str, port: int, timeouts: Timeouts,
-          limits: Limits) -> None:
+          limits: Limits, routing: PrefixRouting | None = None) -> None:
     """What `kvpp proxy` runs: the proxy on host:port until interrupted, this process allowed the open files
     `limits` need."""
     _open_files_for(limits)
-    proxy = PDProxy(prefill, decode, timeouts, limits)
-    logger.info("P/D proxy on %s: prefill %s, decode %s", host_url("http", host, port), prefill, decode)
+    proxy = PDProxy(prefill, decode, timeouts, limits, routing)
+    logger.info("P/D proxy on %s: prefill %s, decode %s, prefills chosen by %s", host_url("http", host, port),
+                prefill, decode, f"cached prefix (KV events {', '.join(routing.endpoints)})" if routing else "turn")
     # asyncio binds "::" IPv6-only; listen on IPv4 too, as vLLM's own "::" listener (a dual-stack socket) does.
     hosts = [host, "0.0.0.0"] if host == "::" else host
     web.run_app(proxy.app(), host=hosts, port=port, print=None, access_log=None, handler_cancellation=True)

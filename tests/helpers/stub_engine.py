@@ -32,6 +32,11 @@ SLOW_STREAM_S = 1.5
 """How long a "slow_stream" answer takes."""
 
 
+def stub_tokens(prompt: str) -> list[int]:
+    """How a Stub tokenizes: one token per character."""
+    return [ord(c) for c in prompt]
+
+
 class Stub:
     """A backend that serves like a vLLM engine and records what it receives; `mode` selects a failure.
 
@@ -46,6 +51,7 @@ class Stub:
     def __init__(self, name, mode="ok"):
         self.name, self.mode = name, mode
         self.requests, self.cancelled = [], []
+        self.tokenized = 0
         self.dropped, self._served_on = 0, set()
         self.port = free_port()
         self.url = f"http://{LOOP}:{self.port}"
@@ -53,6 +59,7 @@ class Stub:
     async def start(self):
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -61,6 +68,13 @@ class Stub:
 
     async def health(self, request):
         return web.json_response({}, status=200 if self.mode == "ok" else 503)
+
+    async def tokenize(self, request):
+        """One token per character (its code point); a "no_tokenize" backend answers 500."""
+        self.tokenized += 1
+        if self.mode == "no_tokenize":
+            return web.json_response({"error": {"message": "no"}}, status=500)
+        return web.json_response({"tokens": stub_tokens((await request.json())["prompt"])})
 
     async def complete(self, request):
         if self.mode == "drop_reused":
@@ -136,13 +150,13 @@ async def serve_proxy(proxy):
     return runner, f"http://{LOOP}:{port}"
 
 
-async def with_proxy(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Limits()):
+async def with_proxy(prefills, decodes, body_fn, timeouts=Timeouts(), limits=Limits(), routing=None):
     """Run `body_fn(session, proxy_url, proxy)` against a proxy in front of the given stubs / URLs."""
     stubs = [s for s in prefills + decodes if isinstance(s, Stub)]
     for s in stubs:
         await s.start()
     proxy = PDProxy([getattr(s, "url", s) for s in prefills], [getattr(s, "url", s) for s in decodes],
-                    timeouts, limits)
+                    timeouts, limits, routing)
     runner, url = await serve_proxy(proxy)
     try:
         async with aiohttp.ClientSession() as session:

@@ -1,0 +1,174 @@
+"""`kvpp proxy --kv-events` against real engines: two KVPP prefills (TP2, bf16 on AMX_MLA with vLLM's prefix cache
+and `--kv-events-config` publishing) and one decode, P/D over MooncakeConnectorV2. Several conversations of several
+turns: every turn after the first lands on the prefill that served the conversation's earlier turns, where the
+rotation alone would have sent some elsewhere, and those prefills' own prefix-cache counters show the hits; every
+answer agrees with the decode's own greedy answer. A proxy whose event stream for one prefill is garbage, then dead,
+answers the same conversations correctly, by load. Runs only where the host has AMX tiles: the reference kernel
+(CPU_MLA) has vLLM's prefix cache off for MLA, so there would be nothing to route to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+import zmq
+
+from deploy.harness.demo import _agreement, _answer
+from deploy.harness.engines import engine_metrics, metric_total
+from deploy.harness.tiny_model import sample_prompt
+from deploy.services.ports import free_port, free_port_range
+from deploy.services.processes import AMX, ManagedProcess, start_servers
+from deploy.services.proxy import start_proxy
+from kvpp_core.cpu_backends import host_has_amx
+from testbed.pd_servers import pd_server
+from tests.helpers.pd_http import post
+
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    not host_has_amx(), reason="vLLM's prefix cache is on for MLA only on AMX_MLA, which needs a CPU with AMX tiles "
+    "(amx_tile in /proc/cpuinfo); this host has none")]
+
+CONVERSATIONS = 3  # interleaved over 2 prefills: the rotation alone would move every other later turn
+TURNS = 3
+FIRST_WORDS, TURN_WORDS = 300, 140  # the tiny tokenizer: one token per word; blocks of 128 tokens
+ANSWER = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+
+
+def _prefill(name: str, model: str, tmp, events_port: int):
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+    return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
+                     server={"engine": AMX}, extra_args=["--additional-config", json.dumps({"enable_kvpp": True}),
+                                                         "--kv-events-config", json.dumps(events)])
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routing")
+    started: list[ManagedProcess] = []
+    ports = [free_port(), free_port()]
+    try:
+        prefills = [_prefill(f"prefill{i}", tiny_model, tmp, port) for i, port in enumerate(ports)]
+        decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
+                           server={"engine": AMX})
+        start_servers((*prefills, decode), started, timeout=600)
+        endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
+        proxy, url = start_proxy([p.url for p in prefills], [decode.url], tmp / "proxy.log",
+                                 extra_args=["--kv-events", ",".join(endpoints)])
+        started.append(proxy)
+        yield {"prefills": prefills, "decode": decode, "proxy": url, "model": tiny_model, "tmp": tmp}
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+def _complete(url: str, model: str, prompt: str) -> tuple[dict, str | None]:
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+        {"model": model, "prompt": prompt, **ANSWER}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read()), resp.headers.get("X-Kvpp-Prefill")
+
+
+def _converse(stack, proxy_url: str, seed: int) -> list[list[tuple[str | None, int]]]:
+    """CONVERSATIONS conversations of TURNS turns, interleaved turn by turn; each turn's prompt is the last one,
+    its answer and new words. Returns per conversation the (prefill used, prompt tokens) of each turn, every
+    answer checked against the decode serving the same prompt alone."""
+    model, decode = stack["model"], stack["decode"].url
+    prompts = [sample_prompt(FIRST_WORDS, seed=seed + c) for c in range(CONVERSATIONS)]
+    served: list[list[tuple[str | None, int]]] = [[] for _ in range(CONVERSATIONS)]
+    for turn in range(TURNS):
+        for c in range(CONVERSATIONS):
+            got, prefill = _complete(proxy_url, model, prompts[c])
+            reference = _answer(post(f"{decode}/v1/completions", {"model": model, "prompt": prompts[c], **ANSWER}))
+            agreement = _agreement(_answer(got), reference, AMX)
+            assert agreement["matches_reference"], f"conversation {c} turn {turn}: {agreement}"
+            served[c].append((prefill, got["usage"]["prompt_tokens"]))
+            prompts[c] += got["choices"][0]["text"] + " " + sample_prompt(TURN_WORDS, seed=seed + 100 * turn + c)
+    return served
+
+
+def _proxy_metrics(url: str) -> str:
+    return urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+
+
+def _prefix_hits(prefills) -> float:
+    return sum(metric_total(engine_metrics(p.url), "vllm:prefix_cache_hits_total") for p in prefills)
+
+
+def test_turns_land_where_their_prefix_is(stack):
+    prefills = stack["prefills"]
+    hits_before = _prefix_hits(prefills)
+    served = _converse(stack, stack["proxy"], seed=10)
+    urls = [p.url for p in prefills]
+    firsts = [turns[0][0] for turns in served]
+    assert set(firsts) == set(urls), f"the first turns went by turn over both prefills: {firsts}"
+    for c, turns in enumerate(served):
+        assert [p for p, _ in turns] == [firsts[c]] * TURNS, f"conversation {c} moved: {turns}"
+    # The rotation alone: request i to prefill i % 2 (turn-major order): every other later turn lands elsewhere.
+    rotation = [urls[(turn * CONVERSATIONS + c) % 2] for turn in range(1, TURNS) for c in range(CONVERSATIONS)]
+    chosen = [served[c][turn][0] for turn in range(1, TURNS) for c in range(CONVERSATIONS)]
+    assert sum(r != s for r, s in zip(rotation, chosen)) >= CONVERSATIONS
+    m = _proxy_metrics(stack["proxy"])
+    assert metric_total(m, "kvpp_proxy_prefix_hits_total") == CONVERSATIONS * (TURNS - 1)
+    # Each later turn finds at least the full blocks of the previous turn's prompt in its prefill's cache.
+    expected = sum(turns[t - 1][1] // AMX.block_size * AMX.block_size for turns in served for t in range(1, TURNS))
+    time.sleep(6)  # engine counters reach /metrics with the next stats interval
+    hits = _prefix_hits(prefills) - hits_before
+    print(f"cache-aware routing: first turns on {[urls.index(f) for f in firsts]}, later turns all on theirs "
+          f"({sum(r != s for r, s in zip(rotation, chosen))} of {len(chosen)} where the rotation would have moved "
+          f"them); the prefills' prefix-cache hits {hits:.0f} tokens, at least {expected} expected; "
+          f"prompts {[[n for _, n in turns] for turns in served]} tokens")
+    assert hits >= expected
+
+
+def test_a_garbage_then_dead_event_stream_costs_hits_not_answers(stack):
+    """A second proxy hears garbage, then nothing, for prefill0 (a PUB socket of the test's that then closes), and
+    prefill1's real events: the conversations still answer like the decode alone."""
+    context = zmq.Context.instance()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def garbage():
+        seq = 0
+        while not stop.is_set():
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
+            pub.send_multipart([b"only a frame"])
+            seq += 1
+            time.sleep(0.05)
+
+    feeder = threading.Thread(target=garbage, daemon=True)
+    feeder.start()
+    prefills = stack["prefills"]
+    events = [f"tcp://127.0.0.1:{port}", _endpoint_of(prefills[1])]
+    proxy, url = start_proxy([p.url for p in prefills], [stack["decode"].url], stack["tmp"] / "proxy-garbage.log",
+                             extra_args=["--kv-events", ",".join(events), "--kv-events-timeout", "1"])
+    try:
+        time.sleep(2)
+        _converse(stack, url, seed=40)
+        stop.set()
+        feeder.join()
+        pub.close(linger=0)  # the stream dies mid-run
+        _converse(stack, url, seed=70)
+        m = _proxy_metrics(url)
+        refused = metric_total(m, "kvpp_proxy_kv_event_refused_total")
+        print(f"garbage then a dead stream for prefill0: {refused:.0f} messages refused, "
+              f"{metric_total(m, 'kvpp_proxy_prefix_hits_total'):.0f} hits and "
+              f"{metric_total(m, 'kvpp_proxy_prefix_fallbacks_total'):.0f} fallbacks over {2 * CONVERSATIONS * TURNS} "
+              "requests, every answer like the decode's own")
+        assert refused > 0
+        assert re.search(r'^kvpp_proxy_requests_total\{path="pd"\} (\S+)$', m, re.M).group(1) == \
+            str(2 * CONVERSATIONS * TURNS)
+    finally:
+        stop.set()
+        proxy.stop()
+
+
+def _endpoint_of(engine) -> str:
+    """The prefill's event endpoint, read back from its --kv-events-config."""
+    argv = engine.argv
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    return config["endpoint"].replace("*", "127.0.0.1")
