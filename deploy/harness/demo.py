@@ -78,7 +78,9 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
         raise DemoError(f"{url} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
 
 
-def _answer(resp: dict) -> dict:
+def completion_answer(resp: dict) -> dict:
+    """What answers are compared by (`answer_agreement`): a completion's text, tokens, their logprobs and the best
+    two logprobs of each step (it needs `"logprobs": 2`)."""
     lp = resp["choices"][0]["logprobs"]
     return {"text": resp["choices"][0]["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
             "top": [sorted(top.values(), reverse=True) for top in lp["top_logprobs"]]}
@@ -86,10 +88,10 @@ def _answer(resp: dict) -> dict:
 
 def _complete(base_url: str, model: str, prompt: str) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
-    return _answer(_post(f"{base_url}/v1/completions", body))
+    return completion_answer(_post(f"{base_url}/v1/completions", body))
 
 
-def _agreement(got: dict, ref: dict, engine: CpuEngine) -> dict:
+def answer_agreement(got: dict, ref: dict, engine: CpuEngine) -> dict:
     """Whether `got` answers like `ref` within the engine's Agreement, and where a near tie parted them (None:
     every token equal)."""
     rule = AGREEMENT[engine.kernel.name]
@@ -150,7 +152,7 @@ def _drive(requests: list[DemoRequest], model: str, proxy_url: str, prefill_urls
         },
         "requests": {
             r.name: {"seconds": seconds[r.name], "text": answers[r.name]["text"],
-                     **_agreement(answers[r.name], expected[r.name], engine)}
+                     **answer_agreement(answers[r.name], expected[r.name], engine)}
             for r in requests
         },
     }

@@ -99,6 +99,12 @@ def block_key(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+OWN_CACHE_MEDIA = (None, "GPU")
+"""The media of an instance's own KV cache in vLLM's events ("GPU" on every device, CPU included). Blocks on other
+media (an offload tier, a pool that every prefill reads, as the pool connector's events report) do not make one
+instance the place to send a prompt, so they are not indexed."""
+
+
 def prefix_keys(tokens: list[int], block_size: int) -> list[bytes]:
     """The keys of a prompt's full blocks, first to last."""
     keys, parent = [], ROOT
@@ -131,6 +137,8 @@ class PrefixIndex:
         if event.lora_name is not None or event.lora_id is not None or event.group_idx not in (None, 0) \
                 or any(k is not None for k in event.extra_keys or ()):
             return "unindexable"  # LoRA, salts, multimodal or a second KV group: token ids alone do not name it
+        if event.medium not in OWN_CACHE_MEDIA:
+            return "medium"
         if self.block_size not in (None, event.block_size):
             return "block_size"
         if event.parent_block_hash is None:
@@ -179,7 +187,8 @@ class EventMetrics:
                                "topic, seq, payload), decode (not vLLM's KVEventBatch), invalid (inconsistent).",
                                ["backend", "kind"], registry=registry)
         self.skipped = Counter("kvpp_proxy_kv_blocks_skipped", "Stored blocks not indexed: unindexable (LoRA, "
-                               "salt, multimodal, second KV group), unknown_parent, block_size (not the instance's).",
+                               "salt, multimodal, second KV group), medium (not the instance's own cache: an offload tier or a "
+                               "shared pool), unknown_parent, block_size (not the instance's).",
                                ["backend", "reason"], registry=registry)
         self.resets = Counter("kvpp_proxy_kv_index_resets", "An instance's index emptied of its blocks: gap (missed batches), "
                               "restart (sequence went back), refused (a message refused), disconnected (the stream "

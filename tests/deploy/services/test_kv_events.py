@@ -222,3 +222,15 @@ def test_the_index_is_bounded_oldest_first():
     assert len(index) == 2 and index.matched_blocks(prefix_keys(TOKENS, BS)) == 0
     assert index.matched_blocks(prefix_keys([7] * BS, BS)) == 1
     assert index.store(Stored([b"c1"], None, [1] * 8, 8)) == "block_size"
+
+
+@pytest.mark.unit
+def test_blocks_off_the_instances_own_cache_are_not_indexed():
+    """A pool's or an offload tier's blocks (any medium but vLLM's own "GPU") are reachable from every prefill that
+    reads them: they make no instance the place for a prompt."""
+    index = PrefixIndex(max_blocks=8)
+    assert index.store(Stored([b"p1"], None, TOKENS[:BS], BS, medium="STORAGE")) == "medium"
+    assert index.store(Stored([b"c1"], None, TOKENS[:BS], BS, medium="CPU")) == "medium"
+    assert len(index) == 0
+    assert index.store(Stored([b"g1"], None, TOKENS[:BS], BS, medium="GPU")) is None
+    assert index.matched_blocks(prefix_keys(TOKENS, BS)) == 1

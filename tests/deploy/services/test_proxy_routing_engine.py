@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import zmq
 
-from deploy.harness.demo import _agreement, _answer
+from deploy.harness.demo import answer_agreement, completion_answer
 from deploy.harness.engines import engine_metrics, metric_total
 from deploy.harness.tiny_model import sample_prompt
 from deploy.services.ports import free_port, free_port_range
@@ -26,7 +26,7 @@ from deploy.services.processes import AMX, ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
 from kvpp_core.cpu_backends import host_has_amx
 from testbed.pd_servers import pd_server
-from tests.helpers.pd_http import post
+from tests.helpers.pd_http import post, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     not host_has_amx(), reason="vLLM's prefix cache is on for MLA only on AMX_MLA, which needs a CPU with AMX tiles "
@@ -82,8 +82,8 @@ def _converse(stack, proxy_url: str, seed: int) -> list[list[tuple[str | None, i
     for turn in range(TURNS):
         for c in range(CONVERSATIONS):
             got, prefill = _complete(proxy_url, model, prompts[c])
-            reference = _answer(post(f"{decode}/v1/completions", {"model": model, "prompt": prompts[c], **ANSWER}))
-            agreement = _agreement(_answer(got), reference, AMX)
+            reference = completion_answer(post(f"{decode}/v1/completions", {"model": model, "prompt": prompts[c], **ANSWER}))
+            agreement = answer_agreement(completion_answer(got), reference, AMX)
             assert agreement["matches_reference"], f"conversation {c} turn {turn}: {agreement}"
             served[c].append((prefill, got["usage"]["prompt_tokens"]))
             prompts[c] += got["choices"][0]["text"] + " " + sample_prompt(TURN_WORDS, seed=seed + 100 * turn + c)
@@ -115,13 +115,14 @@ def test_turns_land_where_their_prefix_is(stack):
     assert metric_total(m, "kvpp_proxy_prefix_hits_total") == CONVERSATIONS * (TURNS - 1)
     # Each later turn finds at least the full blocks of the previous turn's prompt in its prefill's cache.
     expected = sum(turns[t - 1][1] // AMX.block_size * AMX.block_size for turns in served for t in range(1, TURNS))
-    time.sleep(6)  # engine counters reach /metrics with the next stats interval
+    # Engine counters reach /metrics with the next stats interval.
+    wait_for(lambda: _prefix_hits(prefills) - hits_before >= expected, 30,
+             f"the prefills' prefix-cache hits of at least the {expected} tokens of the previous prompts' full blocks")
     hits = _prefix_hits(prefills) - hits_before
     print(f"cache-aware routing: first turns on {[urls.index(f) for f in firsts]}, later turns all on theirs "
           f"({sum(r != s for r, s in zip(rotation, chosen))} of {len(chosen)} where the rotation would have moved "
           f"them); the prefills' prefix-cache hits {hits:.0f} tokens, at least {expected} expected; "
           f"prompts {[[n for _, n in turns] for turns in served]} tokens")
-    assert hits >= expected
 
 
 def test_a_garbage_then_dead_event_stream_costs_hits_not_answers(stack):
