@@ -31,6 +31,9 @@ class BroadcastStats:
     bytes: int = 0
     wait_seconds: float = 0.0
     """Time the forward pass was blocked waiting for a layer: the part of the traffic not hidden."""
+    flight_seconds: float = 0.0
+    """Per layer, from issuing its broadcast to its data being in place (a collective's: to its wait returning),
+    summed; 1 - wait_seconds / flight_seconds is the part prefetch hid."""
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(vars(self))
@@ -94,6 +97,8 @@ class LayerBroadcaster:
         }
         self._position = {lid: pos for pos, lid in enumerate(layout.target_layers)}
         self._pending: dict[int, list[dist.Work]] = {}
+        self._issued: dict[int, float] = {}
+        """perf_counter() at each pending layer's issue, until its flight is counted."""
         self._delivered: set[int] = set()
         self._active = False
         self._ranges: list[range] | Callable[[], Sequence[range] | None] | None = None
@@ -119,6 +124,7 @@ class LayerBroadcaster:
         self._active = active and self.enabled
         self._ranges = list(block_ranges) if isinstance(block_ranges, Sequence) else block_ranges
         self._delivered.clear()
+        self._issued.clear()  # a failed step's layers that were never waited for
         self.stats.steps += 1
         self.stats.broadcast_steps += int(self._active)
 
@@ -151,6 +157,7 @@ class LayerBroadcaster:
             raise errors[0]
 
     def _issue(self, layer_id: int) -> None:
+        self._issued[layer_id] = time.perf_counter()
         src = self.group_ranks[self.layout.owner_of(layer_id)]
         works = []
         for blocks in self._blocks[layer_id]:
@@ -172,9 +179,17 @@ class LayerBroadcaster:
         except RuntimeError as exc:
             raise self._failure(layer_id, exc) from exc
         finally:
-            self.stats.wait_seconds += time.perf_counter() - started
+            self._landed(layer_id, started)
         self._delivered.add(layer_id)
         self.stats.layers += 1
+
+    def _landed(self, layer_id: int, wait_started: float) -> None:
+        """A layer's wait is over: count it, and the layer's flight unless that was counted at its issue."""
+        now = time.perf_counter()
+        self.stats.wait_seconds += now - wait_started
+        issued = self._issued.pop(layer_id, None)
+        if issued is not None:
+            self.stats.flight_seconds += now - issued
 
     def _failure(self, layer_id: int, exc: Exception) -> KvppBroadcastError:
         self._active = False

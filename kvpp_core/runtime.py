@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpp_core.allocation import Placement
 from kvpp_core.broadcast import LayerBroadcaster
 from kvpp_core.ownership import RankLayout
 from kvpp_core.zero_copy import ZeroCopyLayers
+
+if TYPE_CHECKING:
+    from kvpp_core.metrics import RecordWriter
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,20 @@ class KvppRuntime:
     """A worker's layout and the broadcaster over its allocated caches, created complete once the
     engine has bound them."""
 
-    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster | ZeroCopyLayers) -> None:
+    def __init__(self, layout: ActiveLayout, broadcaster: LayerBroadcaster | ZeroCopyLayers,
+                 record: RecordWriter | None = None) -> None:
         self.layout = layout
         self.broadcaster = broadcaster
+        self.record = record
+        """Where this rank's counters reach /metrics (kvpp_core.metrics); None when no process serves them."""
+
+    def end_step(self) -> None:
+        """Close the step's broadcasts, then publish the counters (a failed step's too)."""
+        try:
+            self.broadcaster.end_step()
+        finally:
+            if self.record is not None:
+                self.record.update(self.broadcaster.stats)
 
     def report(self) -> dict:
         """What an operator or a test asks a worker: its layout, its KV bytes and its traffic."""

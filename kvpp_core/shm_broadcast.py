@@ -375,8 +375,10 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     # -- the two transport primitives LayerBroadcaster.before_layer schedules ---------------------
 
     def _issue(self, layer_id: int) -> None:
+        issued = time.perf_counter()
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
+        self._issued[layer_id] = issued
         if owner == self.layout.kvpp_rank:
             if self._published < self._epoch:  # every owned layer's history is in place: see the module doc
                 for slot in self._ready_slots:
@@ -386,6 +388,8 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
         elif self._shm.flags[owner][2 * pos + _HEADER] >= self._epoch:
             self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))
             self._pending[layer_id] = []
+            del self._issued[layer_id]  # in place now: its flight ends here, not at its wait
+            self.stats.flight_seconds += time.perf_counter() - issued
         else:
             self._pending[layer_id] = [owner]  # copied when waited for
 
@@ -403,7 +407,7 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
                         self._guarded(layer_id, lambda r=r: self._await(
                             layer_id, r, lambda f=self._shm.flags[r]: f[read] >= self._epoch, "copy"))
         finally:
-            self.stats.wait_seconds += time.perf_counter() - started
+            self._landed(layer_id, started)
         self._delivered.add(layer_id)
         self.stats.layers += 1
 

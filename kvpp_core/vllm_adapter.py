@@ -9,18 +9,22 @@ the connectors switch on, and only on CPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from kvpp_core import activation, ascend, runtime, zero_copy
+from kvpp_core import activation, ascend, metrics, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster, coalesce
 from kvpp_core.config import KvppConfig
@@ -117,6 +121,11 @@ class WorkerContext:
     def stage_blocks(self) -> int | None:
         """Blocks this rank's own budget holds; the engine keeps the smallest over all ranks."""
         return None if self.memory_bytes is None else self.memory_bytes // self.bytes_per_block
+
+    @property
+    def stage_blocks_off(self) -> int | None:
+        """Blocks the same budget holds with KVPP off (every layer replicated: the plan's group of one)."""
+        return None if self.memory_bytes is None else self.memory_bytes // self.logical_bytes_per_block
 
     def report(self) -> dict:
         return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks,
@@ -342,7 +351,7 @@ def _patch_initialize_from_config(orig):
             broadcaster = LayerBroadcaster(
                 layout, regions, placement.num_blocks, ctx.group, ctx.group_ranks, ctx.broadcast_timeout_s
             )
-        runtime.install(runtime.KvppRuntime(active, broadcaster))
+        runtime.install(runtime.KvppRuntime(active, broadcaster, _metrics_record(self, ctx, placement.num_blocks)))
         _logger().info(
             "KVPP stage %d rank %d/%d: %d blocks (its own budget holds %s; the engine keeps the smallest), "
             "%d KV bytes allocated (persistent %s, %d staging slot(s))",
@@ -351,6 +360,46 @@ def _patch_initialize_from_config(orig):
         )
 
     return initialize_from_config
+
+
+def _metrics_record(worker, ctx: WorkerContext, num_blocks: int) -> metrics.RecordWriter | None:
+    """This rank's record in the directory the serving process named (none: its counters stay in kvpp_stats)."""
+    directory = os.environ.get(metrics.METRICS_DIR_ENV)
+    if not directory:
+        return None
+    try:
+        return metrics.RecordWriter(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
+                                    ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
+    except OSError as exc:  # the engine serves on; only its vllm:kvpp_* samples of this rank are missing
+        _logger().warning("KVPP rank %d: no metrics record in %s=%s (%s); /metrics lacks this rank's vllm:kvpp_* "
+                          "samples", ctx.layout.kvpp_rank, metrics.METRICS_DIR_ENV, directory, exc)
+        return None
+
+
+_metrics_collector: metrics.RecordCollector | None = None
+
+
+def _serve_metrics(vllm_config) -> None:
+    """In the process that builds a KVPP engine's config (the API server): a record directory its workers
+    inherit through the environment, read by a collector on the registry vLLM's /metrics serves. Once per
+    process; a later engine of the same process reuses both (its workers rewrite the records)."""
+    global _metrics_collector
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    model_name = vllm_config.model_config.served_model_name
+    if _metrics_collector is not None:
+        _metrics_collector.model_name = model_name
+        return
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _logger().warning("KVPP: its metrics (vllm:kvpp_*) are not served on /metrics with several API servers "
+                          "(--api-server-count > 1, a multiprocess Prometheus registry); collective_rpc('kvpp_stats') "
+                          "still reports them")
+        return
+    directory = Path(tempfile.mkdtemp(prefix="kvpp-metrics-", dir=metrics.RECORDS_PARENT))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ[metrics.METRICS_DIR_ENV] = str(directory)
+    _metrics_collector = metrics.RecordCollector(directory, model_name)
+    get_prometheus_registry().register(_metrics_collector)
 
 
 def _with_pp_receive_buffers(orig):
@@ -396,10 +445,10 @@ def _patch_execute_model(orig):
             output = orig(self, scheduler_output)
         except BaseException:
             try:
-                rt.broadcaster.end_step()
+                rt.end_step()
             finally:
                 raise
-        rt.broadcaster.end_step()
+        rt.end_step()
         return output
 
     return execute_model
@@ -629,7 +678,9 @@ def install(connector_rules: ConnectorRules) -> None:
         def create_engine_config(self, *args, **kwargs):
             request = launch_request(self)  # before vLLM fills in its defaults on these very arguments
             vllm_config = orig(self, *args, **kwargs)
-            check(vllm_config, request=request)  # refuses an unsupported launch with every problem at once
+            launch = check(vllm_config, request=request)  # refuses an unsupported launch with every problem at once
+            if launch.kvpp.enabled and _patched_workers:  # this adapter's workers, which write the records
+                _serve_metrics(vllm_config)
             return vllm_config
 
         return create_engine_config

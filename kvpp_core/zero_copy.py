@@ -47,6 +47,8 @@ class ZeroCopyStats(ShmBroadcastStats):
     transport: str = "zero-copy"
     reads: int = 0
     """Foreign layers read in place (each after its owner's written flag)."""
+    waits: int = 0
+    """Reads whose owner had not yet written the step's tokens: they waited (`wait_seconds` in all)."""
     writes_skipped: int = 0
     """New-token writes a reader left to the owner."""
     forward_steps: int = 0
@@ -169,12 +171,18 @@ class ZeroCopyLayers(PeerWaits):
             return
         self._forward_begins()
         slot = layer_flag(self._position[layer_id])
-        started = time.perf_counter()
-        try:
-            self._guarded(lambda: self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[slot] >= self._epoch,
-                                              "write"))
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - started
+        flags = self._shm.flags[owner]
+
+        def written() -> bool:
+            return flags[slot] >= self._epoch
+
+        if not written():
+            self.stats.waits += 1
+            started = time.perf_counter()
+            try:
+                self._guarded(lambda: self._await(layer_id, owner, written, "write"))
+            finally:
+                self.stats.wait_seconds += time.perf_counter() - started
         self._seen.add(layer_id)
         self.stats.reads += 1
         self.stats.layers += 1

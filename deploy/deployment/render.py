@@ -2,7 +2,8 @@
 
 Shell: one script per node of every instance, plus the pool and the proxy, and the pool client
 config files next to them. Kubernetes: a LeaderWorkerSet per multi-node instance (a Deployment for a
-single node), a Service per instance, the pool and the proxy, and a ConfigMap with the pool configs.
+single node), a Service per instance, the pool and the proxy, a ConfigMap with the pool configs, and
+the Grafana dashboard as a ConfigMap (deploy.deployment.dashboard).
 Render refuses a spec that `kvpp check` finds errors in.
 
 Quoting: in scripts every value is one single-quoted shell word (`shlex.quote`), except the paths of
@@ -27,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from deploy.deployment import launch
+from deploy.deployment import dashboard, launch
 from deploy.deployment.check import Finding, check_resolved
 from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
 from deploy.deployment.spec import Spec
@@ -241,6 +242,7 @@ def render_k8s(resolved: ResolvedSpec) -> dict[str, str]:
                                              {**_labels("pool"), "kvpp.io/name": launch.POOL_SERVICE})])
     for instance in resolved.instances:
         files[f"{instance.instance.name}.yaml"] = _dump(_instance_objects(spec, instance))
+    files["grafana-dashboard.yaml"] = _dump([dashboard.configmap(k8s.namespace, _labels("dashboard"))])
     if resolved.proxy is not None:
         container = _container("proxy", k8s.proxy_image or k8s.image, resolved.proxy.cluster_argv, {},
                                spec.proxy.port, None, mounts=False, probe_delay=5)

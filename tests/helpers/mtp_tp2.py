@@ -25,10 +25,10 @@ LOAD_PROMPTS = (260,) * 8
 BLOCK = 16
 
 
-def plan(model: str, kv_bytes: int = KV_BYTES):
+def plan(model: str, kv_bytes: int = KV_BYTES, staging: int = 2):
     """`kvpp plan` for a TP2 engine of `model`: the blocks KVPP off and on get from `kv_bytes` per rank (the
     capacity tests' KVPP-off count, also for the P/D prefill and the pool engines of this shape)."""
-    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), kv_bytes, block_size=BLOCK)
+    return plan_capacity(ModelSpec.from_hf_config(model), Topology(tp=2), kv_bytes, block_size=BLOCK, staging=staging)
 
 
 def mtp_tp2_run(model: str, *, references: dict[str, list[int]] | None = None,

@@ -116,6 +116,8 @@ def test_every_layer_arrives_byte_identical_on_every_rank(world, num_layers, sta
         # Every layer, every step, whole layer: bytes = steps * layers * blocks * page.
         assert report["stats"]["bytes"] == 3 * num_layers * NUM_BLOCKS * PAGE
         assert report["stats"]["broadcast_steps"] == 3
+        # Each layer's flight (issue to delivered) includes the time the forward waited for it.
+        assert 0 < report["stats"]["wait_seconds"] <= report["stats"]["flight_seconds"]
 
 
 def test_rank_owning_nothing_still_receives_every_layer():

@@ -96,6 +96,7 @@ def _assert_delivered(out, world, num_layers, blocks_per_layer=BLOCKS):
         foreign = num_layers - len(report["owned"])
         assert report["stats"]["bytes"] == STEPS * foreign * blocks_per_layer * PAGE
         assert report["stats"]["layers"] == STEPS * num_layers
+        assert 0 < report["stats"]["flight_seconds"] and report["stats"]["wait_seconds"] <= report["stats"]["flight_seconds"]
         assert report["leftovers"] == [], "segments must be unlinked once every rank mapped them"
 
 

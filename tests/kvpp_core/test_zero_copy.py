@@ -95,6 +95,7 @@ def _assert_exact(out, world, num_layers):
         assert stats["bytes"] == 0, "zero-copy copies nothing"
         assert stats["reads"] == STEPS * foreign and stats["writes_skipped"] == STEPS * foreign
         assert stats["forward_steps"] == STEPS
+        assert stats["waits"] <= stats["reads"] and (stats["waits"] > 0) == (stats["wait_seconds"] > 0)
 
 
 @pytest.mark.parametrize("world,num_layers", [(2, 6), (3, 7)])
@@ -107,6 +108,8 @@ def test_readers_see_the_owners_writes_in_place(world, num_layers):
 def test_no_read_before_the_owner_wrote_and_no_step_while_a_peer_reads(scenario):
     out, _ = _run(3, 6, scenario)
     _assert_exact(out, 3, 6)
+    if scenario == "slow_owner":  # reads reach their layer while its owner sleeps before writing: they wait
+        assert sum(report["stats"]["waits"] for _, report in out.values()) > 0
 
 
 def test_negative_control_a_reader_that_skips_the_wait_reads_stale_pages():

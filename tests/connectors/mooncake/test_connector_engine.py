@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deploy.harness.chaos_load import Load, reference_prompts
+from prometheus_client.parser import text_string_to_metric_families
+
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
 from deploy.harness.routers import start_vllm_router
 from deploy.services.ports import free_port, free_port_range
@@ -204,6 +206,68 @@ def test_a_zero_copy_prefill_feeds_the_decode_like_the_colocated_engine(pd, colo
     assert [r["staging_slots"] for r in _worker_rpc(pd["prefill"], "kvpp_stats")] == [2, 2]
     _assert_proxy_equals_colocated(pd, zc["proxy"], colocated)
     _assert_decode_loaded_the_prefill_kv(pd, zc["prefill"], colocated)
+    # KVPP's metrics on its /metrics: the plan's zero-copy capacity, no broadcast byte, and the foreign layers
+    # read in place, counted as the workers count them.
+    kvpp, stats = _kvpp_metrics(zc["prefill"], pd["model"]), _worker_rpc(zc["prefill"], "kvpp_stats")
+    _assert_kvpp_capacity_metrics(zc["prefill"], kvpp, pd["model"], staging=0)  # no staging slot: 202 blocks
+    assert kvpp["vllm:kvpp_broadcast_bytes_total"] == {"0": 0, "1": 0}
+    assert "vllm:kvpp_prefetch_hidden_fraction" not in kvpp  # nothing broadcast: nothing to hide
+    reads, waits = kvpp["vllm:kvpp_zero_copy_reads_total"], kvpp["vllm:kvpp_zero_copy_waits_total"]
+    for rank, report in enumerate(stats):
+        zc_stats = report["broadcast"]
+        assert reads[str(rank)] == zc_stats["reads"] >= LAYERS // 2 * zc_stats["forward_steps"] > 0
+        assert waits[str(rank)] == zc_stats["waits"] <= zc_stats["reads"]
+        assert kvpp["vllm:kvpp_zero_copy_wait_seconds_total"][str(rank)] == pytest.approx(zc_stats["wait_seconds"])
+        assert (zc_stats["waits"] > 0) == (zc_stats["wait_seconds"] > 0)
+    print(f"zero-copy prefill /metrics: reads {reads}, of which waited {waits}")
+
+
+def _kvpp_metrics(engine, model: str) -> dict[str, dict[str, float]]:
+    """KVPP's samples on an engine's /metrics: sample name -> {kvpp_rank: value} (one engine, no PP)."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(engine_metrics(engine.url)):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvpp_"):
+                assert (sample.labels["model_name"], sample.labels["engine"], sample.labels["pp_stage"]) == (
+                    model, "0", "0")
+                out.setdefault(sample.name, {})[sample.labels["kvpp_rank"]] = sample.value
+    return out
+
+
+def _assert_kvpp_capacity_metrics(engine, kvpp: dict, model: str, staging: int) -> None:
+    """Both ranks' block gauges: the engine's own count (vLLM's cache_config_info), which is the plan's KVPP-on
+    count for this budget and mode, and the plan's KVPP-off count; their ratio is the capacity gain."""
+    expected = plan(model, PREFILL_KV_BYTES, staging)
+    assert kvpp["vllm:kvpp_kv_blocks"] == dict.fromkeys("01", engine_num_blocks(engine.url)) == dict.fromkeys(
+        "01", expected.blocks_on)
+    assert kvpp["vllm:kvpp_kv_blocks_kvpp_off"] == dict.fromkeys("01", expected.blocks_off)
+    assert kvpp["vllm:kvpp_capacity_gain"] == dict.fromkeys("01", pytest.approx(expected.ratio))
+
+
+def test_kvpp_metrics_of_the_staged_prefill(pd):
+    """KVPP's own metrics on the KVPP prefill's /metrics (the API server reads each worker's record): capacity
+    against the plan, and a request with history (a plain completion decodes on the prefill, each decode step
+    broadcasting the foreign layers' history) grows the broadcast counters exactly as the workers count them."""
+    prefill = pd["prefill"]
+    before = _kvpp_metrics(prefill, pd["model"])
+    _assert_kvpp_capacity_metrics(prefill, before, pd["model"], staging=2)
+    completion(prefill.url, pd["model"], sample_prompt(170, seed=31))
+    after, stats = _kvpp_metrics(prefill, pd["model"]), _worker_rpc(prefill, "kvpp_stats")
+    for rank, report in enumerate(stats):
+        r, counted = str(rank), report["broadcast"]
+        assert after["vllm:kvpp_broadcast_bytes_total"][r] == counted["bytes"]
+        assert after["vllm:kvpp_broadcast_bytes_total"][r] > before["vllm:kvpp_broadcast_bytes_total"][r]
+        assert after["vllm:kvpp_broadcast_steps_total"][r] == counted["broadcast_steps"]
+        assert after["vllm:kvpp_broadcast_steps_total"][r] > before["vllm:kvpp_broadcast_steps_total"][r]
+        assert after["vllm:kvpp_broadcast_layers_total"][r] == counted["layers"]
+        assert after["vllm:kvpp_broadcast_seconds_total"][r] == pytest.approx(counted["flight_seconds"])
+        assert after["vllm:kvpp_broadcast_wait_seconds_total"][r] == pytest.approx(counted["wait_seconds"])
+        assert 0 <= counted["wait_seconds"] <= counted["flight_seconds"]
+        assert after["vllm:kvpp_prefetch_hidden_fraction"][r] == pytest.approx(
+            1 - counted["wait_seconds"] / counted["flight_seconds"])
+        assert after["vllm:kvpp_zero_copy_reads_total"][r] == 0
+    print(f"staged prefill /metrics: broadcast bytes {after['vllm:kvpp_broadcast_bytes_total']}, prefetch hid "
+          f"{after['vllm:kvpp_prefetch_hidden_fraction']}")
 
 
 def test_forged_side_channel_requests_are_refused_by_a_real_prefill(pd, colocated):

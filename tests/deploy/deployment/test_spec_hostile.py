@@ -403,9 +403,10 @@ def test_rerender_replaces_its_own_files_only(tmp_path, capsys):
     (out / "notes.txt").write_text("keep")
     assert main(["render", str(EXAMPLE), "--format", "k8s", "--out", str(out)]) == 0
     names = sorted(os.listdir(out))
-    assert names == sorted([MARKER, "notes.txt", "prefill.yaml", "decode.yaml", "proxy.yaml"])
+    assert names == sorted([MARKER, "notes.txt", "prefill.yaml", "decode.yaml", "proxy.yaml", "grafana-dashboard.yaml"])
     assert (out / "notes.txt").read_text() == "keep"
-    assert json.loads((out / MARKER).read_text())["files"] == ["decode.yaml", "prefill.yaml", "proxy.yaml"]
+    assert json.loads((out / MARKER).read_text())["files"] == ["decode.yaml", "grafana-dashboard.yaml", "prefill.yaml",
+                                                              "proxy.yaml"]
     (out / "prefill.yaml").unlink()
     (out / "prefill.yaml").mkdir()
     assert main(["render", str(EXAMPLE), "--out", str(out)]) == 2

@@ -1,0 +1,25 @@
+"""The Grafana dashboard of KVPP's and the connectors' metrics (grafana/kvpp.json), as `kvpp render` ships it.
+
+Its queries read only metrics this package exports (tests/deploy/deployment/test_dashboard.py checks them
+against kvpp_core.metrics and the connectors' counters)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+DASHBOARD_FILE = "kvpp.json"
+CONFIGMAP = "kvpp-grafana-dashboard"
+SIDECAR_LABEL = "grafana_dashboard"
+"""The label Grafana's dashboard sidecar (the Helm chart's `sidecar.dashboards`) collects ConfigMaps by."""
+
+
+def dashboard_json() -> str:
+    return (resources.files("deploy.deployment") / "grafana" / DASHBOARD_FILE).read_text()
+
+
+def configmap(namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+    """The dashboard as a ConfigMap Grafana's sidecar loads."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": CONFIGMAP, "namespace": namespace, "labels": {**labels, SIDECAR_LABEL: "1"}},
+            "data": {DASHBOARD_FILE: dashboard_json()}}

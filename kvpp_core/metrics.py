@@ -1,0 +1,175 @@
+"""KVPP's own metrics on vLLM's `/metrics`: per-rank records in shared memory, read at scrape time.
+
+KVPP's counters live in the worker processes (grandchildren of the API server, which serves `/metrics`).
+Each worker keeps one record: a small file of float64 slots (`SLOTS`), mmap'ed and updated in place at
+every step's end (a handful of stores, no syscall). The API server owns the directory the records are in
+(named to its children by `METRICS_DIR_ENV`) and a Prometheus collector (`RecordCollector`) that reads
+them when `/metrics` is scraped. `FAMILIES` is the one list of what is exported: the collector and the
+Grafana dashboard's check (tests/deploy/deployment/test_dashboard.py) read it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvpp_core.broadcast import BroadcastStats
+from kvpp_core.zero_copy import ZeroCopyStats
+
+METRICS_DIR_ENV = "KVPP_METRICS_DIR"
+"""The directory of this engine's records; set by the process that serves `/metrics`, inherited by its workers."""
+RECORDS_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else None
+"""Where record directories are made (memory-backed; None: the system's temporary directory)."""
+
+LABELS = ("model_name", "engine", "pp_stage", "kvpp_rank")
+"""`engine` is vLLM's engine index (the data-parallel rank), as on vLLM's own metrics."""
+
+_MAGIC = float(0x4B565050)  # "KVPP", exact as a float64; written last when a record is created
+SLOTS = (
+    "magic", "engine", "pp_stage", "kvpp_rank", "kv_blocks", "kv_blocks_kvpp_off",
+    "steps", "broadcast_steps", "broadcast_layers", "broadcast_bytes", "broadcast_seconds",
+    "broadcast_wait_seconds", "zero_copy_reads", "zero_copy_waits", "zero_copy_wait_seconds",
+)
+_INDEX = {name: i for i, name in enumerate(SLOTS)}
+_FORMAT = f"<{len(SLOTS)}d"
+RECORD_BYTES = struct.calcsize(_FORMAT)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """As exposed, without the `_total` a counter gets."""
+    kind: str
+    """counter or gauge"""
+    doc: str
+
+    @property
+    def samples(self) -> tuple[str, ...]:
+        """The sample names a query reads (a counter's `_total`, and `_created` vLLM's counters do not use)."""
+        return (f"{self.name}_total",) if self.kind == "counter" else (self.name,)
+
+
+def _counter(slot: str, doc: str) -> tuple[str, Family]:
+    return slot, Family(f"vllm:kvpp_{slot}", "counter", doc)
+
+
+COUNTERS = dict((
+    _counter("steps", "Forward steps this rank ran with KVPP."),
+    _counter("broadcast_steps", "Steps whose batch had history a foreign layer needed (the others broadcast nothing)."),
+    _counter("broadcast_layers", "Target layers delivered (received, or sent and read by every peer)."),
+    _counter("broadcast_bytes", "KV bytes broadcast into this rank's staging buffers (received; 0 for zero-copy)."),
+    _counter("broadcast_seconds", "Per layer, seconds from issuing its broadcast to its data being in place, summed."),
+    _counter("broadcast_wait_seconds", "Seconds the forward blocked on a layer's broadcast (what prefetch did not hide)."),
+    _counter("zero_copy_reads", "Zero-copy: foreign layers read in their owner's pages."),
+    _counter("zero_copy_waits", "Zero-copy: reads that had to wait for the owner's write of the step."),
+    _counter("zero_copy_wait_seconds", "Zero-copy: seconds those reads waited."),
+))
+GAUGES = {
+    "kv_blocks": Family("vllm:kvpp_kv_blocks", "gauge", "KV blocks this engine holds with KVPP (the engine's count)."),
+    "kv_blocks_kvpp_off": Family("vllm:kvpp_kv_blocks_kvpp_off", "gauge",
+                                 "KV blocks this rank's budget holds with KVPP off (every layer replicated)."),
+    "capacity_gain": Family("vllm:kvpp_capacity_gain", "gauge", "kv_blocks / kv_blocks_kvpp_off."),
+    "prefetch_hidden_fraction": Family(
+        "vllm:kvpp_prefetch_hidden_fraction", "gauge",
+        "1 - broadcast_wait_seconds / broadcast_seconds since start: the part of the broadcasts' flight the "
+        "forward did not wait for (absent before any flight time, and for zero-copy)."),
+}
+FAMILIES: tuple[Family, ...] = (*COUNTERS.values(), *GAUGES.values())
+
+
+def stats_values(stats: BroadcastStats) -> dict[str, float]:
+    """The record's counter slots from a broadcaster's stats (zero-copy's waits are reads, not broadcasts)."""
+    common = {"steps": stats.steps, "broadcast_steps": stats.broadcast_steps}
+    if isinstance(stats, ZeroCopyStats):
+        return {**common, "zero_copy_reads": stats.reads, "zero_copy_waits": stats.waits,
+                "zero_copy_wait_seconds": stats.wait_seconds}
+    return {**common, "broadcast_layers": stats.layers, "broadcast_bytes": stats.bytes,
+            "broadcast_seconds": stats.flight_seconds, "broadcast_wait_seconds": stats.wait_seconds}
+
+
+class RecordWriter:
+    """One worker's record, created at start (labels and block counts) and updated at each step's end."""
+
+    def __init__(self, directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
+                 kv_blocks_kvpp_off: int | None) -> None:
+        path = directory / f"rank-{engine}-{pp_stage}-{kvpp_rank}.rec"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, RECORD_BYTES)
+            self._map = mmap.mmap(fd, RECORD_BYTES, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._slots = memoryview(self._map).cast("d")
+        for name, value in (("engine", engine), ("pp_stage", pp_stage), ("kvpp_rank", kvpp_rank),
+                            ("kv_blocks", kv_blocks),
+                            ("kv_blocks_kvpp_off", float("nan") if kv_blocks_kvpp_off is None else kv_blocks_kvpp_off)):
+            self._slots[_INDEX[name]] = value
+        self._slots[_INDEX["magic"]] = _MAGIC  # last: a reader that sees it sees the labels
+
+    def update(self, stats: BroadcastStats) -> None:
+        for name, value in stats_values(stats).items():
+            self._slots[_INDEX[name]] = value
+
+
+def read_records(directory: Path) -> list[dict[str, float]]:
+    """Every complete record in `directory`, sorted by label; a rank that has not created its record yet,
+    or whose creation is under way, is not among them."""
+    records = []
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return records
+    for name in names:
+        try:
+            data = (directory / name).read_bytes()
+        except OSError:
+            continue
+        if len(data) != RECORD_BYTES:
+            continue
+        values = dict(zip(SLOTS, struct.unpack(_FORMAT, data)))
+        if values["magic"] == _MAGIC:
+            records.append(values)
+    return records
+
+
+def derived(record: dict[str, float]) -> dict[str, float]:
+    """The gauges a record implies (a gauge whose inputs are missing or zero is left out)."""
+    out = {"kv_blocks": record["kv_blocks"]}
+    off = record["kv_blocks_kvpp_off"]
+    if off == off and off > 0:  # NaN: the worker did not plan its capacity
+        out["kv_blocks_kvpp_off"] = off
+        out["capacity_gain"] = record["kv_blocks"] / off
+    if record["broadcast_seconds"] > 0:
+        out["prefetch_hidden_fraction"] = 1.0 - record["broadcast_wait_seconds"] / record["broadcast_seconds"]
+    return out
+
+
+class RecordCollector:
+    """A Prometheus collector over one engine's record directory (read at every scrape)."""
+
+    def __init__(self, directory: Path, model_name: str) -> None:
+        self.directory = directory
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []  # registered before any record exists; nothing to check for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        records = read_records(self.directory)
+        labelled = [((self.model_name, *(str(int(r[k])) for k in LABELS[1:])), r) for r in records]
+        for slot, family in COUNTERS.items():
+            metric = CounterMetricFamily(family.name, family.doc, labels=LABELS)
+            for labels, record in labelled:
+                metric.add_metric(labels, record[slot])
+            yield metric
+        gauges = {slot: GaugeMetricFamily(family.name, family.doc, labels=LABELS) for slot, family in GAUGES.items()}
+        for labels, record in labelled:
+            for slot, value in derived(record).items():
+                gauges[slot].add_metric(labels, value)
+        yield from gauges.values()
