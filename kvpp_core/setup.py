@@ -36,7 +36,6 @@ class KvppSetup:
     kv_connector: str | None = None
     kv_role: str | None = None
     kv_extra: dict[str, Any] = field(default_factory=dict)
-    kv_events: bool = False
     cudagraph_mode: str | None = None
     """vLLM's resolved CUDA graph mode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE);
     None when unknown (a deployment spec): vLLM's default then, FULL_AND_PIECEWISE on GPUs."""
@@ -104,7 +103,6 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig, request: LaunchRequest
 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    events = vllm_config.kv_events_config
     compilation = vllm_config.compilation_config
     speculative = vllm_config.speculative_config
     dtype = normalize_dtype(str(model_config.dtype))
@@ -127,7 +125,6 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig, request: LaunchRequest
         enforce_eager=model_config.enforce_eager,
         kvpp=kvpp,
         **connector,
-        kv_events=bool(events is not None and events.enable_kv_cache_events),
         cudagraph_mode=None if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
         splitting_ops=None if compilation.splitting_ops is None else tuple(compilation.splitting_ops),
         speculative_method=None if speculative is None else speculative.method,

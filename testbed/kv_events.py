@@ -98,7 +98,7 @@ def _named(event, names: dict) -> list:
     kind = type(event).__name__
     if kind == "BlockStored":
         return [kind, [name(h) for h in event.block_hashes], name(event.parent_block_hash), event.token_ids,
-                event.block_size, event.medium]
+                event.block_size, event.medium, event.locality]
     if kind == "BlockRemoved":
-        return [kind, [name(h) for h in event.block_hashes], event.medium]
+        return [kind, [name(h) for h in event.block_hashes], event.medium, event.locality]
     return [kind]

@@ -13,6 +13,12 @@ Each action is a JSON list whose first element names its kind:
                                                 a batch decoding together: the median of its last steps
   ["waves", name, [[token_ids, ...], ...]]      waves of one-token prompts, each after the previous: seconds
   ["pause", name, seconds]                      let the pool's background saves land
+  ["settle", name]                              step the engine until its scheduler holds no request: every
+                                                pool save of the requests served so far reported (and, with KV
+                                                events on, the pool's events of them published); the steps taken
+  ["remove", name, kv_connector_extra_config, [key, ...]]
+                                                remove pool objects through a store client of the engine's pool,
+                                                between requests of one engine: each key's status
 
 A request's options may hold "cache_salt" and "kv_transfer_params" (e.g. {"do_remote_decode": true}, as a
 P/D proxy sends a prefill); it generates the script's max_tokens. Each served request records its tokens and
@@ -83,7 +89,18 @@ class Pause(msgspec.Struct, tag="pause", array_like=True, forbid_unknown_fields=
     seconds: Annotated[float, msgspec.Meta(ge=0)]
 
 
-Action = Union[Gen, Batch, Kill, Decode, Waves, Pause]
+class Settle(msgspec.Struct, tag="settle", array_like=True, forbid_unknown_fields=True, frozen=True):
+    name: str
+
+
+class Remove(msgspec.Struct, tag="remove", array_like=True, forbid_unknown_fields=True, frozen=True):
+    name: str
+    pool: dict
+    """The pool's kv_connector_extra_config (`kvpp pool up` prints it)."""
+    keys: list[str]
+
+
+Action = Union[Gen, Batch, Kill, Decode, Waves, Pause, Settle, Remove]
 
 
 class Script(msgspec.Struct, tag="script", forbid_unknown_fields=True, frozen=True):
@@ -111,6 +128,10 @@ class Script(msgspec.Struct, tag="script", forbid_unknown_fields=True, frozen=Tr
                 results[action.name] = _decode(llm, action)
             elif isinstance(action, Waves):
                 results[action.name] = _waves(llm, action)
+            elif isinstance(action, Settle):
+                results[action.name] = _settle(llm)
+            elif isinstance(action, Remove):
+                results[action.name] = _remove(action)
             else:
                 time.sleep(action.seconds)
         results["kvpp_workers"] = llm.collective_rpc("kvpp_stats")
@@ -161,6 +182,28 @@ def _waves(llm, action: Waves) -> dict:
         pooled += sum(out.num_cached_tokens for out in stepper.finish().values())
         prompt_tokens += sum(len(ids) for ids in wave)
     return {"seconds": time.perf_counter() - started, "prompt_tokens": prompt_tokens, "pooled_tokens": pooled}
+
+
+def _settle(llm) -> int:
+    """Steps until the scheduler holds no request: a finished request whose pool saves are still running stays
+    in it (its blocks held) until the workers report them, and LLM.generate stops stepping before that."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # the engine core runs in this process
+    steps = 0
+    while scheduler.has_requests():
+        llm.llm_engine.step()
+        steps += 1
+    return steps
+
+
+def _remove(action: Remove) -> list[str]:
+    from connectors.store.backends import open_backend
+    from connectors.store.settings import parse_store_settings
+
+    backend = open_backend(parse_store_settings(action.pool), call_timeout_s=4)
+    try:
+        return [status.name for status in backend.remove(action.keys)]
+    finally:
+        backend.close()
 
 
 def record_block_ids(llm) -> dict[str, list[int]]:

@@ -84,6 +84,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    def build_connector_worker_meta(self):
+        return self._worker.take_shard_report()
+
     def get_kv_connector_stats(self):
         side = self._worker if self._worker is not None else self._scheduler
         return side.get_stats()
@@ -117,3 +120,6 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        return self._scheduler.take_events()

@@ -1,10 +1,11 @@
-"""What the scheduler side tells the workers each step (passed in-process by vLLM, not over a socket)."""
+"""What the scheduler side tells the workers each step, and what the workers report back (passed by vLLM
+in-process or over its own executor IPC, never over a socket of this connector)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,29 @@ class StoreMetadata(KVConnectorMetadata):
     """Finish in-flight saves before the forward: a preempted request's blocks are being reused."""
     idle: bool = False
     """The step schedules no tokens: the engine only polls for finished loads and saves."""
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """One worker's save outcomes since its last report, by pool block hash: `landed` blocks have this
+    worker's share in the pool (its shard written or already there, or no shard of its own to write);
+    `failed` blocks do not (a put or the existence check failed)."""
+
+    worker: int
+    """The worker's rank in vLLM's world group: each of the engine's workers reports under its own."""
+    landed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SavedShards(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler side each step (vLLM's worker metadata: built per worker, combined
+    by `aggregate` and handed to the scheduler side in-process or over vLLM's own executor IPC, which a
+    MultiConnector also forwards to its children, unlike connector KV events)."""
+
+    reports: tuple[ShardReport, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "SavedShards":
+        if not isinstance(other, SavedShards):
+            raise TypeError(f"cannot combine pool shard reports with {type(other).__name__}")
+        return SavedShards(self.reports + other.reports)

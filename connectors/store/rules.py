@@ -1,5 +1,5 @@
-"""AscendStoreConnector's launch rules: its settings always, and with KVPP the role, the store flags
-and the KV events KVPP needs."""
+"""AscendStoreConnector's launch rules: its settings always, and with KVPP the role and the store flags
+KVPP needs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import msgspec
 
 from kvpp_core.setup import KvppSetup
 from kvpp_core.startup import ConnectorSettings
-from kvpp_core.validation import DISABLE, Problem, error
+from kvpp_core.validation import Problem, error
 
 from connectors.common.names import STORE
 from connectors.store.settings import StoreSettings, read_store_settings
@@ -33,12 +33,9 @@ def store_rules(setup: KvppSetup, settings: ConnectorSettings) -> list[Problem]:
     problems += settings.record(STORE, setup.kv_extra, parsed)
     if not kvpp:
         return problems
-    problems += _kvpp_flag_rules(parsed.given, {p.option for p in problems})
-    if setup.kv_events:
-        problems.append(error("kv_events_config", (
-            f"KV cache events are not supported by {STORE} with KVPP; disable enable_kv_cache_events "
-            f"or {DISABLE}")))
-    return problems
+    # KV events are allowed: the pool announces a block stored only once every owner shard landed
+    # (connectors.store.events).
+    return problems + _kvpp_flag_rules(parsed.given, {p.option for p in problems})
 
 
 def _kvpp_flag_rules(given: dict, reported: set[str]) -> list[Problem]:

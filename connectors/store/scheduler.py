@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from connectors.store.events import BlockFacts, PoolEvents
 from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import UnhashableExtraKeys
 from connectors.store.lookup import LookupChannel, LookupClient
-from connectors.store.metadata import BlockJob, StoreMetadata
-from connectors.store.request_keys import prompt_block_hashes
+from connectors.store.metadata import BlockJob, SavedShards, StoreMetadata
+from connectors.store.request_keys import block_facts, prompt_blocks
 from connectors.store.stats import StoreStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -31,6 +34,8 @@ class _SaveTracker:
     hashes: list[str]
     """One per whole prompt block."""
     block_ids: list[int]
+    facts: list[BlockFacts] | None
+    """What the pool's events say of each block (None: events off, or vLLM's hashes cannot name them)."""
     saved_blocks: int = 0
 
 
@@ -43,6 +48,12 @@ class StoreScheduler:
         self._client = LookupClient(LookupChannel(cfg.lookup_rpc_port, dp_rank), cfg.lookup_timeout_s) if self._loads else None
         self._prompt_hashes: dict[str, list[str] | None] = {}
         """Per live request: its prompt blocks' pool hashes (None: not poolable)."""
+        self._prompt_facts: dict[str, list[BlockFacts] | None] = {}
+        """Per live request, with events on: what the events say of its prompt blocks."""
+        events = vllm_config.kv_events_config
+        self._events = (PoolEvents(vllm_config.parallel_config.world_size)
+                        if events is not None and events.enable_kv_cache_events else None)
+        """The pool's KV cache events (connectors.store.events), with vLLM's `--kv-events-config` on."""
         self._hits: dict[str, list[str]] = {}
         self._pending_loads: list[BlockJob] = []
         self._trackers: dict[str, _SaveTracker] = {}
@@ -58,7 +69,10 @@ class StoreScheduler:
         req_id = request.request_id
         if req_id not in self._prompt_hashes:
             try:
-                self._prompt_hashes[req_id] = prompt_block_hashes(request, self._block_size)
+                blocks = prompt_blocks(request, self._block_size)
+                self._prompt_hashes[req_id] = blocks.hashes
+                if self._events is not None:
+                    self._prompt_facts[req_id] = block_facts(request, blocks, self._block_size)
             except UnhashableExtraKeys as exc:
                 logger.warning("request %s bypasses the pool (neither loaded nor saved): %s", req_id, exc)
                 self._stats.add("unpoolable_requests")
@@ -77,6 +91,8 @@ class StoreScheduler:
         if error:
             logger.warning("pool lookup for %s counted as a miss: %s", request.request_id, error)
             self._stats.add("lookup_failures")
+        elif self._events is not None:
+            self._events.lookup(hashes, hit)  # an answer, not a failure: what it misses is lost
         hit_tokens = hit * self._block_size
         if hit_tokens <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
@@ -99,7 +115,13 @@ class StoreScheduler:
         self._loading[request.request_id] = set(job.block_ids)
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        """Note which requests' loads failed (workers report their blocks) before they are retried."""
+        """Note which requests' loads failed (workers report their blocks) before they are retried, and which
+        blocks' shards landed."""
+        shards = output.kv_connector_worker_meta
+        if shards is not None and self._events is not None:
+            if not isinstance(shards, SavedShards):
+                raise TypeError(f"the pool's workers report SavedShards, got {type(shards).__name__}")
+            self._events.report(shards)
         if output.invalid_block_ids:
             for req_id, blocks in self._loading.items():
                 if blocks & output.invalid_block_ids:
@@ -112,7 +134,8 @@ class StoreScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             hashes = self._prompt_hashes.get(new.req_id)
             if hashes:
-                self._trackers[new.req_id] = _SaveTracker(hashes, list(new.block_ids[0]))
+                self._trackers[new.req_id] = _SaveTracker(hashes, list(new.block_ids[0]),
+                                                          self._prompt_facts.get(new.req_id))
         cached = scheduler_output.scheduled_cached_reqs
         computed_before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         for i, req_id in enumerate(cached.req_ids):
@@ -136,6 +159,9 @@ class StoreScheduler:
                 continue
             jobs.append(BlockJob(req_id, tuple(tracker.block_ids[tracker.saved_blocks:done]),
                                  tuple(tracker.hashes[tracker.saved_blocks:done])))
+            if self._events is not None and tracker.facts is not None:
+                for i in range(tracker.saved_blocks, done):
+                    self._events.expect(tracker.hashes[i], tracker.hashes[i - 1] if i else None, tracker.facts[i])
             tracker.saved_blocks = done
             self._saving.add(req_id)
             if done == len(tracker.hashes):
@@ -160,6 +186,7 @@ class StoreScheduler:
         """Keep the blocks until the workers report the request's saves done."""
         self._trackers.pop(request.request_id, None)
         self._prompt_hashes.pop(request.request_id, None)
+        self._prompt_facts.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._pool_failed.discard(request.request_id)
@@ -167,6 +194,10 @@ class StoreScheduler:
             self._saving.discard(request.request_id)
             return True, None
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's events decided since the last step (vLLM publishes them beside its own)."""
+        return self._events.take() if self._events is not None else ()
 
     def get_stats(self) -> StoreStats | None:
         """Lookups the workers never saw (channel errors, timeouts); the rest is counted by workers."""

@@ -51,6 +51,13 @@ class SaveResult:
     failed: int
     late: bool = False
     """The put outlived its bound and may still be reading the blocks (see Backend.late_calls)."""
+    landed: tuple[bool, ...] = ()
+    """Per block of the job: its object is in the pool now (written, or already there)."""
+
+    @classmethod
+    def nothing_written(cls, blocks: int, *, failed: bool) -> "SaveResult":
+        """A save that wrote none of its blocks: all failed, or none was this rank's to write."""
+        return cls(0, 0, blocks if failed else 0, landed=(not failed,) * blocks)
 
 
 class ShardIO:
@@ -66,11 +73,14 @@ class ShardIO:
         keys, ptrs, sizes = self._objects(block_ids, hashes)
         present = self.backend.exists(keys)
         if any(s in (Status.FAILED, Status.TIMEOUT) for s in present):
-            return SaveResult(0, 0, len(keys))
+            return SaveResult.nothing_written(len(keys), failed=True)
         todo = [i for i, s in enumerate(present) if s is Status.MISSING]
         status = self.backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
         ok = sum(s is Status.OK for s in status)
-        return SaveResult(ok, len(keys) - len(todo), len(todo) - ok, Status.TIMEOUT in status)
+        landed = [s is Status.OK for s in present]
+        for i, s in zip(todo, status):
+            landed[i] = s is Status.OK
+        return SaveResult(ok, len(keys) - len(todo), len(todo) - ok, Status.TIMEOUT in status, tuple(landed))
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[str]) -> list[Status]:
         """Fill the blocks' pages; an object of the wrong size is refused and dropped from the pool, so

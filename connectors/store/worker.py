@@ -28,7 +28,7 @@ from connectors.store.backends import Backend, Status, open_backend
 from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import CacheLayout
 from connectors.store.lookup import LookupChannel, LookupServer
-from connectors.store.metadata import BlockJob, StoreMetadata
+from connectors.store.metadata import BlockJob, SavedShards, ShardReport, StoreMetadata
 from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
 from connectors.store.stats import StoreStats
 from connectors.store.transfer import BlockPages, SaveResult, ShardIO
@@ -54,7 +54,7 @@ def order_caches(names: Sequence[str], layer_of: dict[str, int | None]) -> tuple
 
 class StoreWorker:
     def __init__(self, vllm_config: "VllmConfig", cfg: StoreSettings) -> None:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank, get_world_group
 
         self._vllm_config = vllm_config
         self._cfg = cfg
@@ -84,6 +84,12 @@ class StoreWorker:
         self._in_flight = 0
         self._idle_step = False
         self._thread = threading.Thread(target=self._run_jobs, name="kvpp-pool-io", daemon=True)
+        events = vllm_config.kv_events_config
+        self._reports = events is not None and events.enable_kv_cache_events
+        """Report each saved block's outcome to the scheduler side, which decides the pool's KV events."""
+        self._rank = get_world_group().rank_in_group
+        self._landed: list[str] = []
+        self._failed: list[str] = []
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -218,6 +224,15 @@ class StoreWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_shard_report(self) -> SavedShards | None:
+        """This worker's save outcomes since the last step, for the scheduler side's events."""
+        with self._lock:
+            if not (self._landed or self._failed):
+                return None
+            report = ShardReport(self._rank, tuple(self._landed), tuple(self._failed))
+            self._landed, self._failed = [], []
+        return SavedShards((report,))
+
     def get_stats(self) -> StoreStats | None:
         with self._lock:
             if self._stats.is_empty():
@@ -277,7 +292,9 @@ class StoreWorker:
             future.add_done_callback(one_done)
 
     def _save(self, job: BlockJob) -> None:
-        result = SaveResult(0, 0, len(job.block_ids) if self._writes else 0)
+        # A rank that writes nothing (not the group's writer, or a KVPP owner of no layer) has its share
+        # of every block in the pool already.
+        result = SaveResult.nothing_written(len(job.block_ids), failed=self._writes)
         try:
             if self._writes:
                 result = self._io.save(job.block_ids, job.block_hashes)
@@ -291,6 +308,9 @@ class StoreWorker:
             self._count("save_skipped_blocks", result.skipped)
             self._count("save_failures", result.failed)
             self._write_stats()
+            if self._reports:
+                for block_hash, landed in zip(job.block_hashes, result.landed):
+                    (self._landed if landed else self._failed).append(block_hash)
             self._save_pending[job.req_id] -= 1
             self._job_done()
 

@@ -119,7 +119,7 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
     kv_cfg = instance.kv_transfer_config or {}
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
-                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {}, kv_events=inst.kv_events,
+                      kv_extra=kv_cfg.get("kv_connector_extra_config") or {},
                       speculative_method=engine.speculative_method, nnodes=len(inst.hosts),
                       device="cpu" if engine.kernel else None, attention_backend=engine.kernel,
                       draft_attention_backend=engine.draft_kernel, dtype=dtype, block_size=engine.block_size,

@@ -74,12 +74,6 @@ def test_store_flag_with_garbage_value():
     assert p.message == """must be true or false (a JSON bool, or the string "true"/"false"), got 'maybe'"""
 
 
-def test_store_kv_events_refused():
-    p = only(validate(setup(kv_connector="AscendStoreConnector", kv_role="kv_producer", kv_extra=GOOD_STORE_EXTRA,
-                            kv_events=True)))
-    assert p.option == "kv_events_config" and "KV cache events are not supported" in p.message
-
-
 def test_unknown_connector():
     p = only(validate(setup(kv_connector="NixlConnector", kv_role="kv_both")))
     assert p.option == "kv_connector" and "'NixlConnector' is not validated with KVPP" in p.message
@@ -127,23 +121,24 @@ def test_pool_settings_are_checked_whether_or_not_kvpp_is_on():
     assert "must be one of mooncake, memcache, got 'redis'" in problems[1].message
 
 # ---- the launch check of a real vLLM config ----------------------------------------------------------
-@pytest.mark.parametrize("extra, role, events, option", [
-    ({"load_async": True, "use_layerwise": True}, "kv_both", False, "use_layerwise"),
-    ({}, "kv_both", False, "load_async"),
-    ({"load_async": True, "discard_partial_chunks": False}, "kv_both", False, "discard_partial_chunks"),
-    ({"load_async": True, "consumer_is_to_put": True}, "kv_both", False, "consumer_is_to_put"),
-    ({"load_async": True}, "kv_consumer", False, "kv_role"),
-    ({"load_async": True}, "kv_both", True, "kv_events_config"),
+@pytest.mark.parametrize("extra, role, option", [
+    ({"load_async": True, "use_layerwise": True}, "kv_both", "use_layerwise"),
+    ({}, "kv_both", "load_async"),
+    ({"load_async": True, "discard_partial_chunks": False}, "kv_both", "discard_partial_chunks"),
+    ({"load_async": True, "consumer_is_to_put": True}, "kv_both", "consumer_is_to_put"),
+    ({"load_async": True}, "kv_consumer", "kv_role"),
 ])
-def test_kvpp_refuses_unsupported_pool_settings(store_engine_config, extra, role, events, option):
+def test_kvpp_refuses_unsupported_pool_settings(store_engine_config, extra, role, option):
     from kvpp_core.config import KvppConfigError
 
     with pytest.raises(KvppConfigError, match=option):
-        check_launch(pool_config(store_engine_config, extra, role, events))
+        check_launch(pool_config(store_engine_config, extra, role))
 
 
 def test_kvpp_accepts_the_supported_pool_settings_and_off_skips_the_kvpp_rules(store_engine_config, caplog):
     assert check_launch(pool_config(store_engine_config, {"load_async": True})).warnings == []
+    # KV events too: the pool announces a block stored only once every owner shard landed (connectors.store.events)
+    assert check_launch(pool_config(store_engine_config, {"load_async": True}, events=True)).warnings == []
     assert check_launch(pool_config(store_engine_config, {"consumer_is_to_put": True}, "kv_consumer",
                                     kvpp=False)).warnings == []
 

@@ -106,13 +106,13 @@ def test_every_problem_is_reported_at_once():
     bad = setup(model=ModelSpec("llama-3", 32, 0, 0, 0, attention="mha"), enforce_eager=False,
                 topology=Topology(tp=8, pcp=2, dcp=2, runner="v1"),
                 kv_connector="AscendStoreConnector", kv_role="kv_consumer",
-                kv_extra={"use_layerwise": True, "load_asnyc": True}, kv_events=True)
+                kv_extra={"use_layerwise": True, "load_asnyc": True})
     options = [p.option for p in validate(bad)]
     assert options == ["model", "decode_context_parallel_size", "prefill_context_parallel_size",
                        "compilation_config.cudagraph_mode",
                        "kv_role", "kv_connector_extra_config.load_asnyc", "kv_connector_extra_config.backend",
                        "kv_connector_extra_config.lookup_rpc_port", "kv_connector_extra_config.use_layerwise",
-                       "kv_connector_extra_config.load_async", "kv_events_config", "prefill_context_parallel_size"]
+                       "kv_connector_extra_config.load_async", "prefill_context_parallel_size"]
 
 
 def test_raise_for_errors_lists_every_error_one_per_line():

@@ -292,14 +292,23 @@ def test_on_pool_batch_holds_blocks_past_kvpp_off_capacity(on):
 
 
 # ---- zero-copy KVPP over the KVPP scenario's pool ---------------------------------------------------------------------
+LOST_BLOCK = 3
+"""The block of the zero-copy engine's own prompt that loses rank 1's shard while the engine runs."""
+
+
 @pytest.fixture(scope="module")
 def zero_copy(on):
-    """One zero-copy engine (`staging=0`), started once the scenario's engines have exited, over their pool:
-    it loads the prefix the staging engine saved and saves a prompt of its own (6 whole blocks)."""
+    """One zero-copy engine (`staging=0`), started once the scenario's engines have exited, over their pool,
+    publishing KV cache events to a ZMQ subscriber: it loads the prefix the staging engine saved and saves a
+    prompt of its own (6 whole blocks); once every save reported, rank 1's shard of block LOST_BLOCK of its prompt
+    is removed through a store client, and the prompt is sent again."""
     sc = on[0]
     own = token_draws(sc.model, 11)(100)
-    return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own]],
-                       staging=0)
+    lost = sc.shard_keys()[1].key(block_hashes(own, BLOCK)[LOST_BLOCK])
+    return own, sc.run("zero-copy", [["gen", "prefix_plus", sc.prompts["prefix_plus"]], ["gen", "own", own],
+                                     ["settle", "settled"], ["remove", "lost", sc.pool.kv_connector_extra_config, [lost]],
+                                     ["gen", "own_again", own], ["settle", "settled_again"]],
+                       staging=0, kv_events=f"ipc://{sc.tmp}/zero-copy-events")
 
 
 def test_zero_copy_keeps_the_owner_shards_and_loads_what_staging_saved(on, zero_copy):
@@ -377,3 +386,40 @@ def test_on_negative_control_zeroed_high_blocks_change_the_answer(on, high):
     worst = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
     print(f"zeroed blocks {got['block_ids']}: tokens {got['tokens']} vs {want['tokens']}, max |dlogprob| {worst:.2e}")
     assert got["tokens"] != want["tokens"] or worst > LOGPROB_TOL
+
+
+def _blocks(tokens: list[int]) -> list[list[int]]:
+    return [tokens[i:i + BLOCK] for i in range(0, len(tokens) - BLOCK + 1, BLOCK)]
+
+
+def test_zero_copy_publishes_pool_events_a_router_can_trust(on, zero_copy):
+    """The pool's KV cache events as a real ZMQ subscriber received them (vLLM's own prefix cache is off on this
+    kernel; its events, on a host that has them, are filtered out by medium): BlockStored for exactly the blocks the
+    engine saved or found pooled - prefix_plus's 7 and its own prompt's 6, with their tokens, chained by parent,
+    every one of both owner shards in the pool - each once. Then rank 1's shard of one block is removed: the
+    prompt sent again is answered right (3 blocks loaded, the rest recomputed), BlockRemoved names the lost block
+    and the two after it, and once recomputed and saved again they are stored anew."""
+    from connectors.store.events import LOCALITY, MEDIUM
+
+    sc, _, _, _ = on
+    own, run = zero_copy
+    events = [e for batch in run["kv_events"] for e in batch
+              if (e[0] == "BlockStored" and e[5] == MEDIUM) or (e[0] == "BlockRemoved" and e[2] == MEDIUM)]
+    kinds = [e[0] for e in events]
+    print(f"pool events: {kinds}; settle steps {run['settled']}, {run['settled_again']}")
+    assert run["lost"] == ["OK"]
+    removal = kinds.index("BlockRemoved")
+    assert kinds.count("BlockRemoved") == 1
+    stored, after = events[:removal], events[removal + 1:]
+    names = {tuple(e[3]): e[1][0] for e in stored}
+    expected = _blocks(sc.prompts["prefix_plus"]) + _blocks(own)
+    assert sorted(tuple(e[3]) for e in stored) == sorted(map(tuple, expected)), "exactly the saved blocks, once each"
+    for e in stored + after:
+        assert len(e[1]) == 1 and e[4] == BLOCK and e[6] == LOCALITY
+    own_names = [names[tuple(b)] for b in _blocks(own)]
+    assert [e[2] for e in stored if e[1][0] in own_names] == [None] + own_names[:-1], "each block's parent is the one before"
+    # The removed block and everything after it in its chain; the blocks before it are still pooled.
+    assert events[removal][1:] == [own_names[LOST_BLOCK:], MEDIUM, LOCALITY]
+    assert [e[1][0] for e in after] == own_names[LOST_BLOCK:], "recomputed, saved, every shard landed: stored again"
+    assert run["own_again"]["num_cached_tokens"] == LOST_BLOCK * BLOCK
+    assert_same_output(run["own_again"], run["own"])

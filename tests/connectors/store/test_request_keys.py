@@ -41,9 +41,9 @@ def _embeds(value=1.0):
 
 
 def _pool_hashes(request):
-    from connectors.store.request_keys import prompt_block_hashes
+    from connectors.store.request_keys import prompt_blocks
 
-    return prompt_block_hashes(request, 16)
+    return prompt_blocks(request, 16).hashes
 
 
 def test_vllm_extra_key_shapes():

@@ -13,13 +13,16 @@ from tests.helpers.store_config import BASE
 pytestmark = pytest.mark.unit
 
 
-def _scheduler(role="kv_producer"):
+def _scheduler(role="kv_producer", events=False, workers=1):
+    from vllm.config.kv_events import KVEventsConfig
+
     from connectors.store.scheduler import StoreScheduler
 
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=16),
         kv_transfer_config=SimpleNamespace(kv_role=role),
-        parallel_config=SimpleNamespace(data_parallel_rank=0),
+        parallel_config=SimpleNamespace(data_parallel_rank=0, world_size=workers),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if events else None,
     )
     return StoreScheduler(vllm_config, parse_store_settings(BASE))
 
@@ -103,7 +106,8 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
 
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
                                   kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
-                                  parallel_config=SimpleNamespace(data_parallel_rank=0))
+                                  parallel_config=SimpleNamespace(data_parallel_rank=0, world_size=1),
+                                  kv_events_config=None)
     sched = StoreScheduler(vllm_config, parse_store_settings({**BASE, "load_async": True}))
     sched._client.close()
     sched._client = client = _Client()
@@ -119,3 +123,76 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     assert client.calls == 1
     sched.request_finished(request, [])
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True), "the failure is forgotten with the request"
+
+
+def _hashed_request(req_id, tokens, **extras):
+    """A request as vLLM's engine core makes it with a connector: its block hashes made by vLLM's own hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(16, hash_fn), **extras)
+
+
+def test_saved_blocks_are_announced_in_vllms_terms_once_every_worker_reported_them():
+    """TP2 (two workers): the events name the blocks by vLLM's own block hashes, with their tokens and cache_salt,
+    and only once both workers' shards landed; the workers' reports arrive through vLLM's connector output."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connectors.store.metadata import SavedShards, ShardReport
+
+    sched = _scheduler(events=True, workers=2)
+    tokens = list(range(40))  # two whole blocks
+    request = _hashed_request("r", tokens, cache_salt="tenant-a")
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    new = SimpleNamespace(req_id="r", prompt_token_ids=tokens, block_ids=([3, 4, 5],), num_computed_tokens=0)
+    (job,) = sched.build_connector_meta(_output([new], scheduled={"r": 40})).saves
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SavedShards((ShardReport(1, job.block_hashes),))))
+    assert list(sched.take_events()) == []
+    both = SavedShards((ShardReport(0, job.block_hashes[:1]),)).aggregate(SavedShards((ShardReport(1, job.block_hashes),)))
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=both))
+    (stored,) = sched.take_events()
+    assert stored.block_hashes == [maybe_convert_block_hash(request.block_hashes[0])]
+    assert (stored.parent_block_hash, stored.token_ids, stored.extra_keys) == (None, tokens[:16], [("tenant-a",)])
+    with pytest.raises(TypeError, match="SavedShards"):
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleNamespace()))
+
+
+def test_a_lookup_shorter_than_the_announced_prefix_announces_the_rest_removed_and_a_failed_lookup_does_not():
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connectors.store.metadata import SavedShards, ShardReport
+
+    class _Client:
+        answer = (3, "")
+
+        def hit_blocks(self, hashes, request_id=""):
+            return self.answer
+
+    sched = _scheduler("kv_both", events=True)
+    sched._client.close()
+    sched._client = client = _Client()
+    tokens = list(range(16 * 4 + 1))  # four whole blocks and the token that is always computed
+    request = _hashed_request("r", tokens)
+    client.answer = (0, "")
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
+    new = SimpleNamespace(req_id="r", prompt_token_ids=tokens, block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    (job,) = sched.build_connector_meta(_output([new], scheduled={"r": len(tokens)})).saves
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SavedShards((ShardReport(0, job.block_hashes),))))
+    assert len(list(sched.take_events())) == 4
+    sched.request_finished(request, [])
+    again = _hashed_request("r2", tokens)
+    client.answer = (1, "lookup channel error: gone")
+    sched.get_num_new_matched_tokens(again, 0)
+    assert list(sched.take_events()) == [], "a lookup the pool could not answer proves nothing lost"
+    client.answer = (1, "")
+    sched.get_num_new_matched_tokens(again, 0)
+    (removed,) = sched.take_events()
+    assert removed.block_hashes == [maybe_convert_block_hash(h) for h in again.block_hashes[1:4]]

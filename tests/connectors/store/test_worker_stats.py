@@ -22,12 +22,14 @@ def worker(tmp_path, monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: SimpleNamespace(rank_in_group=1))
     cfg = parse_store_settings({"backend": "mooncake", "lookup_rpc_port": 6000, "stats_file": str(tmp_path / "stats")})
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=4), use_mla=True),
+        kv_events_config=None,
     )
     w = worker_module.StoreWorker(vllm_config, cfg)
     w._pages = SimpleNamespace(object_bytes=100)

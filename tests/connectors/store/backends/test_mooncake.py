@@ -206,15 +206,20 @@ def test_a_holder_stalled_past_the_client_ttl_costs_its_blocks_not_the_pool(tmp_
 BIG_LAYERS, BIG_BLOCKS, BIG_PAGE = 4, 4, (512, 512)
 
 
-def _store_worker(pool, monkeypatch, bound_ms: float, caches):
-    """A real StoreWorker on the real pool; only vLLM's rank lookups are stubbed (no process group)."""
+def _store_worker(pool, monkeypatch, bound_ms: float, caches, events: bool = False):
+    """A real StoreWorker on the real pool (`events`: vLLM's KV events on, so it reports its saves); only vLLM's
+    rank lookups are stubbed (no process group)."""
+    from vllm.config.kv_events import KVEventsConfig
+
     import vllm.distributed.parallel_state as parallel_state
 
     from connectors.store.worker import StoreWorker
 
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: SimpleNamespace(rank_in_group=0))
     vllm_config = SimpleNamespace(
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if events else None,
         kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=16),
@@ -301,6 +306,26 @@ def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, mon
 
 
 @pytest.mark.integration
+def test_a_worker_reports_each_saved_block_landed_whether_it_wrote_it_or_found_it_pooled(pool, monkeypatch):
+    """What the scheduler side's KV events are decided from (connectors.store.events): per block, this worker's
+    shard is in the pool, written now or by an earlier save."""
+    src = _big_caches()
+    worker = _store_worker(pool, monkeypatch, 10_000, src, events=True)
+    hashes = tuple(block_hashes([99] * 16 * BIG_BLOCKS, 16))
+    assert worker.take_shard_report() is None, "nothing saved, nothing to report"
+    worker.wait_for_save(StoreMetadata(saves=[BlockJob("first", (1,), hashes[1:2])]))
+    _wait_reported(worker, "first", sending=True)
+    worker.wait_for_save(StoreMetadata(saves=[BlockJob("all", tuple(range(BIG_BLOCKS)), hashes)]))
+    _wait_reported(worker, "all", sending=True)
+    stats = worker.get_stats().data
+    assert (stats["saved_blocks"], stats["save_skipped_blocks"]) == (BIG_BLOCKS, 1)
+    (report,) = worker.take_shard_report().reports
+    assert (report.worker, report.landed, report.failed) == (0, hashes[1:2] + hashes, ())
+    assert worker.take_shard_report() is None, "each outcome is reported once"
+    worker.close()
+
+
+@pytest.mark.integration
 def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(pool, monkeypatch):
     """vLLM reuses a request's blocks once its saves are reported: a put still reading them would pool
     another request's KV under this prompt's keys."""
@@ -308,13 +333,15 @@ def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(p
     original = [c.clone() for c in src]
     # Bound: the existence check (one small RPC) fits, the 16 MiB put does not; retried on a slow check.
     for attempt in range(5):
-        worker = _store_worker(pool, monkeypatch, 5, src)
+        worker = _store_worker(pool, monkeypatch, 5, src, events=True)
         hashes = tuple(block_hashes([attempt + 1] * 16 * BIG_BLOCKS, 16))
         worker.wait_for_save(StoreMetadata(saves=[BlockJob("s", tuple(range(BIG_BLOCKS)), hashes)]))
         _wait_reported(worker, "s", sending=True)
         for c in src:
             c.zero_()  # what the next request would do to the freed blocks
         stats = worker.get_stats().data
+        (report,) = worker.take_shard_report().reports
+        assert (report.landed, report.failed) == ((), hashes), "a put that missed its bound never counts as landed"
         keys = worker._shard.keys(hashes)
         worker.close()
         for c, o in zip(src, original):
