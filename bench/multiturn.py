@@ -135,17 +135,35 @@ async def progress(label: str, done: list[int], total: int) -> None:
     started = time.perf_counter()
     while True:
         await asyncio.sleep(PROGRESS_EVERY_S)
-        print(f"[multiturn] {label}: {done[0]}/{total} requests answered, {time.perf_counter() - started:.0f} s",
+        print(f"[bench] {label}: {done[0]}/{total} requests answered, {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)
 
 
-async def serve(url: str, users: list[list[list[int]]], answer_tokens: int, label: str) -> list[list[dict]]:
-    """Every conversation at once, from an empty prefix cache."""
+RESET_WAIT_S = 120.0
+"""How long an engine may keep blocks held after a run before its prefix cache can be reset: a P/D prefill holds a
+request's blocks until its decode has pulled them and said so."""
+
+
+async def reset_prefix_caches(session: aiohttp.ClientSession, urls: list[str]) -> None:
+    """Empty each engine's prefix cache (vLLM's dev-mode route), so that a run starts from nothing cached; an engine
+    still holding blocks is asked again until RESET_WAIT_S."""
+    for url in urls:
+        deadline = time.monotonic() + RESET_WAIT_S
+        while True:
+            async with session.post(f"{url}/reset_prefix_cache") as resp:
+                resp.raise_for_status()
+                if (await resp.json())["success"]:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}: the prefix cache was not reset in {RESET_WAIT_S:.0f} s (blocks still held)")
+            await asyncio.sleep(0.5)
+
+
+async def serve(url: str, users: list[list[list[int]]], answer_tokens: int, label: str,
+                engines: list[str] | None = None) -> list[list[dict]]:
+    """Every conversation at once through `url`, from empty prefix caches (`engines`, default `url` itself)."""
     async with client_session() as session:
-        async with session.post(f"{url}/reset_prefix_cache") as resp:
-            resp.raise_for_status()
-            if not (await resp.json())["success"]:
-                raise RuntimeError(f"{url}: the prefix cache was not reset (blocks still held)")
+        await reset_prefix_caches(session, [url] if engines is None else engines)
         done = [0]
         ticker = asyncio.create_task(progress(label, done, sum(map(len, users))))
         try:
@@ -201,34 +219,33 @@ def compare_answers(runs: dict[tuple[int, str], dict]) -> list[dict]:
     return checks
 
 
-def chart(out: dict, path: str) -> None:
-    """Hit rate, TTFT p50 and requests/s per mode: median bars, min-max error bars."""
+PANELS = (("hit_rate", "prefix-cache hit rate"), ("ttft_p50_s", "TTFT p50 (s)"), ("requests_per_s", "requests/s"))
+
+
+def chart(out: dict, path: str, title: str) -> None:
+    """PANELS per configuration of `out["summary"]`: median bars, min-max error bars; the hit-rate panel with
+    the workload's ceiling dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(out["summary"])
-    panels = (("hit_rate", "prefix-cache hit rate"), ("ttft_p50_s", "TTFT p50 (s)"), ("requests_per_s", "requests/s"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
-    for ax, (metric, label) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 4))
+    for ax, (metric, label) in zip(axes, PANELS):
         figures = [out["summary"][mode][metric] for mode in modes]
         medians = [f["median"] for f in figures]
         errors = [[m - f["min"] for m, f in zip(medians, figures)], [f["max"] - m for m, f in zip(medians, figures)]]
         ax.bar(range(len(modes)), medians, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(modes))])
         for i, m in enumerate(medians):
             ax.annotate(f"{m:.2f}", (i, m), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(modes)), modes, fontsize=8)
+        ax.set_xticks(range(len(modes)), modes, fontsize=8, rotation=20, ha="right")
         ax.set_title(label, fontsize=9)
         if metric == "hit_rate":
             ax.axhline(out["setup"]["conversations"]["hit_rate_ceiling"], color="grey", linewidth=0.8, linestyle="--")
             ax.set_title(f"{label} (dashed: a cache that evicts nothing)", fontsize=9)
             ax.set_ylim(0, 1.05)
-    setup = out["setup"]
-    work = setup["conversations"]
-    fig.suptitle(f"{work['count']} conversations x {work['turns']} turns, {setup['kernel']} {setup['dtype']}, "
-                 f"{setup['layers']} layers, TP2, {setup['kv_mib_per_rank']} MiB KV per rank; "
-                 f"{setup['rounds']} round(s), median (min-max)", fontsize=9)
+    fig.suptitle(f"{title}; {out['setup']['rounds']} round(s), median (min-max)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -247,17 +264,42 @@ def plan_blocks(model: str, kv_bytes: int, modes: list[str]) -> tuple[dict[str, 
     return blocks, plan[0].blocks_on * plan[0].stages[0].ranks[0].bytes_per_block_off
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser, default: Conversations, kv_mib: int) -> None:
+    """The model, rounds, conversations' shape and KV budget per rank, as the multi-turn benches take them."""
     ap.add_argument("--model", help="model dir (default: build the tiny model with --layers)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--start-tokens", type=int, default=1024, help="turn 0's prompt")
-    ap.add_argument("--user-tokens", type=int, default=256, help="new tokens each later turn adds after the answer")
-    ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--kv-mib", type=int, default=224, help="KV budget per rank (every mode)")
+    ap.add_argument("--conversations", type=int, default=default.count)
+    ap.add_argument("--turns", type=int, default=default.turns)
+    ap.add_argument("--start-tokens", type=int, default=default.start_tokens, help="turn 0's prompt")
+    ap.add_argument("--user-tokens", type=int, default=default.user_tokens,
+                    help="new tokens each later turn adds after the answer")
+    ap.add_argument("--answer-tokens", type=int, default=default.answer_tokens)
+    ap.add_argument("--kv-mib", type=int, default=kv_mib, help="KV budget per rank (every mode)")
+
+
+def workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Conversations:
+    """The conversations `add_workload_args` read; refuses answers too short to time."""
+    if args.answer_tokens < 2:
+        ap.error("--answer-tokens: at least 2 (TPOT needs two tokens)")
+    if args.rounds < 2:
+        print("[bench] one round: min = median = max, no spread (a smoke run)", file=sys.stderr)
+    return Conversations(args.conversations, args.turns, args.start_tokens, args.user_tokens, args.answer_tokens)
+
+
+def workload_model(args: argparse.Namespace, tmp: Path) -> tuple[str, int]:
+    """The model (--model, else the tiny model of --layers built in `tmp`) and its layer count."""
+    model = args.model
+    if model is None:
+        from deploy.harness.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(tmp / "model", layers=args.layers))
+    return model, json.loads(Path(model, "config.json").read_text())["num_hidden_layers"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap, Conversations(16, 8, 1024, 256, 16), kv_mib=224)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                     help=f"servers, KVPP off first ({', '.join(MODES)})")
     ap.add_argument("--equal-blocks-check", action="store_true",
@@ -267,26 +309,17 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what the results file says about the host (e.g. shared)")
     args = ap.parse_args()
     check_modes(ap, args.modes)
-    if args.rounds < 2:
-        print("[multiturn] one round: min = median = max, no spread (a smoke run)", file=sys.stderr)
     if args.equal_blocks_check and "zero-copy" not in args.modes:
         ap.error("--equal-blocks-check compares with zero-copy: add it to --modes")
-    if args.answer_tokens < 2:
-        ap.error("--answer-tokens: at least 2 (TPOT needs two tokens)")
     if not host_has_amx():
         raise SystemExit("bench.multiturn runs on AMX_MLA: this host has no AMX tiles")
-    work = Conversations(args.conversations, args.turns, args.start_tokens, args.user_tokens, args.answer_tokens)
+    work = workload(ap, args)
     modes = args.modes + ([EQUAL_BLOCKS] if args.equal_blocks_check else [])
     kv_bytes = args.kv_mib << 20
 
     with tempfile.TemporaryDirectory(prefix="kvpp-multiturn-") as tmp_name:
         tmp = Path(tmp_name)
-        model = args.model
-        if model is None:
-            from deploy.harness.tiny_model import build_tiny_model
-
-            model = str(build_tiny_model(tmp / "model", layers=args.layers))
-        layers = json.loads(Path(model, "config.json").read_text())["num_hidden_layers"]
+        model, layers = workload_model(args, tmp)
         users = work.user_turns(token_draws(model, seed=7))
         warm_up = replace(work, count=1).user_turns(token_draws(model, seed=8))
         plans, equal_bytes = plan_blocks(model, kv_bytes, args.modes)
@@ -342,7 +375,8 @@ def main() -> None:
         "summary": summary, "ratio_over_off": ratio, "equal_blocks_check": equal_blocks,
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    chart(out, args.png)
+    chart(out, args.png, f"{work.count} conversations x {work.turns} turns, {AMX.kernel.name} {AMX.dtype}, {layers} "
+                         f"layers, TP2, {args.kv_mib} MiB KV per rank")
     print(json.dumps({"num_gpu_blocks": blocks, "histories_fit": out["setup"]["histories_fit"],
                       "summary": {mode: {m: s["median"] for m, s in figures.items() if m != "turn_hit_rate"}
                                   for mode, figures in summary.items()},

@@ -70,8 +70,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def latencies(answers: list[dict]) -> dict[str, float]:
-    """TTFT and TPOT (the mean gap between a stream's later chunks) p50/p99 over streamed answers."""
+    """TTFT and TPOT (the mean gap between a stream's later chunks) p50/p99 over streamed answers. An answer that
+    arrived in one chunk (vLLM merges a stream's tokens when its client falls behind) has no TPOT: it is counted
+    in `one_chunk_answers`, and the TPOT figures are NaN when every answer did."""
     ttft = [a["arrivals"][0] - a["sent"] for a in answers]
-    tpot = [(a["arrivals"][-1] - a["arrivals"][0]) / (len(a["arrivals"]) - 1) for a in answers]
+    tpot = [(a["arrivals"][-1] - a["arrivals"][0]) / (len(a["arrivals"]) - 1) for a in answers if len(a["arrivals"]) > 1]
+    none = float("nan")
     return {"ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
+            "tpot_p50_s": percentile(tpot, 0.5) if tpot else none, "tpot_p99_s": percentile(tpot, 0.99) if tpot else none,
+            "one_chunk_answers": len(answers) - len(tpot)}

@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                    help="the P/D front the clients talk to: kvpp-proxy (default) or vllm-router; give it twice "
                    "(--front kvpp-proxy --front vllm-router) to run the schedule through each in turn against the "
                    "same engines")
+    p.add_argument("--cache-aware", action="store_true",
+                   help="the prefill publishes its KV cache events and kvpp proxy picks prefills by them (--kv-events); "
+                   "its event stream then dies and returns with every prefill fault (kvpp-proxy front only)")
     p.add_argument("--workdir", type=Path, help="model, logs and pool state (default: a temp dir)")
     p.add_argument("--report", type=Path, help="write the whole report (every request) as JSON here")
     p.add_argument("--json", action="store_true", help="print the report (without the request list) as JSON")
@@ -61,14 +64,19 @@ def run(args: argparse.Namespace) -> int:
         if args.front and args.front != ["kvpp-proxy"]:
             raise ValueError("--front: running instances are checked against kvpp proxy's counters; --front "
                              "vllm-router applies to the local stack")
+        if args.cache_aware:
+            raise ValueError("--cache-aware applies to the local stack; a running proxy routes as it was started")
         report = harness.run_attached(args.proxy.rstrip("/"), _engine_urls(args.engines), args.reference.rstrip("/"),
                                       args.model, args.clients, args.seed, args.seconds, StackSettings())
         return _output(args, report)
     soak = args.schedule == "soak"
     schedule = (lambda: harness.soak_schedule(args.seed)) if soak else (lambda: harness.SHORT_SCHEDULE)
     seconds = args.soak_seconds if soak else None
-    settings = StackSettings()
+    settings = StackSettings(cache_aware=args.cache_aware)
     fronts = tuple(dict.fromkeys(args.front or ["kvpp-proxy"]))
+    if args.cache_aware and fronts != ("kvpp-proxy",):
+        raise ValueError("--cache-aware is kvpp proxy's --kv-events; vllm-router's kv_aware reads P/D events as "
+                         "16-token blocks only (see docs/routers.md): drop --front vllm-router")
     try:
         if args.workdir is None:
             with tempfile.TemporaryDirectory(prefix="kvpp-chaos-") as tmp:

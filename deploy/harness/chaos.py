@@ -337,15 +337,20 @@ _ROUTER_COUNTS = ("requests", "prefill_errors", "decode_errors", "stream_errors"
 
 
 def _front_counts(stack: Stack) -> dict:
-    """kvpp proxy: requests per path it took; vllm-router: its P/D requests and errors per leg."""
+    """kvpp proxy: requests per path it took (cache-aware: also its prefill choices, the event batches it applied
+    and refused, its index resets); vllm-router: its P/D requests and errors per leg."""
     try:
         text = urllib.request.urlopen(f"{stack.front_metrics_url}/metrics", timeout=10).read().decode()
     except OSError as exc:
         return {"unreachable": str(exc)}
     if stack.front == "vllm-router":
         return {c: int(metric_total(text, f"vllm_router_pd_{c}_total")) for c in _ROUTER_COUNTS}
-    return {p: int(metric_total(text, f'kvpp_proxy_requests_total{{path="{p}"}}'))
-            for p in PATHS}
+    counts = {p: int(metric_total(text, f'kvpp_proxy_requests_total{{path="{p}"}}')) for p in PATHS}
+    if stack.events:
+        counts |= {name: int(metric_total(text, f"kvpp_proxy_{name}_total"))
+                   for name in ("prefix_hits", "prefix_fallbacks", "kv_event_batches", "kv_event_refused",
+                                "kv_index_resets")}
+    return counts
 
 
 # ---- the command ---------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connectors.common.hosts import host_url
 from deploy.harness.engines import engine_server, pd_servers
 from deploy.harness.routers import start_vllm_router
 from deploy.services.pool import QUIET_ENV, start_mooncake
+from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, Engine, ManagedProcess, ProcessError, start_servers
 from deploy.services.proxy import start_proxy
 
@@ -40,14 +42,19 @@ class StackSettings:
     """Engines' Mooncake store client: a stalled or dead pool master costs this per call."""
     store_transfer_timeout_s: int = 5
     """Engines' Mooncake transfers (pool reads and writes): a stalled segment holder costs this (min 5)."""
+    cache_aware: bool = False
+    """The prefill publishes its KV cache events and `kvpp proxy` picks prefills by them (--kv-events): its event
+    stream dies and comes back with every prefill kill, stall and restart."""
 
     def engine_env(self) -> dict[str, str]:
         return {"MC_RPC_TIMEOUT_MS": str(self.store_rpc_timeout_ms),
                 "MC_TRANSFER_TIMEOUT": str(self.store_transfer_timeout_s)}
 
-    def proxy_args(self) -> list[str]:
+    def proxy_args(self, events: list[str]) -> list[str]:
+        """`kvpp proxy`'s timers, and the prefills' event endpoints with cache_aware."""
         return ["--prefill-timeout", str(self.prefill_timeout_s), "--decode-timeout", str(self.read_timeout_s),
-                "--connect-timeout", "3", "--probe-interval", "1"]
+                "--connect-timeout", "3", "--probe-interval", "1",
+                *(["--kv-events", ",".join(events)] if self.cache_aware else [])]
 
     def router_args(self) -> list[str]:
         """vllm-router probes its instances' /health as often as the proxy does; everything else is its
@@ -123,6 +130,8 @@ class Stack:
     """Which P/D front serves proxy_url: kvpp-proxy or vllm-router."""
     front_metrics_url: str = ""
     """Where the front's Prometheus metrics are (proxy_url for kvpp proxy; vllm-router has a port of its own)."""
+    events: list[str] = field(default_factory=list)
+    """The prefills' KV event endpoints (StackSettings.cache_aware)."""
 
     def stop(self) -> None:
         for member in reversed(list(self.members.values())):
@@ -177,11 +186,13 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings, front:
     stack = Stack()
     try:
         stack.members.update(adopt_pool(workdir / "pool"))
+        events_port = free_port() if settings.cache_aware else None
         servers: tuple[Engine, Engine] = pd_servers(
             model, workdir, stack.members["pool_master"].pool_extra,
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
             consumer_extra={"transfer_timeout_s": settings.transfer_timeout_s},
-            env=settings.engine_env())
+            env=settings.engine_env(), kv_events_port=events_port)
+        stack.events = [] if events_port is None else [host_url("tcp", LOOPBACK, events_port)]
         started: list[ManagedProcess] = []
         try:
             start_servers(servers, started, timeout=ENGINE_READY_S)
@@ -206,7 +217,8 @@ def start_front(stack: Stack, front: str, workdir: Path, settings: StackSettings
         proc, stack.proxy_url, stack.front_metrics_url = start_vllm_router(
             prefill, decode, workdir / "vllm-router.log", extra_args=settings.router_args())
     else:
-        proc, stack.proxy_url = start_proxy(prefill, decode, workdir / "proxy.log", extra_args=settings.proxy_args())
+        proc, stack.proxy_url = start_proxy(prefill, decode, workdir / "proxy.log",
+                                            extra_args=settings.proxy_args(stack.events))
         stack.front_metrics_url = stack.proxy_url
     stack.front = front
     stack.members["proxy"] = Member.of(proc, _http_ready(stack.proxy_url, 60))

@@ -1,5 +1,9 @@
-"""`kvpp chaos`, short schedule: the whole P/D + pool stack under concurrent clients while every fault
-kind is injected once. One stack serves every fault; its report is checked, not just its exit code."""
+"""`kvpp chaos --cache-aware`, short schedule: the whole P/D + pool stack under concurrent clients while every fault
+kind is injected once. One stack serves every fault; its report is checked, not just its exit code. The front is
+the cache-aware `kvpp proxy`, subscribed to the prefill's KV event stream, which every prefill kill and stall cuts
+and its restart brings back: the stream must cost hits at most, never an answer. (Its engines run the exact fp32
+kernel, whose vLLM prefix cache is off for MLA: the stream carries the pool's events, which name no instance, so
+every prefill leg goes by load; tests/deploy/services/test_proxy_routing_engine.py routes by prefix on AMX.)"""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ pytestmark = pytest.mark.engine
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("chaos")
     path = workdir / "report.json"
-    proc = run_in_group([sys.executable, "-m", "deploy.cli.main", "chaos", "--clients", "3", "--workdir", str(workdir),
-                         "--report", str(path)], timeout=1500)
+    proc = run_in_group([sys.executable, "-m", "deploy.cli.main", "chaos", "--clients", "3", "--cache-aware",
+                         "--workdir", str(workdir), "--report", str(path)], timeout=1500)
     assert path.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     return json.loads(path.read_text()), proc
 
@@ -81,3 +85,11 @@ def test_verdict_summary_and_progress(run):
     assert report["ok"] and not report["problems"] and proc.returncode == 0
     assert "verdict            PASS" in proc.stdout
     assert "[kvpp chaos] 4/4" in proc.stderr and "in flight" in proc.stderr
+
+
+def test_the_cache_aware_front_read_the_prefills_event_stream_through_every_fault(report):
+    """The proxy applied the prefill's event batches (the pool's saves) and refused none, through kills, stalls
+    and restarts of the prefill and of itself."""
+    counts = report["proxy_paths"]
+    assert report["settings"]["cache_aware"] and counts["kv_event_batches"] > 0 and counts["kv_event_refused"] == 0, counts
+    assert counts["prefix_fallbacks"] > 0, counts  # no instance-local blocks here: every leg went by load
