@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/routing.json")
     ap.add_argument("--png", default="bench/results/routing.png")
     ap.add_argument("--note", default="", help="what the results file says about the host (e.g. shared)")
+    ap.add_argument("--workdir", type=Path, help="keep the model and every engine's and proxy's log here "
+                    "(default: a temporary directory, removed)")
     args = ap.parse_args()
     check_modes(ap, args.modes)
     if not host_has_amx():
@@ -143,7 +145,8 @@ def main() -> None:
     configs = [f"{mode} {policy}" for mode in args.modes for policy in POLICIES]
 
     with tempfile.TemporaryDirectory(prefix="kvpp-routing-") as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = Path(tmp_name) if args.workdir is None else args.workdir
+        tmp.mkdir(parents=True, exist_ok=True)
         model, layers = workload_model(args, tmp)
         users = work.user_turns(token_draws(model, seed=7))
         warm_up = Conversations(1, 2, args.start_tokens, args.user_tokens, args.answer_tokens)
