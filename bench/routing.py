@@ -62,13 +62,13 @@ DECODE_KV_BYTES = 1 << 30
 def prefill(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, staging: int | None,
             events_port: int) -> Engine:
     """A TP2 prefill on cores 0 and 1 (`staging`: kvpp_staging_buffers, None: KVPP off) publishing its KV cache
-    events on `events_port`, with vLLM's dev-mode routes (/reset_prefix_cache)."""
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+    events on `events_port` (the instance's kv_events, rendered as a deployment's), with vLLM's dev-mode routes
+    (/reset_prefix_cache)."""
     kvpp = {} if staging is None else {"enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": staging}}
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                     server={"kv_cache_bytes": kv_bytes, "max_model_len": max_model_len, "engine": AMX, **kvpp},
-                     env={"VLLM_SERVER_DEV_MODE": "1"},
-                     extra_args=("--served-model-name", "tiny", "--kv-events-config", json.dumps(events)))
+                     server={"kv_cache_bytes": kv_bytes, "max_model_len": max_model_len, "engine": AMX,
+                             "kv_events": True, "kv_events_port": events_port, **kvpp},
+                     env={"VLLM_SERVER_DEV_MODE": "1"}, extra_args=("--served-model-name", "tiny"))
 
 
 def run(proxy_url: str, prefills: list[Engine], engines: list[str], users: list[list[list[int]]],

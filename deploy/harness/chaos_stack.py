@@ -51,10 +51,9 @@ class StackSettings:
                 "MC_TRANSFER_TIMEOUT": str(self.store_transfer_timeout_s)}
 
     def proxy_args(self, events: list[str]) -> list[str]:
-        """`kvpp proxy`'s timers, and the prefills' event endpoints with cache_aware."""
+        """`kvpp proxy`'s timers, and the prefills' event endpoints if they publish any (cache_aware)."""
         return ["--prefill-timeout", str(self.prefill_timeout_s), "--decode-timeout", str(self.read_timeout_s),
-                "--connect-timeout", "3", "--probe-interval", "1",
-                *(["--kv-events", ",".join(events)] if self.cache_aware else [])]
+                "--connect-timeout", "3", "--probe-interval", "1", *(["--kv-events", ",".join(events)] if events else [])]
 
     def router_args(self) -> list[str]:
         """vllm-router probes its instances' /health as often as the proxy does; everything else is its

@@ -39,10 +39,10 @@ ANSWER = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
 
 
 def _prefill(name: str, model: str, tmp, events_port: int):
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"}
+    """A KVPP prefill publishing its KV cache events on `events_port` (the instance's kv_events, rendered as a
+    deployment's)."""
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                     server={"engine": AMX}, extra_args=["--additional-config", json.dumps({"enable_kvpp": True}),
-                                                         "--kv-events-config", json.dumps(events)])
+                     server={"engine": AMX, "enable_kvpp": True, "kv_events": True, "kv_events_port": events_port})
 
 
 @pytest.fixture(scope="module")
