@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -124,8 +125,6 @@ class LookupServer:
         self._owner.release()  # not every libzmq removes its socket file; only its owner may
 
 
-
-
 class LookupClient:
     """Scheduler side. `hit_blocks` returns (blocks, error); errors and timeouts are misses."""
 
@@ -153,14 +152,28 @@ class LookupClient:
             return 0, ""
         try:
             self._sock.send(self._encoder.encode(LookupRequest(block_hashes=block_hashes, request_id=request_id)))
-            if not self._sock.poll(self._timeout_ms, zmq.POLLIN):
+            raw = self._reply_within_timeout()
+            if raw is None:
                 return 0, f"no lookup answer from worker rank 0 within {self._timeout_ms} ms"
-            reply = validate_reply(self._decoder.decode(self._sock.recv()), len(block_hashes))
+            reply = validate_reply(self._decoder.decode(raw), len(block_hashes))
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
             self._sock.close(linger=0)
             self._sock = self._connect()
             return 0, f"lookup channel error: {exc}"
         return reply.hit_blocks, reply.error
+
+    def _reply_within_timeout(self) -> bytes | None:
+        """The answer to the request just sent, or None at the deadline. A late reply to a timed-out
+        request also wakes `poll`; REQ_CORRELATE drops it inside `recv`, so `recv` must not block."""
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if not self._sock.poll(left_ms, zmq.POLLIN):
+                return None
+            try:
+                return self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # only a stale reply was queued
+        return None
 
     def close(self) -> None:
         self._sock.close(linger=0)

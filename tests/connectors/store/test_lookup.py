@@ -184,21 +184,46 @@ def test_no_worker_means_a_bounded_miss(endpoint):
 
 @pytest.mark.integration
 def test_a_late_reply_is_not_taken_for_the_next_answer(endpoint):
-    slow = threading.Event()
+    late = threading.Event()
 
     def count(hashes):
         if len(hashes) == 1:
-            slow.wait(2)  # the first lookup answers after the client gave up
+            late.wait(10)  # the first lookup answers only after the client gave up
             return 1
         return 5
 
     server = LookupServer(endpoint, count)
-    client = LookupClient(endpoint, timeout_s=0.3)
+    client = LookupClient(endpoint, timeout_s=2.0)
+    try:
+        assert client.hit_blocks(HASHES[:1]) == (0, "no lookup answer from worker rank 0 within 2000 ms")
+        late.set()
+        assert client.hit_blocks(HASHES) == (5, "")
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.integration
+def test_a_late_reply_does_not_stretch_the_next_lookup_past_its_bound(endpoint):
+    late, never = threading.Event(), threading.Event()
+
+    def count(hashes):
+        if len(hashes) == 1:
+            late.wait(10)
+            return 1
+        never.wait(10)  # the second lookup is never answered in time
+        return 5
+
+    server = LookupServer(endpoint, count)
+    client = LookupClient(endpoint, timeout_s=0.5)
     try:
         assert client.hit_blocks(HASHES[:1])[0] == 0
-        slow.set()
-        assert client.hit_blocks(HASHES)[0] == 5
+        late.set()  # its reply now wakes the client's wait for the second answer
+        start = time.monotonic()
+        assert client.hit_blocks(HASHES) == (0, "no lookup answer from worker rank 0 within 500 ms")
+        assert time.monotonic() - start < 5  # bounded by the timeout, not by the server's 10 s
     finally:
+        never.set()
         client.close()
         server.close()
 
