@@ -12,9 +12,11 @@ Notices and renewals can arrive before the scheduler's hold announcement reaches
 are kept (at most `max_unknown` requests, oldest dropped first, each for one `timeout_s`) and
 checked against the token when the hold is announced. Only messages whose token this engine issued
 within one `timeout_s` (connectors/mooncake/tokens.py) are kept that way: anyone else's is refused
-at once, so strangers cannot push real early notices out of the table. Until the scheduler's key
-arrives (the first step) no token can have been issued, and none is believed. An ended hold is remembered as long (and as
-many): a late or replayed notice for it is answered from that record and never starts a new entry.
+at once, so strangers cannot push real early notices out of the table; a genuine token older than that
+is answered "expired" (its hold is over and forgotten), so a decode that came too late is told so. Until
+the scheduler's key arrives (the first step) no token can have been issued, and none is believed. An
+ended hold is remembered as long (and as many): a late or replayed notice for it is answered from that
+record and never starts a new entry.
 """
 
 from __future__ import annotations
@@ -107,8 +109,11 @@ class HoldTable:
     def _verdict(self, request_id: str, token: str) -> Verdict:
         record = self._holds.get(request_id) or self._ended.get(request_id)
         if record is None:
-            issued = self.key is not None and tokens.issued_recently(self.key, request_id, token, self.timeout_s)
-            return "unknown" if issued else "unauthorized"
+            age = None if self.key is None else tokens.issued_age(self.key, request_id, token)
+            if age is None:
+                return "unauthorized"
+            # A genuine token older than one timeout names a hold that is over and forgotten.
+            return "unknown" if age <= self.timeout_s else "expired"
         if not hmac.compare_digest(record.token, token):
             return "unauthorized"
         return "expired" if isinstance(record, _Ended) else "ok"
@@ -142,9 +147,9 @@ class HoldTable:
                 if consumer in early.notices or len(early.notices) < MAX_EARLY_TOKENS:
                     early.notices[consumer] = (token, num_consumers)
             elif verdict == "expired":
-                ended = self._ended[request_id]
+                ended = self._ended.get(request_id)  # None: forgotten, the token says it is over
                 # A repeated notice of a consumer counted before the release keeps its answer.
-                return "ok" if not ended.lapsed and consumer in ended.consumers else "expired"
+                return "ok" if ended and not ended.lapsed and consumer in ended.consumers else "expired"
             else:
                 return verdict
         self._noticed.set()

@@ -42,16 +42,16 @@ def issue(key: bytes, request_id: str, now: float | None = None) -> str:
     return _b64(head) + _b64(_mac(key, request_id, head))
 
 
-def issued_recently(key: bytes, request_id: str, token: str, max_age_s: float, now: float | None = None) -> bool:
-    """Whether `key` issued `token` for `request_id` within the last `max_age_s` seconds (compared in
-    constant time); anything else, malformed included, is False."""
+def issued_age(key: bytes, request_id: str, token: str, now: float | None = None) -> float | None:
+    """Seconds since `key` issued `token` for `request_id` (MAC compared in constant time), or None for
+    anything this engine did not issue, malformed or from the future included."""
     try:
         head = base64.urlsafe_b64decode(token[:_HEAD_CHARS] + "==")
         mac = base64.urlsafe_b64decode(token[_HEAD_CHARS:] + "==")
         issued_ms, _ = _HEAD.unpack(head)
     except (ValueError, struct.error):  # binascii.Error is a ValueError
-        return False
+        return None
     if not hmac.compare_digest(mac, _mac(key, request_id, head)):
-        return False
+        return None
     age = (time.time() if now is None else now) - issued_ms / 1000
-    return -1.0 <= age <= max_age_s  # a second of slack: the scheduler's clock is this host's
+    return max(age, 0.0) if age >= -1.0 else None  # a second of slack: the scheduler's clock is this host's

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from connectors.mooncake import messages as m
+from connectors.mooncake import tokens
 from connectors.mooncake.holds import HoldTable
 from connectors.mooncake.responder import PrefillResponder
 from tests.helpers.clock import Clock
@@ -55,6 +58,12 @@ def test_responder_verdicts():
     with pytest.raises(Refused) as info:
         responder(m.Ack(version=V, ok=True))
     assert info.value.code == "malformed"
+    late = tokens.issue(KEY, "gone", now=time.time() - 31)  # its hold lapsed and was forgotten
+    with pytest.raises(Refused) as info:
+        responder(m.MetaRequest(version=V, request_id="gone", token=late))
+    assert info.value.code == "expired" and "hold expired" in str(info.value)
+    assert responder(m.DoneNotice(version=V, request_id="gone", token=late, consumer="c", num_consumers=1,
+                                  success=False)) == m.Released(version=V, request_id="gone", held=False)
 
 
 def test_lease_renewal_needs_the_live_token():
