@@ -8,6 +8,8 @@ from pathlib import Path
 
 import msgspec
 
+from connectors.store.backends import Backend, open_backend
+from connectors.store.settings import StoreSettings
 from testbed.engine import EngineSettings
 from testbed.engine_run import Job, run_engine
 from testbed.prompts import token_draws
@@ -17,6 +19,16 @@ BLOCK = 16
 PAGE_BYTES = BLOCK * 576 * 4  # one layer's block: 16 tokens x (512 latent + 64 rope) fp32
 LOGPROB_TOL = 2e-5  # loaded KV vs one whole-prompt forward: same tokens, last-bit logprob differences
 POOL_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+"""Every test store client's environment (test processes, the pools they start, pool engines): quiet, one setup
+try, a 2 s master RPC bound, which the backend tests need short (what a stall turns into is their subject)."""
+ENGINE_RPC_TIMEOUT_MS, CALL_BOUND_MS, LOOKUP_BOUND_MS = 10_000, 20_000, 25_000
+"""The store timers of every pool engine run and of the tests' own clients beside them. Engine workers share 2
+cores with the engine core and, under `make test`, with the other tiers: there a save's master RPC took over
+2 s (the store PP module), and a put and a load over 4 s (the TP2 module's zero-copy engine, in CI and on a
+2-core host beside four busy loops): counted failed, the saves were never announced and the load was
+recomputed. No engine test stalls the store on purpose, and a killed master fails each call in about 4-9 s
+whatever these are (measured), so every engine test gets bounds a loaded host meets; a lookup outlasts the
+store call it waits for."""
 POOL_TIMERS = {"lease_ttl_ms": 10_000, "client_ttl_s": 10}
 """Test pools' master timers, Mooncake's defaults, as `kvpp pool up` runs. Both were shorter once and
 both failed on this 2-core host under load: a read's lease of 0.5 s lapsed while a pool
@@ -47,10 +59,10 @@ def pool_prompts(model: str) -> dict[str, list[int]]:
     }
 
 
-def store_config(pool, tmp: Path, tag: str, load_async: bool, backend_timeout_ms: int = 4000) -> dict:
+def store_config(pool, tmp: Path, tag: str, load_async: bool) -> dict:
     """The pool connector's kv_transfer_config, counting into stats-{tag} under `tmp`."""
-    extra = {**pool.kv_connector_extra_config, "load_async": load_async, "lookup_timeout_ms": 5000,
-             "backend_timeout_ms": backend_timeout_ms, "stats_file": str(tmp / f"stats-{tag}")}
+    extra = {**pool.kv_connector_extra_config, "load_async": load_async, "lookup_timeout_ms": LOOKUP_BOUND_MS,
+             "backend_timeout_ms": CALL_BOUND_MS, "stats_file": str(tmp / f"stats-{tag}")}
     return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
 
@@ -61,7 +73,13 @@ def run_pool_engine(model: str, tmp: Path, tag: str, actions: list, env: dict[st
     result. Its log is {tag}.log under `tmp`."""
     job = Job(EngineSettings(model=model, **settings),
               msgspec.convert({"actions": actions, "max_tokens": MAX_TOKENS}, Script))
-    return run_engine(job, env={**POOL_ENV, **(env or {})}, log=tmp / f"{tag}.log")
+    return run_engine(job, env={**POOL_ENV, "MC_RPC_TIMEOUT_MS": str(ENGINE_RPC_TIMEOUT_MS), **(env or {})},
+                      log=tmp / f"{tag}.log")
+
+
+def store_client(settings: StoreSettings) -> Backend:
+    """A test's own store client beside the pool engines, bounded as they are."""
+    return open_backend(settings, call_timeout_s=CALL_BOUND_MS / 1000)
 
 
 def worker_stats(tmp: Path, tag: str, pp: int, tp: int) -> dict[str, int]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.store.backends import Status, open_backend
+from connectors.store.backends import Status
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
@@ -41,7 +41,7 @@ from deploy.services.ports import free_port_range
 from testbed.prompts import token_draws
 from tests.helpers.mtp_tp2 import plan
 from tests.helpers.pool_runs import BLOCK, KVPP_SERVED, LOGPROB_TOL, PAGE_BYTES, POOL_ENV, POOL_TIMERS, \
-    assert_same_output, pool_prompts, run_pool_engine, store_config, worker_stats
+    assert_same_output, pool_prompts, run_pool_engine, store_client, store_config, worker_stats
 
 pytestmark = pytest.mark.engine
 
@@ -91,7 +91,7 @@ class Scenario:
         return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp, replicated=True))
 
     def backend(self):
-        return open_backend(self.pool.store_config, call_timeout_s=4)
+        return store_client(self.pool.store_config)
 
     def close(self):
         pool_down(self.tmp / "pool")

@@ -14,21 +14,17 @@ import os
 
 import pytest
 
-from connectors.store.backends import Status, open_backend
+from connectors.store.backends import Status
 from connectors.store.keys import CacheLayout, block_hashes
 from connectors.store.shards import StageLayers, shard_keys, stage_shards
 from deploy.services.pool import pool_down, pool_up
 from testbed.prompts import token_draws
 from tests.helpers.pool_runs import BLOCK, PAGE_BYTES, POOL_ENV, POOL_TIMERS, assert_same_output, run_pool_engine, \
-    store_config, worker_stats
+    store_client, store_config, worker_stats
 
 pytestmark = pytest.mark.engine
 
 SPLIT = (7, 9)
-STORE_RPC_TIMEOUT_MS, STORE_CALL_BOUND_MS = 10_000, 20_000
-"""Four workers and the engine core share 2 cores here: a worker's master RPC (a save's put) was seen to
-take over POOL_ENV's 2 s, so that every rank counted the second prompt's saves failed. No fault is
-injected in this module, so nothing here relies on the short bounds; every save must succeed."""
 PROMPT_TOKENS = 120  # 7 whole blocks + 8 tokens
 
 
@@ -53,14 +49,13 @@ def pooled(tiny_model, tmp_path_factory):
 
     def engine(tag: str) -> dict:
         actions = [["gen", name, ids] for name, ids in prompts.items()]
-        cfg = store_config(pool, tmp, tag, load_async=True, backend_timeout_ms=STORE_CALL_BOUND_MS)
+        cfg = store_config(pool, tmp, tag, load_async=True)
         return run_pool_engine(tiny_model, tmp, tag, actions, tp=2, pp=2, kvpp=True, kv_transfer_config=cfg,
-                               env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT)),
-                                    "MC_RPC_TIMEOUT_MS": str(STORE_RPC_TIMEOUT_MS)})
+                               env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
 
     try:
         saved = engine("save")
-        backend = open_backend(pool.store_config, call_timeout_s=4)
+        backend = store_client(pool.store_config)
         stages = _stage_keys(tiny_model)
         hashes = {name: block_hashes(ids, BLOCK) for name, ids in prompts.items()}
         present = {name: backend.exists([k.key(h) for shards in stages for k in shards for h in hs])
