@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvpp_core.platforms import VLLM_CPU
 from connectors.common.hosts import host_url, wildcard
 
 from connectors.store.backends.settings import MooncakeSettings
@@ -93,6 +94,12 @@ LAUNCHERS = ("vllm-serve", "api-server")
 """How an engine is started: `vllm serve` (GPU and Ascend installs), or `python3 -m
 vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not start (vllm-cpu 0.32.0
 looks up a distribution named "vllm" and fails); the flags are the same."""
+
+
+def default_launcher(platform: str) -> str:
+    """The launcher of a spec's platform: the api-server module on vllm-cpu, whose `vllm` command does not
+    start, `vllm serve` elsewhere."""
+    return "api-server" if platform == VLLM_CPU.name else "vllm-serve"
 
 
 def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:

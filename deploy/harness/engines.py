@@ -11,6 +11,8 @@ from pathlib import Path
 
 import msgspec
 
+from kvpp_core.platforms import VLLM_CPU
+
 from deploy.deployment.launch import deep_merge
 from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import KV_EVENTS_PORT, Model, Pool, Spec, placed
@@ -67,7 +69,7 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
     recompute = {"kv_load_failure_policy": "recompute"}
     mooncake = pool_extra["mooncake"]
     spec = placed(Spec(
-        model=Model(path=model),
+        model=Model(path=model), platform=VLLM_CPU.name,
         prefill=(cpu_instance("prefill", LOOPBACK, free_port(), 2, [0, 1], kv_port=prefill_port, enable_kvpp=True,
                               kv_transfer_config=recompute, kv_events=kv_events_port is not None,
                               kv_events_port=kv_events_port or KV_EVENTS_PORT, **settings),),

