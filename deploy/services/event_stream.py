@@ -102,6 +102,8 @@ class EventStream:
         """The last live batch seen: live numbers only grow while the publisher lives."""
         self._synced = False
         """The index holds every batch the publisher still has up to `_last_seq` (or saw its whole stream)."""
+        self._replay_failing = False
+        """The last sync got no full answer: until one does, a gap empties the index as with no replay endpoint."""
         self._sync_at: float | None = 0.0 if replay_endpoint is not None else None
         """When (the event loop's clock) the stream next syncs from the replay endpoint; None: not asked."""
         self._started: asyncio.Event | None = None
@@ -149,7 +151,7 @@ class EventStream:
             if seq <= self._last_seq:
                 return  # a replay applied it already
             if seq > self._last_seq + 1:
-                if self._synced and self.replay_endpoint is not None:
+                if self._synced and self.replay_endpoint is not None and not self._replay_failing:
                     self.broke("gap")
                     return
                 self.reset("gap")
@@ -239,11 +241,11 @@ class EventStream:
             self.metrics.syncs.labels(self.backend, "failed").inc()
             logger.warning("prefill %s: no full replay from %s (%s); the index keeps what it learned, follows the live "
                            "stream and syncs again in %.0f s", self.backend, self.replay_endpoint,
-                           exc or f"no answer within {self.timeout:g} s", SYNC_RETRY_S)
-            self._synced = False
+                           str(exc) or f"no answer within {self.timeout:g} s", SYNC_RETRY_S)
+            self._replay_failing = True
             self._sync_at = asyncio.get_running_loop().time() + SYNC_RETRY_S
             return "failed"
-        self._synced, self._sync_at = True, None
+        self._synced, self._sync_at, self._replay_failing = True, None, False
         self.metrics.syncs.labels(self.backend, outcome).inc()
         logger.info("prefill %s: prefix index %s from its replay endpoint (%d blocks, last batch %s)", self.backend,
                     "caught up" if outcome == "continued" else "rebuilt", len(self.index), self._last_seq)

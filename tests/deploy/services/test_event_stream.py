@@ -99,6 +99,18 @@ def publisher_with_replay():
             f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{replay}")
 
 
+def restarted(live, replay):
+    """A new publisher on a dead one's ports (ZMQ closes the old listeners asynchronously: retried briefly)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return ZmqEventPublisher(0, endpoint=live.replace("127.0.0.1", "*"), replay_endpoint=replay)
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 CHAIN = (batch(stored([b"h1", b"h2"], None, TOKENS[:8])), batch(stored([b"h3"], b"h2", TOKENS[8:])))
 """Blocks 1-2 in one event, block 3 a child of block 2 in the next (how vLLM sends a longer prompt)."""
 
@@ -318,7 +330,7 @@ def test_a_restarted_publisher_is_told_apart_and_rebuilt():
         async with running(stream):
             await until(lambda: len(stream.index) == 3)
         first.shutdown()
-        second = ZmqEventPublisher(0, endpoint=live.replace("127.0.0.1", "*"), replay_endpoint=replay)
+        second = restarted(live, replay)
         try:
             buffered(second, batch(stored([b"k1"], None, [5] * BS)), batch(stored([b"k2"], b"k1", [6] * BS)),
                      batch(stored([b"k3"], b"k2", [7] * BS)))  # as many batches: sequence 0-2 again
@@ -373,3 +385,77 @@ def test_a_dead_replay_endpoint_costs_the_sync_not_the_live_stream():
         asyncio.run(go())
     finally:
         publisher.shutdown()
+
+
+@pytest.mark.integration
+def test_an_instance_out_of_rotation_is_checked_not_emptied():
+    """The proxy took the instance out of rotation (its HTTP failed): with a replay endpoint the index is kept if the
+    publisher is the same one, and rebuilt if it restarted."""
+    publisher, live, replay = publisher_with_replay()
+    buffered(publisher, *CHAIN)
+    stream, registry = stream_of(live, replay)
+
+    async def go():
+        context = zmq.asyncio.Context.instance()
+        assert await stream.sync(context) == "rebuilt" and matched(stream) == 3
+        stream.broke("down")
+        assert stream.sync_due(0.0) and await stream.sync(context) == "continued"
+        assert matched(stream) == 3 and resets(registry, "down") == 0
+        publisher.shutdown()
+        second = restarted(live, replay)
+        try:
+            buffered(second, batch(stored([b"k1"], None, [5] * BS)))
+            stream.broke("down")
+            assert await stream.sync(context) == "rebuilt"
+            assert matched(stream) == 0 and matched(stream, [5] * BS) == 1
+        finally:
+            second.shutdown()
+
+    asyncio.run(go())
+
+
+REPLAYING_PUBLISHER = """
+import sys, time
+from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+pub = ZmqEventPublisher(0, endpoint=sys.argv[1], replay_endpoint=sys.argv[2])
+i = 0
+while True:
+    pub.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=[b"b%d" % i], parent_block_hash=None if i == 0 else b"b%d" % (i - 1), token_ids=[i] * 4,
+        block_size=4, lora_id=None, medium="GPU", lora_name=None)]))
+    i += 1
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.integration
+def test_a_stalled_publisher_with_a_replay_endpoint_is_caught_up_not_emptied():
+    """A publisher stopped past the heartbeat timeout (SIGSTOP) and then resumed: the index is kept while it is
+    silent, and once it answers again the batches published around the stall come from its replay endpoint: the
+    whole chain matches, with no reset."""
+    live, replay = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-c", REPLAYING_PUBLISHER, f"tcp://*:{live}", f"tcp://127.0.0.1:{replay}"])
+    stream, registry = stream_of(f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{replay}", timeout=1.0)
+    chain = lambda n: [t for i in range(n) for t in [i] * BS]
+
+    async def go():
+        async with running(stream):
+            await until(lambda: syncs(registry, "rebuilt") + syncs(registry, "continued") >= 1 and
+                        len(stream.index) >= 5, timeout=60)
+            proc.send_signal(signal.SIGSTOP)
+            held, failed = len(stream.index), syncs(registry, "failed")
+            before = sum(resets(registry, r) for r in ("gap", "disconnected", "restart"))  # a rebuild at start, if any
+            await until(lambda: syncs(registry, "failed") > failed, timeout=30)  # silent past the timeout, no answer
+            assert len(stream.index) == held
+            proc.send_signal(signal.SIGCONT)
+            await until(lambda: len(stream.index) >= held + 5, timeout=60)
+            n = len(stream.index)
+            assert stream.index.matched_blocks(iter_keys(chain(n), BS)) == n
+            assert sum(resets(registry, r) for r in ("gap", "disconnected", "restart")) == before
+            assert syncs(registry, "continued") >= 1
+
+    try:
+        asyncio.run(go())
+    finally:
+        proc.kill()
+        proc.wait()
