@@ -316,15 +316,18 @@ def test_a_full_report_lets_an_index_that_lost_everything_relearn_a_conversation
     stream, registry = stream_of_index(f"tcp://127.0.0.1:{port}")
 
     async def go():
+        _served(sched, "turn1", first)
+        sched.kv_event_publisher._event_queue.join()  # published before anyone listens: lost
         task = asyncio.create_task(run_streams([stream]))
         try:
-            _served(sched, "turn1", first)  # before the index listens
-            second, attempt = [], 0
-            while not stream.index.orphans:  # a SUB misses what precedes its join: a new second turn until seen
+            second = []
+            for attempt in range(40):  # a SUB misses what precedes its join: a new second turn until one is seen
+                if stream.index.orphans:
+                    break
                 second = first + list(range(2000 + 100 * attempt, 2000 + 100 * attempt + 2 * BLOCK))
                 _served(sched, f"turn2-incremental-{attempt}", second)
-                attempt += 1
                 await asyncio.sleep(0.5)
+            assert stream.index.orphans, "the index never heard a second turn"
             learned_incremental = stream.index.matched_blocks(iter_keys(second, BLOCK))
             _served(sched, "turn2-full", second, {**FULL_REPORT})
             await until_matched(stream, second, len(second) // BLOCK)
