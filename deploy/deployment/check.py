@@ -244,17 +244,22 @@ def _single_port_clashes(host: str, instances: list[ResolvedInstance], layouts) 
 
 def _events_port_clashes(host: str, instances: list[ResolvedInstance], taken: dict[int, str],
                          layouts) -> list[Finding]:
-    """A KV event publisher's port against every other port the host's instances bind."""
+    """A KV event publisher's ports (live and replay) against each other and every other port the host's
+    instances bind."""
     out, events = [], {}
     for inst in (i.instance for i in instances if i.instance.kv_events):
-        port = inst.kv_events_port
-        owner = events.get(port) or taken.get(port) or next(
-            (f"{where}'s handshake range" for where, layout in layouts if port in layout.ports), None)
-        if owner is not None:
-            out.append(_error(inst.where, "kv_events_port", (
-                f"KV event port {port} on host {host} is also used by {owner}; give each instance on a host its "
-                "own kv_events_port")))
-        events.setdefault(port, inst.where)
+        for key, port in (("kv_events_port", inst.kv_events_port), ("kv_events_replay_port", inst.events_replay_port)):
+            if port > 65535:
+                out.append(_error(inst.where, key, f"kv_events_port {inst.kv_events_port} leaves no port after it for "
+                                  "the replay endpoint; set kv_events_replay_port"))
+                continue
+            owner = events.get(port) or taken.get(port) or next(
+                (f"{where}'s handshake range" for where, layout in layouts if port in layout.ports), None)
+            if owner is not None:
+                out.append(_error(inst.where, key, (
+                    f"KV event port {port} on host {host} is also used by {owner}; give each instance on a host its "
+                    f"own {key}" + (" (kv_events_port + 1 unless set)" if key == "kv_events_replay_port" else ""))))
+            events.setdefault(port, f"{inst.where}'s {key}")
     return out
 
 

@@ -17,7 +17,7 @@ from kvpp_core.config import ENABLE_KEY
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS
 from kvpp_core.platforms import PLATFORMS, Platform
 from kvpp_core.setup import LaunchRequest
-from connectors.common.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
+from connectors.common.hosts import MOONCAKE_IPV6, host_url, ip_version, is_ipv6, wildcard
 from connectors.mooncake.ports import PortLayout
 from connectors.common.names import MOONCAKE, MULTI, STORE
 
@@ -305,8 +305,7 @@ def _serve_args(spec: Spec, inst: Instance, node_rank: int, extra_cfg: dict[str,
     for key, value in inst.memory.given().items():
         args += ["--" + key.replace("_", "-"), str(value)]
     if inst.kv_events:
-        args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                     "endpoint": f"tcp://*:{inst.kv_events_port}"})]
+        args += ["--kv-events-config", events_config(inst, inst.hosts[0] if ip_version(inst.hosts[0]) == 4 else "*")]
     if extra_cfg:
         args += ["--additional-config", compact_json(extra_cfg)]
     if kv_cfg is not None:
@@ -316,6 +315,18 @@ def _serve_args(spec: Spec, inst: Instance, node_rank: int, extra_cfg: dict[str,
         if node_rank > 0:
             args.append("--headless")
     return (*args, *inst.extra_args)
+
+
+EVENTS_HWM = 1024
+"""KV event batches vLLM's publisher queues for one subscriber before it drops (vLLM's default 100,000 lets a
+subscriber that never reads pile them up inside the engine); a front that falls behind sees the gap and replays."""
+
+
+def events_config(inst: Instance, replay_host: str) -> str:
+    """The instance's `--kv-events-config`: vLLM 0.32 binds its publisher only to `*` (any other address it
+    connects out to), its replay endpoint to `replay_host` (an address of the node, or `*`)."""
+    return compact_json({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{inst.kv_events_port}",
+                         "replay_endpoint": host_url("tcp", replay_host, inst.events_replay_port), "hwm": EVENTS_HWM})
 
 
 def _kv_ports(inst: Instance) -> tuple[PortLayout | None, str | None]:
@@ -343,8 +354,8 @@ def _proxy(spec: Spec) -> ResolvedProxy:
     def argv(address) -> tuple[str, ...]:
         urls = {role: [host_url("http", address(i), i.port) for i in getattr(spec, role)]
                 for role in ("prefill", "decode")}
-        events = ([host_url("tcp", address(i), i.kv_events_port) for i in spec.prefill]
-                  if spec.proxy.cache_aware else None)
+        events = ([(host_url("tcp", address(i), i.kv_events_port), host_url("tcp", address(i), i.events_replay_port))
+                   for i in spec.prefill] if spec.proxy.cache_aware else None)
         return tuple(launch.proxy_args(spec.proxy, host, metrics, urls, events))
 
     return ResolvedProxy(host=host, metrics_port=metrics, argv=argv(lambda i: i.hosts[0]),

@@ -100,8 +100,11 @@ class InstanceSettings(_Section):
     enable_kvpp: bool = False
     enforce_eager: bool = False
     kv_events: bool = False
-    """Publish vLLM's KV cache events (ZMQ PUB on every IPv4 address of the head node, `kv_events_port`)."""
+    """Publish vLLM's KV cache events (ZMQ PUB on every IPv4 address of the head node, `kv_events_port`), and
+    replay them to a front that lost track (`kv_events_replay_port`, bound to the head node's address)."""
     kv_events_port: Port = KV_EVENTS_PORT
+    kv_events_replay_port: Port = None
+    """Left out: kv_events_port + 1."""
     uses_pool: bool = None
     """Left out: the pool serves the prefill side (see `placed`)."""
     lookup_rpc_port: Port = None
@@ -122,6 +125,11 @@ class Instance(InstanceSettings, frozen=True, kw_only=True):
     def where(self) -> str:
         """Where the instance sits in the spec, for messages."""
         return f"{self.role}[{self.index}] ({self.name})"
+
+    @property
+    def events_replay_port(self) -> int:
+        """The port of the instance's KV event replay endpoint."""
+        return self.kv_events_replay_port or self.kv_events_port + 1
 
 
 class Model(_Section):

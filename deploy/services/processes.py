@@ -426,6 +426,14 @@ class Engine(ManagedProcess):
     def url(self) -> str:
         return host_url("http", self.host, self.port)
 
+    @property
+    def kv_events(self) -> tuple[str, str] | None:
+        """Where a front reads this instance's KV cache events: (live, replay) endpoints; None if it publishes none."""
+        inst = self.resolved.instance
+        if not inst.kv_events:
+            return None
+        return host_url("tcp", self.host, inst.kv_events_port), host_url("tcp", self.host, inst.events_replay_port)
+
     def wait_ready(self, timeout: float = 300.0) -> Engine:
         self.wait_http(f"{self.url}/health", timeout)
         return self

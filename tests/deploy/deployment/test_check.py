@@ -3,6 +3,7 @@
 import json
 import shlex
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -617,7 +618,7 @@ def test_the_resolved_block_size_is_the_one_the_kernel_runs():
 
 def _cache_aware(router: str = "kvpp-proxy", **prefill):
     pair = [_prefill(name="p1", kv_port=37000, kv_events=True, **prefill),
-            _prefill(name="p2", port=8100, kv_port=37100, kv_events=True, kv_events_port=5558, **prefill)]
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events=True, kv_events_port=5559, **prefill)]
     return _spec(pair, [_decode(port=8200)]) | {"proxy": {"router": router, "cache_aware": True}}
 
 
@@ -630,18 +631,53 @@ def test_cache_aware_front_is_fed_by_each_prefills_event_publisher(tmp_path):
     files = render(parse_spec(spec), "shell")
     serve = shlex_argv(files["p2-node0.sh"])
     assert json.loads(serve[serve.index("--kv-events-config") + 1]) == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5558"}
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5559",
+        "replay_endpoint": "tcp://*:5560", "hwm": 1024}  # h1 is a name: ZMQ binds only addresses
     proxy = shlex_argv(files["proxy.sh"])
-    assert proxy[proxy.index("--kv-events") + 1] == "tcp://h1:5557,tcp://h1:5558"
+    assert proxy[proxy.index("--kv-events") + 1] == "tcp://h1:5557,tcp://h1:5559"
+    assert proxy[proxy.index("--kv-events-replay") + 1] == "tcp://h1:5558,tcp://h1:5560"
     routed = render(parse_spec(_cache_aware("vllm-router")), "shell")["proxy.sh"]
     argv = shlex_argv(routed)
     assert argv[argv.index("--prefill-policy") + 1] == "kv_aware"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--pd-kv-events"] == [
-        "http://h1:8000=tcp://h1:5557", "http://h1:8100=tcp://h1:5558"]
-    k8s = yaml.safe_load_all(render(parse_spec(spec), "k8s")["p2.yaml"])
-    service = next(doc for doc in k8s if doc["kind"] == "Service")
-    assert {"name": "kv-events", "port": 5558, "targetPort": 5558} in service["spec"]["ports"]
-    assert "tcp://p1:5557,tcp://p2:5558" in render(parse_spec(spec), "k8s")["proxy.yaml"]
+        "http://h1:8000=tcp://h1:5557", "http://h1:8100=tcp://h1:5559"]
+    k8s = render(parse_spec(spec), "k8s")
+    docs = list(yaml.safe_load_all(k8s["p2.yaml"]))
+    service = next(doc for doc in docs if doc["kind"] == "Service")
+    assert {"name": "kv-events", "port": 5559, "targetPort": 5559} in service["spec"]["ports"]
+    assert {"name": "kv-events-replay", "port": 5560, "targetPort": 5560} in service["spec"]["ports"]
+    (pod,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    args = pod["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert json.loads(args[args.index("--kv-events-config") + 1])["replay_endpoint"] == "tcp://$(VLLM_HOST_IP):5560"
+    assert "tcp://p1:5557,tcp://p2:5559" in k8s["proxy.yaml"] and "tcp://p1:5558,tcp://p2:5560" in k8s["proxy.yaml"]
+
+
+def test_an_ipv4_prefill_binds_its_replay_endpoint_to_its_own_address(tmp_path):
+    """vLLM 0.32 binds its publisher only to `*` (another address it connects out to), its replay endpoint to the
+    address given: a prefill on an IPv4 address keeps its replay port off every other interface."""
+    spec = _cache_aware()
+    for inst in (*spec["prefill"], *spec["decode"]):
+        inst["hosts"] = ["10.0.0.5"]
+    serve = shlex_argv(render(parse_spec(spec), "shell")["p1-node0.sh"])
+    config = json.loads(serve[serve.index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://10.0.0.5:5558")
+
+
+def test_the_kv_events_ports_are_open_to_the_front_alone(tmp_path):
+    """The NetworkPolicy `kvpp render --format k8s` writes beside a publishing prefill: its event ports admit only
+    the front's pods; every other port (HTTP, Mooncake's handshake and transfer ports) stays open as without it."""
+    docs = list(yaml.safe_load_all(render(parse_spec(_cache_aware()), "k8s")["p2.yaml"]))
+    (policy,) = [doc for doc in docs if doc["kind"] == "NetworkPolicy"]
+    (pod,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == pod["spec"]["selector"]["matchLabels"]
+    kubernetes_validate.validate(policy, "1.33.0", strict=True)  # the version test_render.py validates against
+    front, others = policy["spec"]["ingress"]
+    assert front["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvpp",
+                                                              "kvpp.io/component": "proxy",
+                                                              "kvpp.io/name": "kvpp-proxy"}}}]
+    assert sorted(p["port"] for p in front["ports"]) == [5559, 5560]
+    open_tcp = [(p["port"], p.get("endPort", p["port"])) for p in others["ports"] if p["protocol"] == "TCP"]
+    assert open_tcp == [(1, 5558), (5561, 65535)] and "from" not in others
 
 
 def shlex_argv(script: str) -> list[str]:
@@ -664,6 +700,14 @@ def test_cache_aware_front_refuses_prefills_it_cannot_read(tmp_path):
     spec["prefill"][1]["kv_events_port"] = 5557
     errors, _, _ = _check(tmp_path, spec)
     assert any(e.startswith("error: prefill[1] (p2): kv_events_port:") and "prefill[0] (p1)" in e for e in errors)
+    spec = _cache_aware()
+    spec["prefill"][1]["kv_events_port"] = 5558  # p1's replay endpoint: kv_events_port + 1
+    errors, _, _ = _check(tmp_path, spec)
+    assert any(e.startswith("error: prefill[1] (p2): kv_events_port:") and "p1)'s kv_events_replay_port" in e
+               for e in errors), errors
+    spec["prefill"][0]["kv_events_replay_port"] = 5600
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 0, errors
 
 
 def test_vllm_routers_kv_aware_is_refused_where_its_16_token_blocks_do_not_match(tmp_path):
