@@ -433,7 +433,7 @@ def _routing(platform: str, kernel: list[str] = AMX) -> dict:
     events, compiled (no enforce_eager), a decode and the cache-aware front."""
     prefill = dict(tp=2, enforce_eager=False, kv_events=True, extra_args=kernel, **ZERO_COPY)
     pair = [_prefill(name="p1", kv_port=37000, **prefill),
-            _prefill(name="p2", port=8100, kv_port=37100, kv_events_port=5558, **prefill)]
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events_port=5559, **prefill)]
     decode = _decode(tp=1, port=8200, extra_args=kernel)
     return {**_spec(pair, [decode], model="deepseek-v2-lite"), "platform": platform, "proxy": {"cache_aware": True}}
 

@@ -14,7 +14,7 @@ exec python3 \
     --tensor-parallel-size 2 \
     --kv-cache-memory-bytes 68719476736 \
     --max-model-len 16384 \
-    --kv-events-config '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq"}' \
+    --kv-events-config '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","hwm":1024,"publisher":"zmq","replay_endpoint":"tcp://10.0.0.51:5558"}' \
     --additional-config '{"enable_kvpp":true,"kvpp_staging_buffers":0}' \
     --kv-transfer-config '{"kv_connector":"MooncakeConnectorV2","kv_port":37000,"kv_role":"kv_producer"}' \
     --attention-backend AMX_MLA \

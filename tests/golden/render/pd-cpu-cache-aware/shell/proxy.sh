@@ -7,4 +7,5 @@ exec kvpp proxy \
     --decode http://10.0.0.53:8200 \
     --host 0.0.0.0 \
     --port 8000 \
-    --kv-events tcp://10.0.0.51:5557,tcp://10.0.0.52:5557
+    --kv-events tcp://10.0.0.51:5557,tcp://10.0.0.52:5557 \
+    --kv-events-replay tcp://10.0.0.51:5558,tcp://10.0.0.52:5558
