@@ -190,10 +190,20 @@ def test_after_a_proxy_restart_and_an_event_gap_turns_return_to_their_prefill(st
     """Mid-conversation the proxy is killed (SIGKILL: its index is lost) and replaced: the new one learns from the
     prefills' replay endpoints what they hold before its first choice. Later, every event of one turn is lost
     between the prefills and the proxy (a relay drops them: an event gap), and the proxy notices at the next event.
-    At least 90% of the turns after the restart and after the gap land on their conversation's prefill (the
-    rotation alone would move every other one), and every answer agrees with the decode's own."""
+    Before each of those turns a request of another prompt puts the rotation out of step with the conversations'
+    prefills, so a proxy that had lost track would move every one of them. At least 90% of the turns after the
+    restart and after the gap land on their conversation's prefill, and every answer agrees with the decode's own."""
     prefills, decode = stack["prefills"], stack["decode"].url
     urls = [p.url for p in prefills]
+    strangers = iter(range(1000, 2000))
+
+    def out_of_step(url: str, sent: list[int]) -> None:
+        """The first turns went by the rotation from its start (conversations 0, 1, 2 on prefills 0, 1, 0): with an
+        odd count of requests sent through this proxy, the rotation would send each to the other prefill."""
+        if sent[0] % 2 == 0:
+            _complete(url, stack["model"], sample_prompt(FIRST_WORDS, seed=next(strangers)))
+            sent[0] += 1
+
     with EventRelay(prefills[0].kv_events[0]) as relay0, EventRelay(prefills[1].kv_events[0]) as relay1:
         relays = (relay0, relay1)
         args = kv_events_flags([(r.endpoint, p.kv_events[1]) for r, p in zip(relays, prefills)])
@@ -206,17 +216,16 @@ def test_after_a_proxy_restart_and_an_event_gap_turns_return_to_their_prefill(st
             os.kill(proxy.pid, signal.SIGKILL)
             proxy.stop()
         proxy, url = start_proxy(urls, [decode], stack["tmp"] / "proxy-after-restart.log", extra_args=args)
+        sent = [0]
         try:
-            conversations.turn(url)  # after the restart
-            for relay in relays:
-                relay.pause()
-            conversations.turn(url)  # its events are lost
-            time.sleep(1)  # the last of them too
+            for lose_events in (False, True, False, False):  # after the restart; its events lost; two after the gap
+                out_of_step(url, sent)
+                for relay in relays:
+                    relay.pause() if lose_events else relay.resume()
+                conversations.turn(url)
+                sent[0] += CONVERSATIONS
+                time.sleep(1)  # the turn's last events reach the relays (and are lost, or passed on)
             lost = sum(r.dropped for r in relays)
-            for relay in relays:
-                relay.resume()
-            conversations.turn(url)  # its events tell the proxy of the gap
-            conversations.turn(url)
             m = _proxy_metrics(url)
         finally:
             proxy.stop()
@@ -227,5 +236,5 @@ def test_after_a_proxy_restart_and_an_event_gap_turns_return_to_their_prefill(st
           f"their conversation's prefill; syncs {metric_total(m, 'kvpp_proxy_kv_index_syncs_total'):.0f}, index resets "
           f"{metric_total(m, 'kvpp_proxy_kv_index_resets_total'):.0f}; served {conversations.served}")
     assert lost > 0, "the relays dropped nothing: no gap was made"
-    assert set(homes) == set(urls), f"the first turns went by load over both prefills: {homes}"
+    assert homes == [urls[0], urls[1], urls[0]], f"the first turns went by the rotation: {homes}"
     assert home >= 0.9 * len(later), later
