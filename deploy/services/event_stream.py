@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import zmq
@@ -105,7 +106,9 @@ class EventStream:
         self._replay_failing = False
         """The last sync got no full answer: until one does, a gap empties the index as with no replay endpoint."""
         self._sync_at: float | None = 0.0 if replay_endpoint is not None else None
-        """When (the event loop's clock) the stream next syncs from the replay endpoint; None: not asked."""
+        """When (time.monotonic()) the stream next syncs from the replay endpoint; None: not asked."""
+        self._synced_at = -SYNC_RETRY_S
+        """When the last sync ended: a refused message asks for a rebuild no sooner than SYNC_RETRY_S after it."""
         self._started: asyncio.Event | None = None
         self._logged: set[str] = set()
         for reason in RESET_REASONS:
@@ -145,7 +148,7 @@ class EventStream:
             self.reset("restart")  # its count began again: its cache is new
             self._resync()
         self._last_live = seq
-        if self._sync_at == 0.0:
+        if self.sync_due(time.monotonic()):
             return  # the sync about to run replays this batch too
         if self._last_seq is not None:
             if seq <= self._last_seq:
@@ -166,12 +169,13 @@ class EventStream:
             logger.warning("prefill %s: refused a KV event message from %s (%s: %s); its prefix index is "
                            "dropped", self.backend, self.endpoint, refused.kind, refused)
         self.reset("refused")
-        self._resync()
+        self._resync(not_before=self._synced_at + SYNC_RETRY_S)  # garbage must not make a stream of replays
 
-    def _resync(self) -> None:
-        """With a replay endpoint, rebuild the index from it before the next live batch."""
+    def _resync(self, not_before: float = 0.0) -> None:
+        """With a replay endpoint, sync from it before the next live batch (or, `not_before` a later moment, from
+        then on; until then live batches are applied as they come)."""
         if self.replay_endpoint is not None:
-            self._sync_at = 0.0
+            self._sync_at = min(self._sync_at if self._sync_at is not None else not_before, not_before)
 
     def _apply(self, seq: int, payload: bytes, batch: KVEventBatch) -> None:
         if self._last_seq is None and seq == 0:
@@ -214,6 +218,7 @@ class EventStream:
         try:
             return await self._sync(context)
         finally:
+            self._synced_at = time.monotonic()
             if self._started is None:
                 self._started = asyncio.Event()
             self._started.set()
@@ -243,7 +248,7 @@ class EventStream:
                            "stream and syncs again in %.0f s", self.backend, self.replay_endpoint,
                            str(exc) or f"no answer within {self.timeout:g} s", SYNC_RETRY_S)
             self._replay_failing = True
-            self._sync_at = asyncio.get_running_loop().time() + SYNC_RETRY_S
+            self._sync_at = time.monotonic() + SYNC_RETRY_S
             return "failed"
         self._synced, self._sync_at, self._replay_failing = True, None, False
         self.metrics.syncs.labels(self.backend, outcome).inc()
@@ -296,18 +301,17 @@ class EventStream:
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        loop = asyncio.get_running_loop()
         try:
             while True:
-                if self.sync_due(loop.time()):
+                if self.sync_due(time.monotonic()):
                     await self.sync(context)
                 ready = dict(await poller.poll(timeout=IDLE_CHECK_S * 1000))
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
                         self.broke("disconnected")
-                    elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.replay_endpoint is not None:
-                        self._sync_at = 0.0  # what was missed while the connection was down?
+                    elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        self._resync()  # what was missed while the connection was down?
                 if sock in ready:
                     self.handle(await sock.recv_multipart())
         finally:

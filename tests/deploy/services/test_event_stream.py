@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                         ZmqEventPublisher)
 
-from deploy.services.event_stream import EventMetrics, EventStream, run_streams
+from deploy.services.event_stream import SYNC_RETRY_S, EventMetrics, EventStream, run_streams
 from deploy.services.ports import free_port
 from deploy.services.prefix_index import PrefixIndex, iter_keys
 
@@ -308,7 +308,7 @@ def test_a_gap_and_a_dropped_connection_continue_from_the_replay_without_a_reset
         sub.close(linger=0)
         publisher._event_queue.join()
         stream.handle(frames)  # seq > last + 1: the batches between were missed
-        assert stream.sync_due(0.0) and matched(stream) == 1
+        assert stream.sync_due(time.monotonic()) and matched(stream) == 1
         assert await stream.sync(zmq.asyncio.Context.instance()) == "continued"
         assert matched(stream) == 3 and matched(stream, [5] * BS) == 1 and resets(registry, "gap") == 0
 
@@ -379,7 +379,7 @@ def test_a_dead_replay_endpoint_costs_the_sync_not_the_live_stream():
             await until(lambda: syncs(registry, "failed") >= 1)
             await published(publisher, registry, CHAIN[0])
             await until(lambda: len(stream.index) == 2)
-        assert not stream.sync_due(asyncio.get_running_loop().time())  # the retry waits
+        assert not stream.sync_due(time.monotonic())  # the retry waits
 
     try:
         asyncio.run(go())
@@ -399,7 +399,7 @@ def test_an_instance_out_of_rotation_is_checked_not_emptied():
         context = zmq.asyncio.Context.instance()
         assert await stream.sync(context) == "rebuilt" and matched(stream) == 3
         stream.broke("down")
-        assert stream.sync_due(0.0) and await stream.sync(context) == "continued"
+        assert stream.sync_due(time.monotonic()) and await stream.sync(context) == "continued"
         assert matched(stream) == 3 and resets(registry, "down") == 0
         publisher.shutdown()
         second = restarted(live, replay)
@@ -459,3 +459,28 @@ def test_a_stalled_publisher_with_a_replay_endpoint_is_caught_up_not_emptied():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.integration
+def test_garbage_asks_the_replay_endpoint_for_one_rebuild_per_retry_interval():
+    """A refused message empties the index and asks for a rebuild, but a publisher that keeps sending garbage must not
+    make the proxy replay its whole buffer again and again: the next rebuild waits SYNC_RETRY_S after the last sync,
+    and the live batches that follow are applied meanwhile."""
+    publisher, live, replay = publisher_with_replay()
+    buffered(publisher, *CHAIN)
+    stream, registry = stream_of(live, replay)
+
+    async def go():
+        assert await stream.sync(zmq.asyncio.Context.instance()) == "rebuilt" and len(stream.index) == 3
+        stream.handle([b"garbage"])
+        assert len(stream.index) == 0 and resets(registry, "refused") == 1
+        now = time.monotonic()
+        assert not stream.sync_due(now) and stream.sync_due(now + SYNC_RETRY_S)
+        encode = msgspec.msgpack.Encoder().encode
+        stream.handle([b"", (7).to_bytes(8, "big"), encode(CHAIN[0])])  # applied while the rebuild waits
+        assert len(stream.index) == 2
+
+    try:
+        asyncio.run(go())
+    finally:
+        publisher.shutdown()
