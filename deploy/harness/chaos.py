@@ -349,7 +349,7 @@ def _front_counts(stack: Stack) -> dict:
     if stack.events:
         counts |= {name: int(metric_total(text, f"kvpp_proxy_{name}_total"))
                    for name in ("prefix_hits", "prefix_fallbacks", "kv_event_batches", "kv_event_refused",
-                                "kv_index_resets")}
+                                "kv_index_resets", "kv_index_syncs")}
     return counts
 
 

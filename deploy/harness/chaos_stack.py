@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.common.hosts import host_url
+from deploy.deployment.launch import kv_events_flags
 from deploy.harness.engines import engine_server, pd_servers
 from deploy.harness.routers import start_vllm_router
 from deploy.services.pool import QUIET_ENV, start_mooncake
-from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, Engine, ManagedProcess, ProcessError, start_servers
 from deploy.services.proxy import start_proxy
 
@@ -50,10 +49,10 @@ class StackSettings:
         return {"MC_RPC_TIMEOUT_MS": str(self.store_rpc_timeout_ms),
                 "MC_TRANSFER_TIMEOUT": str(self.store_transfer_timeout_s)}
 
-    def proxy_args(self, events: list[str]) -> list[str]:
-        """`kvpp proxy`'s timers, and the prefills' event endpoints if they publish any (cache_aware)."""
+    def proxy_args(self, events: list[tuple[str, str]]) -> list[str]:
+        """`kvpp proxy`'s timers, and the prefills' (live, replay) event endpoints if they publish any (cache_aware)."""
         return ["--prefill-timeout", str(self.prefill_timeout_s), "--decode-timeout", str(self.read_timeout_s),
-                "--connect-timeout", "3", "--probe-interval", "1", *(["--kv-events", ",".join(events)] if events else [])]
+                "--connect-timeout", "3", "--probe-interval", "1", *(kv_events_flags(events) if events else [])]
 
     def router_args(self) -> list[str]:
         """vllm-router probes its instances' /health as often as the proxy does; everything else is its
@@ -129,7 +128,7 @@ class Stack:
     """Which P/D front serves proxy_url: kvpp-proxy or vllm-router."""
     front_metrics_url: str = ""
     """Where the front's Prometheus metrics are (proxy_url for kvpp proxy; vllm-router has a port of its own)."""
-    events: list[str] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)
     """The prefills' KV event endpoints (StackSettings.cache_aware)."""
 
     def stop(self) -> None:
@@ -185,13 +184,12 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings, front:
     stack = Stack()
     try:
         stack.members.update(adopt_pool(workdir / "pool"))
-        events_port = free_port() if settings.cache_aware else None
         servers: tuple[Engine, Engine] = pd_servers(
             model, workdir, stack.members["pool_master"].pool_extra,
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
             consumer_extra={"transfer_timeout_s": settings.transfer_timeout_s},
-            env=settings.engine_env(), kv_events_port=events_port)
-        stack.events = [] if events_port is None else [host_url("tcp", LOOPBACK, events_port)]
+            env=settings.engine_env(), kv_events=settings.cache_aware)
+        stack.events = [servers[0].kv_events] if settings.cache_aware else []
         started: list[ManagedProcess] = []
         try:
             start_servers(servers, started, timeout=ENGINE_READY_S)

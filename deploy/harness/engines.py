@@ -11,9 +11,11 @@ from pathlib import Path
 
 import msgspec
 
+from kvpp_core.platforms import VLLM_CPU
+
 from deploy.deployment.launch import deep_merge
 from deploy.deployment.resolved import resolve
-from deploy.deployment.spec import KV_EVENTS_PORT, Model, Pool, Spec, placed
+from deploy.deployment.spec import Model, Pool, Spec, placed
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import LOOPBACK, REFERENCE, CpuEngine, Engine, VllmServer, cpu_instance
 
@@ -52,13 +54,13 @@ def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int
 
 
 def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, consumer_extra: dict | None = None,
-            env: dict | None = None, engine: CpuEngine = REFERENCE, kv_events_port: int | None = None,
+            env: dict | None = None, engine: CpuEngine = REFERENCE, kv_events: bool = False,
             pool_settings: dict | None = None) -> Spec:
     """The stack as a deployment spec, its pool the running one `pool_extra` (`kvpp pool up`'s
     kv_connector_extra_config) points at; `producer_extra`/`consumer_extra` go into the
-    MooncakeConnectorV2 settings of the prefill and the decode; with `kv_events_port` the prefill publishes its
-    KV cache events there; `pool_settings`: the pool connector's settings beyond load_async (its defaults
-    otherwise)."""
+    MooncakeConnectorV2 settings of the prefill and the decode; with `kv_events` the prefill publishes its
+    KV cache events and replays them, on free ports; `pool_settings`: the pool connector's settings beyond
+    load_async (its defaults otherwise)."""
     prefill_port = free_port_range(3)
     decode_port = free_port_range(2)
     while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
@@ -69,10 +71,11 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
     recompute = {"kv_load_failure_policy": "recompute"}
     mooncake = pool_extra["mooncake"]
     spec = placed(Spec(
-        model=Model(path=model),
+        model=Model(path=model), platform=VLLM_CPU.name,
         prefill=(cpu_instance("prefill", LOOPBACK, free_port(), 2, [0, 1], kv_port=prefill_port, enable_kvpp=True,
-                              kv_transfer_config=recompute, kv_events=kv_events_port is not None,
-                              kv_events_port=kv_events_port or KV_EVENTS_PORT, **settings),),
+                              kv_transfer_config=recompute, kv_events=kv_events,
+                              **({"kv_events_port": free_port(), "kv_events_replay_port": free_port()}
+                                 if kv_events else {}), **settings),),
         decode=(cpu_instance("decode", LOOPBACK, free_port(), 1, [1], kv_port=decode_port,
                              kv_transfer_config={**recompute, "kv_connector_extra_config": consumer_extra or {}},
                              **settings),),
@@ -91,9 +94,9 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
 
 def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
                consumer_extra: dict | None = None, env: dict | None = None,
-               engine: CpuEngine = REFERENCE, kv_events_port: int | None = None,
+               engine: CpuEngine = REFERENCE, kv_events: bool = False,
                pool_settings: dict | None = None) -> tuple[Engine, Engine]:
     """The stack's P/D pair (not started), launched from pd_spec."""
-    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env, engine, kv_events_port,
+    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env, engine, kv_events,
                                pool_settings))
     return tuple(Engine(instance, workdir / f"{instance.instance.name}.log") for instance in resolved.instances)

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from kvpp_core.platforms import VLLM_CPU
 from connectors.common.hosts import host_url, join_host_port
 
 from deploy.services.processes import ProcessError, cpu_instance, http_ok
@@ -50,6 +51,7 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
     """The five-host deployment spec on this machine's CPU build of vLLM."""
     return {
         "model": {"path": model},
+        "platform": VLLM_CPU.name,
         "prefill": [
             _instance("prefill", bed.address("prefill"), 2, kv_cache_bytes, enable_kvpp=True,
                       lookup_rpc_port=LOOKUP_PORT["prefill"]),

@@ -25,6 +25,7 @@ from typing import Annotated
 import msgspec
 
 from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuMlaBackend, host_has_amx
+from kvpp_core.platforms import VLLM_CPU
 
 from connectors.common.hosts import host_url
 
@@ -398,7 +399,7 @@ def cpu_instance(name: str, host: str, port: int, tp: int = 1, cores: Sequence[i
 
 def single_instance(model: str | os.PathLike, inst: InstanceSettings) -> ResolvedInstance:
     """One instance serving `model` alone (no P/D, no pool), resolved."""
-    return resolve(placed(Spec(model=Model(path=str(model)), prefill=(inst,)))).instances[0]
+    return resolve(placed(Spec(model=Model(path=str(model)), prefill=(inst,), platform=VLLM_CPU.name))).instances[0]
 
 
 class Engine(ManagedProcess):
@@ -424,6 +425,14 @@ class Engine(ManagedProcess):
     @property
     def url(self) -> str:
         return host_url("http", self.host, self.port)
+
+    @property
+    def kv_events(self) -> tuple[str, str] | None:
+        """Where a front reads this instance's KV cache events: (live, replay) endpoints; None if it publishes none."""
+        inst = self.resolved.instance
+        if not inst.kv_events:
+            return None
+        return host_url("tcp", self.host, inst.kv_events_port), host_url("tcp", self.host, inst.events_replay_port)
 
     def wait_ready(self, timeout: float = 300.0) -> Engine:
         self.wait_http(f"{self.url}/health", timeout)

@@ -4,7 +4,8 @@ Each completion normally runs twice: on a prefill instance with `max_tokens: 1` 
 `kv_transfer_params: {"do_remote_decode": true}` (it computes the prompt's KV and keeps it), then on a
 decode instance with the `kv_transfer_params` the prefill returned, unchanged (it pulls that KV and
 generates). Instances are picked round-robin per role; with `routing` (`--kv-events`) a request's prefill
-leg goes first to the instance holding the longest prefix of its prompt (deploy/services/routing.py).
+leg goes first to the instance where its cached prefix, net of the load queued there, leaves the least to
+compute (deploy/services/routing.py), and asks vLLM to announce its cache hits again (a full report).
 
 The proxy's own ceiling is `Limits.max_in_flight` completions at once: beyond it a client gets an
 OpenAI-style 429 with `Retry-After` at once, and no instance is ever blamed for the proxy's own
@@ -39,10 +40,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from connectors.common.hosts import host_url
 
-from deploy.services.kv_events import run_streams
+from deploy.services.event_stream import run_streams
 from deploy.services.ports import free_port
 from deploy.services.processes import LOOPBACK, ManagedProcess
-from deploy.services.routing import PrefixRouter, PrefixRouting, prompt_tokens
+from deploy.services.routing import FULL_REPORT, Leg, PrefixRouter, PrefixRouting
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -130,8 +131,9 @@ class Backend:
         self.up = True
         self.reason = ""
         self.failures = 0
-        self.in_flight = 0
-        """Prefill legs this proxy has on the instance now (the cache-aware policy's load)."""
+        self.queued_tokens = 0
+        """Prompt tokens this proxy's prefill legs in flight on the instance compute (the cache-aware policy's
+        load)."""
 
 
 class Rotation:
@@ -166,10 +168,14 @@ class Rotation:
         return [b for b in self.backends if not b.up]
 
 
-def prefill_body(body: dict) -> dict:
-    """The client's request turned into a KV-producing prefill: one token, no streaming."""
+def prefill_body(body: dict, full_report: bool = False) -> dict:
+    """The client's request turned into a KV-producing prefill: one token, no streaming; with `full_report`, the
+    prefill announces again the cached blocks the request hits (vLLM's `kv_cache_report_mode`)."""
     req = plain_body(body)
     req["kv_transfer_params"] = {"do_remote_decode": True}
+    if full_report:
+        xargs = req.get("vllm_xargs")
+        req["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **FULL_REPORT}
     req["max_tokens"] = 1
     if "max_completion_tokens" in req:
         req["max_completion_tokens"] = 1
@@ -311,6 +317,12 @@ class PDProxy:
         lines += ["# HELP kvpp_proxy_backend_up 1 while the instance is in rotation.",
                   "# TYPE kvpp_proxy_backend_up gauge"]
         lines += [f'kvpp_proxy_backend_up{{role="{b.role}",backend="{b.url}"}} {int(b.up)}' for b in backends]
+        if self.router is not None:
+            lines += ["# HELP kvpp_proxy_prefill_queued_tokens Prompt tokens this proxy's prefill legs in flight on "
+                      "the instance compute (the cache-aware choice's load).",
+                      "# TYPE kvpp_proxy_prefill_queued_tokens gauge"]
+            lines += [f'kvpp_proxy_prefill_queued_tokens{{backend="{b.url}"}} {b.queued_tokens}'
+                      for b in self.prefill.backends]
         lines += ["# HELP kvpp_proxy_backend_failures_total Requests an instance failed to serve.",
                   "# TYPE kvpp_proxy_backend_failures_total counter"]
         lines += [f'kvpp_proxy_backend_failures_total{{role="{b.role}",backend="{b.url}"}} {b.failures}'
@@ -417,9 +429,9 @@ class PDProxy:
         try:
             params = prefilled = None
             if decodes:  # without a decode there is no one to hand the KV to
-                for b in await self._prefill_order(request.path, body, prefills):
+                for leg in await self._prefill_order(request.path, body, prefills):
                     try:
-                        params, prefilled = await self._prefill(b, request.path, body, headers), b
+                        params, prefilled = await self._prefill(leg, request.path, body, headers), leg.backend
                         break
                     except BackendFailure as failure:
                         failures.append(self._failed(failure))
@@ -448,23 +460,22 @@ class PDProxy:
     def _failed(self, failure: BackendFailure) -> BackendFailure:
         (self.prefill if failure.backend.role == "prefill" else self.decode).mark_failed(failure)
         if self.router is not None and failure.backend.role == "prefill":
-            self.router.forget(failure.backend.url, "down")  # it may come back restarted, its cache empty
+            self.router.forget(failure.backend.url)  # it may come back restarted, its cache empty
         return failure
 
-    async def _prefill_order(self, path: str, body: dict, order: list[Backend]) -> list[Backend]:
-        """The prefills to try, in order: the rotation's, or with the cache-aware policy the instance holding
-        the longest prefix of the prompt first. Finding the prompt's tokens can fail; routing cannot."""
+    async def _prefill_order(self, path: str, body: dict, order: list[Backend]) -> list[Leg]:
+        """The prefills to try, in order: the rotation's, or with the cache-aware policy the cheapest first."""
         if self.router is None or not order:
-            return order
-        tokens = await prompt_tokens(self._session, order[0].url, path, body, self.router.settings.tokenize_timeout) \
-            if self.router.indexed(order) else "no_index"
-        return self.router.choose(order, tokens)
+            return [Leg(b, 0) for b in order]
+        return await self.router.legs(self._session, path, body, order)
 
-    async def _prefill(self, backend: Backend, path: str, body: dict, headers: dict) -> dict:
+    async def _prefill(self, leg: Leg, path: str, body: dict, headers: dict) -> dict:
+        backend = leg.backend
         timeout = aiohttp.ClientTimeout(total=self.timeouts.prefill, connect=self.timeouts.connect)
-        backend.in_flight += 1
+        backend.queued_tokens += leg.tokens
         try:
-            async with await self._post(backend, path, prefill_body(body), headers, timeout) as resp:
+            async with await self._post(backend, path, prefill_body(body, self.router is not None), headers,
+                                        timeout) as resp:
                 data = await self._read_upstream(backend, resp)
                 _check_status(backend, resp.status, data)
         except asyncio.TimeoutError:
@@ -472,7 +483,7 @@ class PDProxy:
         except aiohttp.ClientError as exc:
             raise _connection_failure(backend, exc) from None
         finally:
-            backend.in_flight -= 1
+            backend.queued_tokens -= leg.tokens
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):

@@ -23,7 +23,9 @@ def vllm_like_caches(layers, placement, blocks: int, page: int) -> dict[str, tor
 
 def run_ranks(target, world: int, args: tuple, expect: int | None = None, timeout: float = 90.0):
     """Start `target(rank, world, port, *args, results)` in `world` processes; collect (rank, status, payload)
-    until `expect` ranks (default all) answered or `timeout`; return ({rank: (status, payload)}, elapsed)."""
+    until `expect` ranks (default all) answered or `timeout`; return ({rank: (status, payload)}, elapsed).
+    `timeout` is a liveness bound (a rank that hangs never answers): far above any wait a scenario configures
+    plus the spawned ranks' start on a loaded host; `elapsed` is for failure messages."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

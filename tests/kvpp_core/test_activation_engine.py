@@ -27,4 +27,6 @@ def test_kvpp_on_an_unpatched_worker_refuses_to_start(tiny_model):
     assert "KVPP was requested (enable_kvpp) but is not in place on every worker" in out, out[-3000:]
     assert f"worker rank 0 ({WORKER_CLS} on platform cpu) overrides initialize_from_config" in out, out[-3000:]
     assert "the KVPP adapter patches vllm.v1.worker.gpu_worker.Worker, vllm.v1.worker.cpu_worker.CPUWorker" in out
+    # Liveness: a refusing engine exits after its ~30 s start, even on a loaded host; one that refused and then
+    # hung would run into the 300 s group timeout.
     assert elapsed < 240, f"refusal took {elapsed:.0f} s"

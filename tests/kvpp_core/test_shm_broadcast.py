@@ -120,22 +120,22 @@ def test_narrowed_block_ranges_copy_only_those_blocks():
 
 def test_dead_rank_fails_the_step_on_every_survivor_at_once():
     out, elapsed = _run(3, 6, scenario="die", expect=2)
-    assert sorted(out) == [0, 1], out
+    assert sorted(out) == [0, 1], (out, elapsed)
     for status, payload in out.values():
         assert status == "broadcast_error", payload
         assert "broadcast of layer" in payload
-    # The first survivor to notice names the dead rank; the other may learn it from that one's abort.
+    # The first survivor to notice names the dead rank; the other may learn it from that one's abort. A dead
+    # peer is noticed from its pid (this message), not by the 30 s timeout ("no ... within 30 s").
     assert any("kvpp rank 2 (pid" in payload and "has exited" in payload for _, payload in out.values()), out
-    assert elapsed < 25.0, "a dead peer is noticed from its pid, long before the 30 s timeout"
 
 
 def test_stalled_rank_fails_the_step_after_the_timeout():
-    out, elapsed = _run(3, 6, scenario="stall", expect=2, timeout=45.0)
-    assert sorted(out) == [0, 1], out
+    out, elapsed = _run(3, 6, scenario="stall", expect=2)
+    assert sorted(out) == [0, 1], (out, elapsed)  # both answered within the liveness deadline: no hang
     for status, payload in out.values():
         assert status == "broadcast_error", payload
+    # The configured 3 s bound is what failed them (the message names it), whatever the host's load.
     assert any("waiting for kvpp rank 2: no" in payload and "within 3 s" in payload for _, payload in out.values())
-    assert elapsed < 40.0
 
 
 def test_ranks_without_a_common_shm_fall_back_to_the_collective(tmp_path):

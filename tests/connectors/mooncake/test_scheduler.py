@@ -43,12 +43,14 @@ def test_prefill_holds_finished_request_and_returns_handle():
     from vllm.v1.request import RequestStatus
 
     sched = _scheduler()
+    before = time.time()
     delay, params = sched.request_finished(_request({"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED), [5, 6, 7])
+    after = time.time()
     assert delay is True and sched.has_pending_block_frees()
     h = m.parse_handle(params)
     assert (h.remote_block_ids, h.remote_num_tokens, h.remote_tp_size, h.remote_kv_port) == ([5, 6, 7], 40, 2, 37000)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert 6.0 < h.remote_hold_expires_at - time.time() <= 7.0
+    assert before + 7.0 <= h.remote_hold_expires_at <= after + 7.0  # the 7 s hold, from when it finished
     meta_ = sched.build_connector_meta(STEP)
     assert meta_.holds == {"req-1": 7.0} and sched.build_connector_meta(STEP).holds == {}
     assert meta_.tokens == {"req-1": h.remote_token} and len(h.remote_token) >= 43

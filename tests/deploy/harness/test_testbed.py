@@ -81,9 +81,8 @@ def test_a_downed_link_cuts_the_host_off_until_it_comes_back(tmp_path):
         listen(bed, "a", a, 18080, tmp_path)
         assert tcp_probe(bed, "b", a, 18080)
         bed.set_link("a", up=False)
-        started = time.monotonic()
+        # Bounded by the probe's 1 s connect timeout; a hang would overrun bed.run's own 11 s and raise.
         assert not tcp_probe(bed, "b", a, 18080, timeout=1.0)
-        assert time.monotonic() - started < 10
         bed.set_link("a", up=True)
         deadline = time.monotonic() + 10
         while not tcp_probe(bed, "b", a, 18080, timeout=1.0):
@@ -108,6 +107,7 @@ def test_mooncake_transfer_across_hosts_is_intact_and_bounded_when_the_link_is_c
             cut = json.loads(bed.run("decode", read, timeout=120, env={**os.environ, **ENV}).stdout)
             elapsed = time.monotonic() - started
             assert not cut["ok"], cut
+            # Liveness: 12x the 5 s transfer timeout, for a loaded host; an unbounded read would run into run's 120 s.
             assert elapsed < 60, f"a read from a cut-off host took {elapsed:.0f}s"
             print(f"read from a cut-off host failed after {elapsed:.1f}s")
             bed.set_link("prefill", up=True)

@@ -85,7 +85,7 @@ def test_dead_process_fails_fast_with_its_log(tmp_path):
     start = time.monotonic()
     with proc, pytest.raises(ProcessError, match=r"(?s)exited with code 3.*boom here"):
         proc.wait_http(f"http://127.0.0.1:{free_port()}/health", timeout=60)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # liveness: a process that exits at once, not the 60 s readiness timeout
 
 
 @pytest.mark.integration
@@ -113,7 +113,7 @@ def test_stop_kills_grandchildren_and_escalates_to_sigkill(tmp_path):
     child = int(pidfile.read_text())
     start = time.monotonic()
     assert proc.stop(timeout=1) == -9
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # liveness: SIGKILL after the 1 s grace; the leader would sleep 60 s
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:

@@ -1,8 +1,9 @@
 """`kvpp proxy --kv-events` against real engines: two KVPP prefills (TP2, bf16 on AMX_MLA with vLLM's prefix cache
-and `--kv-events-config` publishing) and one decode, P/D over MooncakeConnectorV2. Several conversations of several
-turns: every turn after the first lands on the prefill that served the conversation's earlier turns, where the
-rotation alone would have sent some elsewhere, and those prefills' own prefix-cache counters show the hits; every
-answer agrees with the decode's own greedy answer. A proxy whose event stream for one prefill is garbage, then dead,
+and `--kv-events-config` publishing, with its replay endpoint) and one decode, P/D over MooncakeConnectorV2. Several
+conversations of several turns: every turn after the first lands on the prefill that served the conversation's
+earlier turns, where the rotation alone would have sent some elsewhere, and those prefills' own prefix-cache counters
+show the hits; every answer agrees with the decode's own greedy answer. So do the turns after the proxy is killed and
+replaced mid-conversation, and after an event gap. A proxy whose event stream for one prefill is garbage, then dead,
 answers the same conversations correctly, by load. Runs only where the host has AMX tiles: the reference kernel
 (CPU_MLA) has vLLM's prefix cache off for MLA, so there would be nothing to route to.
 """
@@ -10,7 +11,9 @@ answers the same conversations correctly, by load. Runs only where the host has 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -20,12 +23,14 @@ import zmq
 
 from deploy.harness.demo import answer_agreement, completion_answer
 from deploy.harness.engines import engine_metrics, metric_total
+from deploy.deployment.launch import kv_events_flags
 from deploy.harness.tiny_model import sample_prompt
 from deploy.services.ports import free_port, free_port_range
 from deploy.services.processes import AMX, ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
 from kvpp_core.cpu_backends import host_has_amx
 from testbed.pd_servers import pd_server
+from tests.helpers.event_relay import EventRelay
 from tests.helpers.pd_http import post, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
@@ -38,26 +43,25 @@ FIRST_WORDS, TURN_WORDS = 300, 140  # the tiny tokenizer: one token per word; bl
 ANSWER = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
 
 
-def _prefill(name: str, model: str, tmp, events_port: int):
-    """A KVPP prefill publishing its KV cache events on `events_port` (the instance's kv_events, rendered as a
-    deployment's)."""
+def _prefill(name: str, model: str, tmp):
+    """A KVPP prefill publishing its KV cache events and replaying them on free ports (the instance's kv_events,
+    rendered as a deployment's)."""
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                     server={"engine": AMX, "enable_kvpp": True, "kv_events": True, "kv_events_port": events_port})
+                     server={"engine": AMX, "enable_kvpp": True, "kv_events": True, "kv_events_port": free_port(),
+                             "kv_events_replay_port": free_port()})
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routing")
     started: list[ManagedProcess] = []
-    ports = [free_port(), free_port()]
     try:
-        prefills = [_prefill(f"prefill{i}", tiny_model, tmp, port) for i, port in enumerate(ports)]
+        prefills = [_prefill(f"prefill{i}", tiny_model, tmp) for i in range(2)]
         decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                            server={"engine": AMX})
         start_servers((*prefills, decode), started, timeout=600)
-        endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
         proxy, url = start_proxy([p.url for p in prefills], [decode.url], tmp / "proxy.log",
-                                 extra_args=["--kv-events", ",".join(endpoints)])
+                                 extra_args=kv_events_flags([p.kv_events for p in prefills]))
         started.append(proxy)
         yield {"prefills": prefills, "decode": decode, "proxy": url, "model": tiny_model, "tmp": tmp}
     finally:
@@ -72,22 +76,36 @@ def _complete(url: str, model: str, prompt: str) -> tuple[dict, str | None]:
         return json.loads(resp.read()), resp.headers.get("X-Kvpp-Prefill")
 
 
-def _converse(stack, proxy_url: str, seed: int) -> list[list[tuple[str | None, int]]]:
-    """CONVERSATIONS conversations of TURNS turns, interleaved turn by turn; each turn's prompt is the last one,
-    its answer and new words. Returns per conversation the (prefill used, prompt tokens) of each turn, every
+class Conversations:
+    """CONVERSATIONS conversations, advanced turn by turn through a proxy; each turn's prompt is the last one, its
+    answer and new words. `served[c]` is the (prefill used, prompt tokens) of each of conversation c's turns, every
     answer checked against the decode serving the same prompt alone."""
-    model, decode = stack["model"], stack["decode"].url
-    prompts = [sample_prompt(FIRST_WORDS, seed=seed + c) for c in range(CONVERSATIONS)]
-    served: list[list[tuple[str | None, int]]] = [[] for _ in range(CONVERSATIONS)]
-    for turn in range(TURNS):
+
+    def __init__(self, stack, seed: int):
+        self.stack, self.seed = stack, seed
+        self.prompts = [sample_prompt(FIRST_WORDS, seed=seed + c) for c in range(CONVERSATIONS)]
+        self.served: list[list[tuple[str | None, int]]] = [[] for _ in range(CONVERSATIONS)]
+
+    def turn(self, proxy_url: str) -> None:
+        model, decode = self.stack["model"], self.stack["decode"].url
         for c in range(CONVERSATIONS):
-            got, prefill = _complete(proxy_url, model, prompts[c])
-            reference = completion_answer(post(f"{decode}/v1/completions", {"model": model, "prompt": prompts[c], **ANSWER}))
+            turn = len(self.served[c])
+            got, prefill = _complete(proxy_url, model, self.prompts[c])
+            reference = completion_answer(post(f"{decode}/v1/completions",
+                                               {"model": model, "prompt": self.prompts[c], **ANSWER}))
             agreement = answer_agreement(completion_answer(got), reference, AMX)
             assert agreement["matches_reference"], f"conversation {c} turn {turn}: {agreement}"
-            served[c].append((prefill, got["usage"]["prompt_tokens"]))
-            prompts[c] += got["choices"][0]["text"] + " " + sample_prompt(TURN_WORDS, seed=seed + 100 * turn + c)
-    return served
+            self.served[c].append((prefill, got["usage"]["prompt_tokens"]))
+            self.prompts[c] += got["choices"][0]["text"] + " " + sample_prompt(TURN_WORDS,
+                                                                                seed=self.seed + 100 * turn + c)
+
+
+def _converse(stack, proxy_url: str, seed: int) -> list[list[tuple[str | None, int]]]:
+    """CONVERSATIONS conversations of TURNS turns, interleaved turn by turn (Conversations.served)."""
+    conversations = Conversations(stack, seed)
+    for _ in range(TURNS):
+        conversations.turn(proxy_url)
+    return conversations.served
 
 
 def _proxy_metrics(url: str) -> str:
@@ -144,7 +162,7 @@ def test_a_garbage_then_dead_event_stream_costs_hits_not_answers(stack):
     feeder = threading.Thread(target=garbage, daemon=True)
     feeder.start()
     prefills = stack["prefills"]
-    events = [f"tcp://127.0.0.1:{port}", _endpoint_of(prefills[1])]
+    events = [f"tcp://127.0.0.1:{port}", prefills[1].kv_events[0]]  # and no replay: what the stream says goes
     proxy, url = start_proxy([p.url for p in prefills], [stack["decode"].url], stack["tmp"] / "proxy-garbage.log",
                              extra_args=["--kv-events", ",".join(events), "--kv-events-timeout", "1"])
     try:
@@ -168,8 +186,55 @@ def test_a_garbage_then_dead_event_stream_costs_hits_not_answers(stack):
         proxy.stop()
 
 
-def _endpoint_of(engine) -> str:
-    """The prefill's event endpoint, read back from its --kv-events-config."""
-    argv = engine.argv
-    config = json.loads(argv[argv.index("--kv-events-config") + 1])
-    return config["endpoint"].replace("*", "127.0.0.1")
+def test_after_a_proxy_restart_and_an_event_gap_turns_return_to_their_prefill(stack):
+    """Mid-conversation the proxy is killed (SIGKILL: its index is lost) and replaced: the new one learns from the
+    prefills' replay endpoints what they hold before its first choice. Later, every event of one turn is lost
+    between the prefills and the proxy (a relay drops them: an event gap), and the proxy notices at the next event.
+    Before each of those turns a request of another prompt puts the rotation out of step with the conversations'
+    prefills, so a proxy that had lost track would move every one of them. At least 90% of the turns after the
+    restart and after the gap land on their conversation's prefill, and every answer agrees with the decode's own."""
+    prefills, decode = stack["prefills"], stack["decode"].url
+    urls = [p.url for p in prefills]
+    strangers = iter(range(1000, 2000))
+
+    def out_of_step(url: str, sent: list[int]) -> None:
+        """The first turns went by the rotation from its start (conversations 0, 1, 2 on prefills 0, 1, 0): with an
+        odd count of requests sent through this proxy, the rotation would send each to the other prefill."""
+        if sent[0] % 2 == 0:
+            _complete(url, stack["model"], sample_prompt(FIRST_WORDS, seed=next(strangers)))
+            sent[0] += 1
+
+    with EventRelay(prefills[0].kv_events[0]) as relay0, EventRelay(prefills[1].kv_events[0]) as relay1:
+        relays = (relay0, relay1)
+        args = kv_events_flags([(r.endpoint, p.kv_events[1]) for r, p in zip(relays, prefills)])
+        conversations = Conversations(stack, seed=130)
+        proxy, url = start_proxy(urls, [decode], stack["tmp"] / "proxy-before-restart.log", extra_args=args)
+        try:
+            conversations.turn(url)
+            conversations.turn(url)
+        finally:
+            os.kill(proxy.pid, signal.SIGKILL)
+            proxy.stop()
+        proxy, url = start_proxy(urls, [decode], stack["tmp"] / "proxy-after-restart.log", extra_args=args)
+        sent = [0]
+        try:
+            for lose_events in (False, True, False, False):  # after the restart; its events lost; two after the gap
+                out_of_step(url, sent)
+                for relay in relays:
+                    relay.pause() if lose_events else relay.resume()
+                conversations.turn(url)
+                sent[0] += CONVERSATIONS
+                time.sleep(1)  # the turn's last events reach the relays (and are lost, or passed on)
+            lost = sum(r.dropped for r in relays)
+            m = _proxy_metrics(url)
+        finally:
+            proxy.stop()
+    homes = [turns[0][0] for turns in conversations.served]
+    later = [(c, t, turns[t][0]) for c, turns in enumerate(conversations.served) for t in range(2, len(turns))]
+    home = sum(prefill == homes[c] for c, _, prefill in later)
+    print(f"after a proxy restart and an event gap ({lost} event batches lost): {home} of {len(later)} later turns on "
+          f"their conversation's prefill; syncs {metric_total(m, 'kvpp_proxy_kv_index_syncs_total'):.0f}, index resets "
+          f"{metric_total(m, 'kvpp_proxy_kv_index_resets_total'):.0f}; served {conversations.served}")
+    assert lost > 0, "the relays dropped nothing: no gap was made"
+    assert homes == [urls[0], urls[1], urls[0]], f"the first turns went by the rotation: {homes}"
+    assert home >= 0.9 * len(later), later

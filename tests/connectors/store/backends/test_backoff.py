@@ -6,16 +6,9 @@ from __future__ import annotations
 import pytest
 
 from connectors.store.backends.backoff import PoolBackoff
+from tests.helpers.clock import Clock
 
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture

@@ -132,5 +132,5 @@ def test_dead_meta_service_is_a_bounded_failure(pool):
     start = time.monotonic()
     status = backend.exists(["kvpp/x/pp0/o0/" + "1" * 64])
     assert status[0] in (Status.FAILED, Status.TIMEOUT)
-    assert time.monotonic() - start <= BOUND_S + 1.0
+    assert time.monotonic() - start <= 2 * BOUND_S  # liveness: the 4 s call bound, doubled for a loaded host
     backend.close()

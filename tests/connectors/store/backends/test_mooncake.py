@@ -180,7 +180,8 @@ def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
             status = call()
             assert all(s in (Status.FAILED, Status.TIMEOUT, Status.MISSING, Status.REFUSED) for s in status), status
             assert Status.OK not in status
-            assert time.monotonic() - start <= BOUND_S + 1.0
+            # Liveness: the 4 s call bound, doubled for a loaded host, and still short of the 10 s master RPC timeout.
+            assert time.monotonic() - start <= 2 * BOUND_S
         b.close()
     finally:
         pool_down(tmp_path / "doomed")

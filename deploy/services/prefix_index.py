@@ -1,0 +1,211 @@
+"""What one prefill holds in its prefix cache, keyed by the proxy's own chained hash over token ids.
+
+vLLM's block hashes depend on its hash function and seed, which the proxy neither knows nor needs: each vLLM
+hash (its "name", with the medium it lives on) is mapped to the proxy's key of the same block, so removals and
+parents resolve. The index keeps what it can still use after a hiccup:
+- a block whose parent it has not seen (stored before the proxy listened, or announced while a gap lasted) is
+  kept aside as an orphan and indexed the moment its parent is (vLLM's full reports announce a hit prefix from
+  its first block; a replay brings the rest);
+- past `max_blocks` it forgets the least recently announced block that no indexed block descends from, so a
+  bound never cuts a live chain at its root.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deploy.services.kv_events import BlockRemoved, BlockStored, Hash
+
+    Name = tuple[str | None, Hash]
+    """A block as vLLM names it: (medium, vLLM's block hash)."""
+
+ROOT = b""
+"""The proxy's key of the empty prefix, parent of every first block."""
+OWN_CACHE_MEDIA = (None, "GPU")
+"""The media of an instance's own KV cache in vLLM's events ("GPU" on every device, CPU included). Blocks on other
+media (an offload tier, a pool that every prefill reads, as the pool connector's events report) do not make one
+instance the place to send a prompt, so they are not indexed."""
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """The proxy's key of a block: its parent's key chained with its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def iter_keys(tokens: list[int], block_size: int) -> Iterator[bytes]:
+    """The keys of a prompt's full blocks, first to last, computed as they are asked for."""
+    parent = ROOT
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start:start + block_size])
+        yield parent
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: bytes
+    parent: Name | None
+    """None: a first block."""
+
+
+@dataclass(frozen=True)
+class _Orphan:
+    parent: Name
+    tokens: tuple[int, ...]
+
+
+class PrefixIndex:
+    """The full blocks one instance holds; at most `max_blocks` indexed and as many orphans waiting for a parent."""
+
+    def __init__(self, max_blocks: int):
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self.block_size: int | None = None
+        self._entries: dict[Name, _Entry] = {}
+        self._held: collections.Counter[bytes] = collections.Counter()
+        self._children: collections.Counter[Name] = collections.Counter()
+        """A name -> indexed blocks whose parent it is (indexed itself or not)."""
+        self._leaves: collections.OrderedDict[Name, None] = collections.OrderedDict()
+        """Indexed blocks with no indexed child, least recently announced first: what goes when room is needed.
+        A block whose last child goes becomes the least recent leaf (its subtree's newest block just went)."""
+        self._firsts = 0
+        """Indexed first blocks: with none, the instance holds no prompt's first block."""
+        self._orphans: collections.OrderedDict[Name, _Orphan] = collections.OrderedDict()  # oldest first
+        self._waiting: dict[Name, set[Name]] = {}
+        """A name not indexed yet -> its orphans."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def orphans(self) -> int:
+        return len(self._orphans)
+
+    @property
+    def holds_a_first_block(self) -> bool:
+        return self._firsts > 0
+
+    def clear(self) -> None:
+        for table in (self._entries, self._held, self._children, self._leaves, self._orphans, self._waiting):
+            table.clear()
+        self._firsts = 0
+        self.block_size = None
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._held
+
+    def matched_blocks(self, keys: Iterable[bytes]) -> int:
+        """How many of a prompt's first blocks (their keys, in order) this instance holds."""
+        n = 0
+        for key in keys:
+            if key not in self._held:
+                break
+            n += 1
+        return n
+
+    def store(self, event: BlockStored) -> str | None:
+        """Index the event's blocks (or keep them as orphans); returns why they were skipped, if they were."""
+        if event.lora_name is not None or event.lora_id is not None or event.group_idx not in (None, 0) \
+                or any(k is not None for k in event.extra_keys or ()):
+            return "unindexable"  # LoRA, salts, multimodal or a second KV group: token ids alone do not name it
+        if event.medium not in OWN_CACHE_MEDIA:
+            return "medium"
+        if self.block_size not in (None, event.block_size):
+            return "block_size"
+        self.block_size = size = event.block_size
+        parent: Name | None = None if event.parent_block_hash is None else (event.medium, event.parent_block_hash)
+        for i, vllm_hash in enumerate(event.block_hashes):
+            name = (event.medium, vllm_hash)
+            tokens = tuple(event.token_ids[i * size:(i + 1) * size])
+            if parent is None:
+                self._index(name, None, block_key(ROOT, tokens))
+            elif parent in self._entries:
+                self._index(name, parent, block_key(self._entries[parent].key, tokens))
+            else:
+                self._orphan(name, _Orphan(parent, tokens))
+            parent = name
+        self._trim()
+        return None
+
+    def remove(self, event: BlockRemoved) -> None:
+        for vllm_hash in event.block_hashes:
+            name = (event.medium, vllm_hash)
+            self._forget(name)
+            self._drop_orphan(name)
+
+    # -- indexed blocks --------------------------------------------------------------------------------
+    def _index(self, name: Name, parent: Name | None, key: bytes) -> None:
+        """Index `name` as the newest block, then every orphan that waited for it."""
+        pending = [(name, parent, key)]
+        while pending:
+            name, parent, key = pending.pop()
+            entry = _Entry(key, parent)
+            if self._entries.get(name) == entry:  # announced again (a full report): now the newest
+                if name in self._leaves:
+                    self._leaves.move_to_end(name)
+                continue
+            self._forget(name)
+            self._entries[name] = entry
+            self._held[key] += 1
+            if not self._children.get(name):
+                self._leaves[name] = None
+            if parent is None:
+                self._firsts += 1
+            else:
+                self._children[parent] += 1
+                self._leaves.pop(parent, None)
+            self._drop_orphan(name)
+            for child in self._waiting.pop(name, ()):
+                orphan = self._orphans.pop(child)
+                pending.append((child, name, block_key(key, orphan.tokens)))
+
+    def _forget(self, name: Name) -> None:
+        """Drop `name` from the index (its children keep their entries: vLLM may still hold them, and they match
+        again once it is announced anew)."""
+        entry = self._entries.pop(name, None)
+        if entry is None:
+            return
+        self._leaves.pop(name, None)
+        self._held[entry.key] -= 1
+        if self._held[entry.key] <= 0:
+            del self._held[entry.key]
+        if entry.parent is None:
+            self._firsts -= 1
+            return
+        self._children[entry.parent] -= 1
+        if self._children[entry.parent] <= 0:
+            del self._children[entry.parent]
+            if entry.parent in self._entries:
+                self._leaves[entry.parent] = None
+                self._leaves.move_to_end(entry.parent, last=False)
+
+    def _trim(self) -> None:
+        """Forget the least recent leaves until the index fits (with none, only a parent chain that loops, which
+        a hostile publisher alone sends: then any block)."""
+        while len(self._entries) > self.max_blocks:
+            self._forget(next(iter(self._leaves or self._entries)))
+        while len(self._orphans) > self.max_blocks:
+            self._drop_orphan(next(iter(self._orphans)))
+
+    # -- orphans ---------------------------------------------------------------------------------------
+    def _orphan(self, name: Name, orphan: _Orphan) -> None:
+        self._forget(name)  # re-announced under a parent the index has lost
+        self._drop_orphan(name)
+        self._orphans[name] = orphan
+        self._waiting.setdefault(orphan.parent, set()).add(name)
+
+    def _drop_orphan(self, name: Name) -> None:
+        orphan = self._orphans.pop(name, None)
+        if orphan is None:
+            return
+        siblings = self._waiting.get(orphan.parent)
+        if siblings is not None:
+            siblings.discard(name)
+            if not siblings:
+                del self._waiting[orphan.parent]
