@@ -173,6 +173,7 @@ def _start_master() -> tuple[subprocess.Popen, str]:
 def mooncake_pool(device: torch.device, dry_run: bool) -> dict:
     _mooncake_or_skip("mooncake.store")
     from connectors.store.backends.base import Status
+    from connectors.store.backends.bounds import CallPolicy
     from connectors.store.backends.mooncake import MooncakeBackend
     from connectors.store.backends.settings import MooncakeSettings
 
@@ -181,7 +182,7 @@ def mooncake_pool(device: torch.device, dry_run: bool) -> dict:
     try:
         client = MooncakeBackend(MooncakeSettings(master_server_address=address, local_hostname="127.0.0.1",
                                                   global_segment_size=max(64 << 20, 2 * objects * object_bytes),
-                                                  local_buffer_size=16 << 20), call_timeout_s=60.0)
+                                                  local_buffer_size=16 << 20), policy=CallPolicy.fixed(60.0))
         src = _pattern(objects * object_bytes, 2, device)
         dst = torch.zeros_like(src)
         client.register(src.data_ptr(), src.numel())

@@ -199,7 +199,7 @@ def _remove(action: Remove) -> list[str]:
     from connectors.store.backends import open_backend
     from connectors.store.settings import parse_store_settings
 
-    backend = open_backend(parse_store_settings(action.pool))  # bounded by its backend_timeout_ms
+    backend = open_backend(parse_store_settings(action.pool))  # bounded as those settings say (a removal: the floor)
     try:
         return [status.name for status in backend.remove(action.keys)]
     finally:

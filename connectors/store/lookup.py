@@ -2,7 +2,8 @@
 
 The scheduler has no pool client of its own; worker rank 0 knows the cache layout and every shard a
 block needs. Messages are typed msgspec structs, validated on both ends; every wait is bounded, and
-anything unexpected (timeout, dead worker, malformed reply) is a miss.
+anything unexpected (timeout, dead worker, malformed reply) is a miss. A lookup the pool did not answer is a
+failure, not an answer of 0 blocks: the reply says so, and it proves no pooled block lost.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class LookupReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hit_blocks: int
     error: str = ""
+    """Why there is no answer (empty: the pool answered). hit_blocks is then 0 and means nothing: the request is
+    served as a miss, and the lookup says nothing of which blocks the pool holds."""
+    counted: bool = False
+    """The worker counted this failure (the pool did not answer it); the scheduler counts the others."""
+
+    @property
+    def answered(self) -> bool:
+        return not self.error
 
 
 class InvalidMessage(ValueError):
@@ -49,6 +58,10 @@ def validate_request(msg: LookupRequest) -> LookupRequest:
 def validate_reply(msg: LookupReply, asked: int) -> LookupReply:
     if not 0 <= msg.hit_blocks <= asked:
         raise InvalidMessage(f"reply claims {msg.hit_blocks} hit blocks for a lookup of {asked}")
+    if msg.hit_blocks and not msg.answered:
+        raise InvalidMessage(f"reply claims {msg.hit_blocks} hit blocks and a failure ({msg.error[:80]!r})")
+    if msg.counted and msg.answered:
+        raise InvalidMessage("reply counts a failure it does not name")
     return msg
 
 
@@ -78,11 +91,11 @@ def lookup_path(lookup_rpc_port: int, dp_rank: int) -> str:
 
 
 class LookupServer:
-    """Answers lookups on worker rank 0 in a daemon thread, with `count_hits(hashes) -> int`. Owns its
+    """Answers lookups on worker rank 0 in a daemon thread, with `lookup(hashes) -> LookupReply`. Owns its
     socket name exclusively (connectors.store.ipc): a second engine on the same lookup_rpc_port fails here."""
 
-    def __init__(self, channel: LookupChannel, count_hits: Callable[[Sequence[str]], int]) -> None:
-        self._count_hits = count_hits
+    def __init__(self, channel: LookupChannel, lookup: Callable[[Sequence[str]], LookupReply]) -> None:
+        self._lookup = lookup
         self._owner = SocketOwnership(channel.path, OPTION, channel.lookup_rpc_port)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
@@ -105,8 +118,8 @@ class LookupServer:
         except (msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
             return LookupReply(hit_blocks=0, error=f"invalid lookup: {exc}")
         try:
-            return LookupReply(hit_blocks=self._count_hits(req.block_hashes))
-        except Exception as exc:  # a lookup failure must answer "miss", never kill the channel
+            return self._lookup(req.block_hashes)
+        except Exception as exc:  # a lookup failure must answer "no answer", never kill the channel
             return LookupReply(hit_blocks=0, error=f"lookup failed: {exc}")
 
     def _serve(self) -> None:
@@ -126,7 +139,8 @@ class LookupServer:
 
 
 class LookupClient:
-    """Scheduler side. `hit_blocks` returns (blocks, error); errors and timeouts are misses."""
+    """Scheduler side. `lookup` returns the worker's reply, or one naming why none came (timeout, channel error,
+    malformed reply)."""
 
     def __init__(self, channel: LookupChannel, timeout_s: float) -> None:
         self._endpoint = channel.endpoint
@@ -147,20 +161,19 @@ class LookupClient:
         sock.connect(self._endpoint)
         return sock
 
-    def hit_blocks(self, block_hashes: list[str], request_id: str = "") -> tuple[int, str]:
+    def lookup(self, block_hashes: list[str], request_id: str = "") -> LookupReply:
         if not block_hashes:
-            return 0, ""
+            return LookupReply(hit_blocks=0)
         try:
             self._sock.send(self._encoder.encode(LookupRequest(block_hashes=block_hashes, request_id=request_id)))
             raw = self._reply_within_timeout()
             if raw is None:
-                return 0, f"no lookup answer from worker rank 0 within {self._timeout_ms} ms"
-            reply = validate_reply(self._decoder.decode(raw), len(block_hashes))
+                return LookupReply(0, f"no lookup answer from worker rank 0 within {self._timeout_ms} ms")
+            return validate_reply(self._decoder.decode(raw), len(block_hashes))
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
             self._sock.close(linger=0)
             self._sock = self._connect()
-            return 0, f"lookup channel error: {exc}"
-        return reply.hit_blocks, reply.error
+            return LookupReply(0, f"lookup channel error: {exc}")
 
     def _reply_within_timeout(self) -> bytes | None:
         """The answer to the request just sent, or None at the deadline. A late reply to a timed-out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ from vllm.logger import init_logger
 from connectors.store.events import BlockFacts, PoolEvents
 from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import UnhashableExtraKeys
-from connectors.store.lookup import LookupChannel, LookupClient
+from connectors.store.lookup import LookupChannel, LookupClient, LookupReply
 from connectors.store.metadata import BlockJob, SavedShards, StoreMetadata
 from connectors.store.request_keys import block_facts, prompt_blocks
 from connectors.store.stats import StoreStats
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
+FAILURE_LOG_INTERVAL_S = 10.0
+"""At most one warning this often about failed lookups: a pool that backs off fails every lookup at once."""
 
 
 @dataclass
@@ -63,6 +66,8 @@ class StoreScheduler:
         """Requests whose pool load failed: served by recomputation from then on, never looked up again
         (vLLM re-queues a request whose load failed; looking it up again would repeat the failure)."""
         self._stats = StoreStats()
+        self._unlogged_failures = 0
+        self._next_failure_log = 0.0
 
     def _hashes(self, request: "Request") -> list[str] | None:
         """The request's prompt block hashes, computed once while it lives (saves need them too)."""
@@ -87,18 +92,30 @@ class StoreScheduler:
         # Whole blocks only, and never the block holding the last prompt token: it must be computed
         # to sample the first output token.
         hashes = hashes[: (request.num_prompt_tokens - 1) // self._block_size]
-        hit, error = self._client.hit_blocks(hashes, request.request_id)
-        if error:
-            logger.warning("pool lookup for %s counted as a miss: %s", request.request_id, error)
-            self._stats.add("lookup_failures")
+        reply = self._client.lookup(hashes, request.request_id)
+        if not reply.answered:
+            self._lookup_failed(request.request_id, reply)  # a miss (0 blocks) that proves nothing: no event
         elif self._events is not None:
-            self._events.lookup(hashes, hit)  # an answer, not a failure: what it misses is lost
+            self._events.lookup(hashes, reply.hit_blocks)  # an answer: what it misses is lost
+        hit = reply.hit_blocks
         hit_tokens = hit * self._block_size
         if hit_tokens <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0, False
         self._hits[request.request_id] = hashes[:hit]
         return hit_tokens - num_computed_tokens, self._cfg.load_async
+
+    def _lookup_failed(self, req_id: str, reply: LookupReply) -> None:
+        """Counted once (by the worker if the pool failed it there), warned about at most every
+        FAILURE_LOG_INTERVAL_S."""
+        if not reply.counted:
+            self._stats.add("lookup_failures")
+        self._unlogged_failures += 1
+        now = time.monotonic()
+        if now >= self._next_failure_log:
+            logger.warning("pool lookup for %s failed and is served as a miss (%d such since the last warning): %s",
+                           req_id, self._unlogged_failures, reply.error)
+            self._unlogged_failures, self._next_failure_log = 0, now + FAILURE_LOG_INTERVAL_S
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         # A MultiConnector stops asking its children once one is still looking up, but tells every

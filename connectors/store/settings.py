@@ -15,6 +15,7 @@ import msgspec
 from kvpp_core.config import Parsed, parse_struct
 
 from connectors.common.names import EXTRA_CONFIG
+from connectors.store.backends.bounds import CallPolicy
 from connectors.store.backends.settings import GROUPS, BackendName, MemcacheSettings, MooncakeSettings
 
 Millis = Annotated[float, msgspec.Meta(gt=0)]
@@ -32,10 +33,23 @@ class StoreSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     load_async: bool = False
     discard_partial_chunks: bool = True
     consumer_is_to_put: bool = False
-    lookup_timeout_ms: Millis = 2000
-    """Longest the scheduler waits for a lookup answer before treating the request as a miss."""
-    backend_timeout_ms: Millis = 10000
-    """Bound on every backend call (exists/put/get)."""
+    lookup_timeout_ms: Millis = 1000
+    """Longest the scheduler waits for worker rank 0's lookup answer before treating the request as a miss; more
+    than backend_timeout_floor_ms, the bound of the store call that answer waits for."""
+    backend_timeout_ms: Millis = 3000
+    """Ceiling on every store call's bound (exists, put, get, remove); the store client's own master-RPC and
+    transfer-progress bounds follow it (connectors.store.backends.mooncake.native_bounds)."""
+    backend_timeout_floor_ms: Millis = 500
+    """Bound of a store call that moves no data (an existence check: every lookup), the least any call gets."""
+    backend_timeout_slack: Annotated[float, msgspec.Meta(ge=1)] = 4.0
+    """A put's or get's bound: the floor plus this many times what its bytes take at the rate recent successful
+    puts and gets achieved (the ceiling until one has)."""
+    pool_backoff_ms: Millis = 1000
+    """After a store call the pool did not answer, every call fails at once this long (lookups, loads and saves
+    alike, counted as failures), then one existence check asks again; doubled for each failure in a row."""
+    pool_backoff_max_ms: Millis = 30000
+    """The longest backoff; a pool that answered this long since its last failure starts again from
+    pool_backoff_ms."""
     stats_file: str | None = None
     """If set, each worker keeps its cumulative counters in `<stats_file>.pp<P>.tp<T>.json`."""
 
@@ -51,6 +65,11 @@ class StoreSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     @property
     def backend_timeout_s(self) -> float:
         return self.backend_timeout_ms / 1000
+
+    @property
+    def call_policy(self) -> CallPolicy:
+        return CallPolicy(self.backend_timeout_floor_ms / 1000, self.backend_timeout_s, self.backend_timeout_slack,
+                          self.pool_backoff_ms / 1000, self.pool_backoff_max_ms / 1000)
 
 
 _HINTS = {
@@ -82,6 +101,7 @@ def read_store_settings(extra: Mapping[str, Any] | None) -> Parsed[StoreSettings
     if parsed.given.get("discard_partial_chunks") is False:
         parsed.problems.append((f"{EXTRA_CONFIG}.discard_partial_chunks", "false is not implemented: only whole blocks "
                                 "are pooled (their keys are content hashes of full blocks); set it to true"))
+    parsed.problems += _order_problems(parsed.given)
     for other in GROUPS:
         if other != parsed.given.get("backend", other) and parsed.given.get(other) is not None:
             parsed.problems.append((f"{EXTRA_CONFIG}.{other}", f"is set but backend is {parsed.given['backend']}, so "
@@ -89,6 +109,30 @@ def read_store_settings(extra: Mapping[str, Any] | None) -> Parsed[StoreSettings
     if parsed.problems:
         parsed.value = None
     return parsed
+
+
+_ORDERED = (
+    ("backend_timeout_floor_ms", "backend_timeout_ms", False,
+     "the floor of every store call's bound cannot exceed its ceiling"),
+    ("backend_timeout_floor_ms", "lookup_timeout_ms", True,
+     "a lookup's store call is bounded by the floor, so the scheduler would stop waiting before the worker does "
+     "and every lookup of a dead pool would cost the scheduler lookup_timeout_ms"),
+    ("pool_backoff_ms", "pool_backoff_max_ms", False, "the first backoff cannot exceed the longest"),
+)
+"""(lower, higher, strictly, why): settings that must keep this order."""
+
+
+def _order_problems(given: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Settings out of order, each named by the key the user set (the higher one when both are set)."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(StoreSettings)}
+    problems = []
+    for low, high, strict, why in _ORDERED:
+        lo, hi = given.get(low, defaults[low]), given.get(high, defaults[high])
+        if lo > hi or (strict and lo == hi):
+            named = high if high in given else low
+            problems.append((f"{EXTRA_CONFIG}.{named}", f"{low} {lo:g} must be {'below' if strict else 'at most'} "
+                             f"{high} {hi:g}: {why}; raise {high} or lower {low}"))
+    return problems
 
 
 def parse_store_settings(extra: Mapping[str, Any] | None) -> StoreSettings:

@@ -76,11 +76,25 @@ def hit_blocks(exists: Mapping[ShardKey, Sequence[bool]]) -> int:
     return count or 0
 
 
-def count_pooled(backend: Backend, shards: Sequence[ShardKey], hashes: Sequence[str]) -> int | None:
-    """Leading blocks of `hashes` whose every shard is in the pool; None if the pool cannot answer."""
+class PoolUnanswered(RuntimeError):
+    """The pool did not say which blocks it holds: a lookup that proves nothing, neither a hit nor a loss."""
+
+    def __init__(self, status: Status) -> None:
+        super().__init__({Status.TIMEOUT: "the store did not answer within its bound",
+                          Status.REFUSED: "not asked: the pool failed to answer a recent call and is backing off",
+                          }.get(status, "the store failed"))
+        self.status = status
+
+
+def count_pooled(backend: Backend, shards: Sequence[ShardKey], hashes: Sequence[str]) -> int:
+    """Leading blocks of `hashes` whose every shard is in the pool; PoolUnanswered unless the pool said, for
+    every key, whether it holds it (an answer with any key unanswered is no answer)."""
     keys = [k for shard in shards for k in shard.keys(hashes)]
     status = backend.exists(keys)
-    if any(s in (Status.FAILED, Status.TIMEOUT) for s in status):
-        return None
+    unanswered = next((s for s in status if not s.answered), None)
+    if unanswered is not None:
+        raise PoolUnanswered(unanswered)
+    if len(status) != len(keys):
+        raise PoolUnanswered(Status.FAILED)
     n = len(hashes)
     return hit_blocks({shard: [s is Status.OK for s in status[i * n:(i + 1) * n]] for i, shard in enumerate(shards)})

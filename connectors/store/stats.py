@@ -1,4 +1,7 @@
-"""Pool counters reported through vLLM's `get_kv_connector_stats` (summed over workers)."""
+"""Pool counters reported through vLLM's `get_kv_connector_stats` (summed over workers).
+
+`lookup_refusals` counts the lookups that failed at once, without asking, while the pool backed off after a
+failure (connectors.store.backends.backoff); they are in `lookup_failures` too."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from connectors.common.metrics import CounterPromMetrics
 
 COUNTERS = (
-    "lookups", "lookup_hit_blocks", "lookup_hit_tokens", "lookup_failures", "unpoolable_requests",
+    "lookups", "lookup_hit_blocks", "lookup_hit_tokens", "lookup_failures", "lookup_refusals", "unpoolable_requests",
     "saved_blocks", "saved_bytes", "save_skipped_blocks", "save_failures",
     "loaded_blocks", "loaded_bytes", "load_failures", "load_wrong_size",
 )

@@ -1,11 +1,13 @@
 """One rank's shard I/O: block pages <-> pool objects, with the connector's save and load rules.
 
-Separate from the worker's bookkeeping so the benchmark times exactly the path the engine uses.
+Separate from the worker's bookkeeping so the benchmark times exactly the path the engine uses. A job's puts
+and gets are cut into calls of at most the backend's `call_bytes`, each bounded by what it moves, so a long
+prompt is bounded by its progress; once the pool does not answer one, the rest are not asked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +70,29 @@ class ShardIO:
         keys = self.shard.keys(hashes)
         return keys, [self.pages.ptrs(b) for b in block_ids], [self.pages.sizes()] * len(keys)
 
+    def _in_calls(self, call: Callable[..., list[Status]], keys, ptrs, sizes, go_on: Callable[[Status], bool]):
+        """`call` over the objects in pieces of at most the backend's call_bytes; after a piece with a status
+        `go_on` refuses, the rest are not asked (REFUSED)."""
+        per = max(1, self.backend.call_bytes() // self.pages.object_bytes)
+        status: list[Status] = []
+        for start in range(0, len(keys), per):
+            piece = slice(start, start + per)
+            answer = call(keys[piece], ptrs[piece], sizes[piece])
+            status += answer
+            if not all(map(go_on, answer)):
+                return status + [Status.REFUSED] * (len(keys) - len(status))
+        return status
+
     def save(self, block_ids: Sequence[int], hashes: Sequence[str]) -> SaveResult:
         """Write the blocks not yet pooled; if the pool cannot say which those are, write nothing."""
         keys, ptrs, sizes = self._objects(block_ids, hashes)
         present = self.backend.exists(keys)
-        if any(s in (Status.FAILED, Status.TIMEOUT) for s in present):
+        if not all(s.answered for s in present):
             return SaveResult.nothing_written(len(keys), failed=True)
         todo = [i for i, s in enumerate(present) if s is Status.MISSING]
-        status = self.backend.put([keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo])
+        # A put that failed for its objects (no space) leaves the pool answering: the next piece may fit.
+        status = self._in_calls(self.backend.put, [keys[i] for i in todo], [ptrs[i] for i in todo],
+                                [sizes[i] for i in todo], go_on=lambda s: s not in (Status.TIMEOUT, Status.REFUSED))
         ok = sum(s is Status.OK for s in status)
         landed = [s is Status.OK for s in present]
         for i, s in zip(todo, status):
@@ -86,7 +103,8 @@ class ShardIO:
         """Fill the blocks' pages; an object of the wrong size is refused and dropped from the pool, so
         that the recomputed block is saved correctly instead of being skipped as already pooled."""
         keys, ptrs, sizes = self._objects(block_ids, hashes)
-        status = self.backend.get(keys, ptrs, sizes)
+        # From the first block not loaded on, the request recomputes: the rest would be loaded for nothing.
+        status = self._in_calls(self.backend.get, keys, ptrs, sizes, go_on=lambda s: s is Status.OK)
         wrong = [k for k, s in zip(keys, status) if s is Status.WRONG_SIZE]
         if wrong:
             self.backend.remove(wrong)

@@ -27,9 +27,10 @@ from kvpp_core.runtime import ActiveLayout, active_layout
 from connectors.store.backends import Backend, Status, open_backend
 from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import CacheLayout
-from connectors.store.lookup import LookupChannel, LookupServer
+from connectors.store.lookup import LookupChannel, LookupReply, LookupServer
 from connectors.store.metadata import BlockJob, SavedShards, ShardReport, StoreMetadata
-from connectors.store.shards import MTP, StageLayers, all_shards, count_pooled, shard_keys, stage_shards
+from connectors.store.shards import (MTP, PoolUnanswered, StageLayers, all_shards, count_pooled, shard_keys,
+                                     stage_shards)
 from connectors.store.stats import StoreStats
 from connectors.store.transfer import BlockPages, SaveResult, ShardIO
 
@@ -132,7 +133,7 @@ class StoreWorker:
         if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
             self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
                                                                    kvpp=self._kvpp, replicated=True))
-            self._server = LookupServer(LookupChannel(self._cfg.lookup_rpc_port, self._dp_rank), self.count_hits)
+            self._server = LookupServer(LookupChannel(self._cfg.lookup_rpc_port, self._dp_rank), self.lookup)
         logger.info("pool connector: %s backend, kvpp=%s, shard=%s, %d caches x %d bytes per block, writes=%s",
                     self._cfg.backend, self._kvpp, self._shard, len(caches), self._pages.page_bytes, self._writes)
 
@@ -160,17 +161,24 @@ class StoreWorker:
         return stages
 
     # ---- lookup (worker rank 0) -----------------------------------------------------------------
-    def count_hits(self, hashes: Sequence[str]) -> int:
-        hit = count_pooled(self._backend, self._all_shards, hashes)
+    def lookup(self, hashes: Sequence[str]) -> LookupReply:
+        """How many leading blocks of `hashes` the pool holds whole, or a counted failure if it did not say."""
+        try:
+            hit, failure = count_pooled(self._backend, self._all_shards, hashes), None
+        except PoolUnanswered as exc:
+            hit, failure = 0, exc
         with self._lock:
             self._count("lookups")
-            if hit is None:
+            if failure is not None:
                 self._count("lookup_failures")
+                self._count("lookup_refusals", int(failure.status is Status.REFUSED))
             else:
                 self._count("lookup_hit_blocks", hit)
                 self._count("lookup_hit_tokens", hit * self._block_size)
             self._write_stats()
-        return hit or 0
+        if failure is not None:
+            return LookupReply(0, f"the pool did not answer: {failure}", counted=True)
+        return LookupReply(hit)
 
     # ---- per-step hooks --------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreMetadata) -> None:
@@ -191,7 +199,7 @@ class StoreWorker:
     def handle_preemptions(self, meta: StoreMetadata) -> None:
         # A preempted request's blocks are reused by this very step: no save may still be reading them.
         if meta.drain_saves:
-            while not self.drain(self._cfg.backend_timeout_s):
+            while not self.drain(self._cfg.backend_timeout_s):  # the ceiling of any store call
                 logger.warning("pool I/O on preempted blocks still running; the step waits for it")
 
     def drain(self, timeout_s: float) -> bool:
@@ -271,8 +279,8 @@ class StoreWorker:
         if not pending:
             finish()
             return
-        logger.warning("pool %s outlived its %.1f s bound and is counted as failed; its blocks stay held until "
-                       "the store call returns", what, self._cfg.backend_timeout_s)
+        logger.warning("pool %s outlived its bound (at most %.1f s) and is counted as failed; its blocks stay held "
+                       "until the store call returns", what, self._cfg.backend_timeout_s)
         if block:
             while futures.wait(pending, timeout=self._cfg.backend_timeout_s).not_done:
                 logger.warning("pool %s: the store call is still running; the step waits for it", what)

@@ -54,11 +54,13 @@ def engine_server(name: str, model: str, workdir: Path, tp: int, cores: list[int
 
 
 def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, consumer_extra: dict | None = None,
-            env: dict | None = None, engine: CpuEngine = REFERENCE, kv_events: bool = False) -> Spec:
+            env: dict | None = None, engine: CpuEngine = REFERENCE, kv_events: bool = False,
+            pool_settings: dict | None = None) -> Spec:
     """The stack as a deployment spec, its pool the running one `pool_extra` (`kvpp pool up`'s
     kv_connector_extra_config) points at; `producer_extra`/`consumer_extra` go into the
     MooncakeConnectorV2 settings of the prefill and the decode; with `kv_events` the prefill publishes its
-    KV cache events and replays them, on free ports."""
+    KV cache events and replays them, on free ports; `pool_settings`: the pool connector's settings beyond
+    load_async (its defaults otherwise)."""
     prefill_port = free_port_range(3)
     decode_port = free_port_range(2)
     while prefill_port - 2 < decode_port < prefill_port + 3:  # nothing holds the first range yet
@@ -78,7 +80,8 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
                              kv_transfer_config={**recompute, "kv_connector_extra_config": consumer_extra or {}},
                              **settings),),
         pool=Pool(backend="mooncake", address=mooncake["master_server_address"],
-                  lookup_rpc_port=pool_extra["lookup_rpc_port"], extra_config={"load_async": True},
+                  lookup_rpc_port=pool_extra["lookup_rpc_port"],
+                  extra_config={"load_async": True, **(pool_settings or {})},
                   settings={k: v for k, v in mooncake.items() if k != "master_server_address"})))
     if producer_extra:  # a MultiConnector child's settings: the derived connector list, amended
         prefill = spec.prefill[0]
@@ -91,7 +94,9 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
 
 def pd_servers(model: str, workdir: Path, pool_extra: dict, producer_extra: dict | None = None,
                consumer_extra: dict | None = None, env: dict | None = None,
-               engine: CpuEngine = REFERENCE, kv_events: bool = False) -> tuple[Engine, Engine]:
+               engine: CpuEngine = REFERENCE, kv_events: bool = False,
+               pool_settings: dict | None = None) -> tuple[Engine, Engine]:
     """The stack's P/D pair (not started), launched from pd_spec."""
-    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env, engine, kv_events))
+    resolved = resolve(pd_spec(model, pool_extra, producer_extra, consumer_extra, env, engine, kv_events,
+                               pool_settings))
     return tuple(Engine(instance, workdir / f"{instance.instance.name}.log") for instance in resolved.instances)

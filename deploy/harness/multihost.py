@@ -65,7 +65,10 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
             "kv_connector_extra_config": {"transfer_timeout_s": TRANSFER_TIMEOUT_S}})],
         "pool": {"backend": "mooncake", "address": join_host_port(bed.address("pool"), POOL_PORT),
                  "lookup_rpc_port": LOOKUP_PORT["prefill"], "segment_size": "512MB",
-                 "extra_config": {"load_async": True, "backend_timeout_ms": 5000}},
+                 # Every store call bounded by 5 s (floor and ceiling): the test asserts pool hits on a starved host,
+                 # where the connector's default bounds (0.5-3 s) would count some calls failed.
+                 "extra_config": {"load_async": True, "backend_timeout_ms": 5000, "backend_timeout_floor_ms": 5000,
+                                  "lookup_timeout_ms": 10000}},
         "proxy": {"host": bed.address("proxy"), "port": PROXY_PORT},
     }
 

@@ -1,8 +1,10 @@
 """The contract every pool backend meets: normalised per-object status codes and bounded calls.
 
-Store clients signal failure in library-specific ways (negative codes, byte counts, b''), and a dead
-master can stall a call. The connector must turn all of that into a cache miss within a known time,
-so every backend call goes through `BoundedCalls` and every result through `Status`.
+Store clients signal failure in library-specific ways (negative codes, byte counts, b''), and a dead or
+stalled master or segment holder can stall a call. The connector must turn all of that into a cache miss
+within a short, known time, so every backend call goes through `BoundedClient._bounded`: bounded by what it
+moves (connectors.store.backends.bounds), refused at once while the client backs off after the pool failed
+to answer (connectors.store.backends.backoff), and its result normalised to one `Status` per key.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-T = TypeVar("T")
+from connectors.store.backends.backoff import PoolBackoff, Ticket
+from connectors.store.backends.bounds import CallBounds, CallPolicy
 
 
 class Status(enum.IntEnum):
@@ -27,7 +30,14 @@ class Status(enum.IntEnum):
     FAILED = 3
     """The backend reported an error (store down, no space, ...)."""
     TIMEOUT = 4
-    """The call did not return within the per-call bound."""
+    """The call did not return within its bound; what it does when it returns is ignored."""
+    REFUSED = 5
+    """Not asked: the pool failed to answer a recent call and the client is backing off."""
+
+    @property
+    def answered(self) -> bool:
+        """The pool said what it holds of this object (OK, MISSING or WRONG_SIZE); anything else proves nothing."""
+        return self <= Status.WRONG_SIZE
 
 
 class BackendError(RuntimeError):
@@ -43,7 +53,7 @@ class Backend(Protocol):
         """Register a memory region for zero-copy transfers; raises BackendError."""
 
     def exists(self, keys: Sequence[str]) -> list[Status]:
-        """OK or MISSING per key; FAILED/TIMEOUT for all keys when the store cannot answer."""
+        """OK or MISSING per key; FAILED, TIMEOUT or REFUSED for all keys when the store cannot answer."""
 
     def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[Status]:
         ...
@@ -54,6 +64,9 @@ class Backend(Protocol):
     def remove(self, keys: Sequence[str]) -> list[Status]:
         ...
 
+    def call_bytes(self) -> int:
+        """At most what one put or get should move, so that it ends well within its bound (CallBounds)."""
+
     def late_calls(self) -> list[Future]:
         """Calls that returned TIMEOUT but are still running natively: until each is done it may read or
         write the buffers it was given, so the caller must keep them allocated."""
@@ -63,41 +76,49 @@ class Backend(Protocol):
 
 
 class BoundedCalls:
-    """Runs blocking client calls with a deadline.
+    """Runs blocking client calls with a deadline from `CallBounds`.
 
     A call that misses its deadline keeps running in its thread (C++ calls cannot be cancelled) and is
     listed by `late()` until it returns; while `max_stuck` such calls are outstanding the backend is
     treated as stalled and new calls fail at once instead of piling up threads.
     """
 
-    def __init__(self, timeout_s: float, max_stuck: int = 2) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, bounds: CallBounds, max_stuck: int = 2) -> None:
+        self.bounds = bounds
         self._max_stuck = max_stuck
         self._pool = ThreadPoolExecutor(max_workers=max_stuck + 2, thread_name_prefix="kvpp-pool-call")
         self._lock = threading.Lock()
         self._late: set[Future] = set()
         self._running = 0
 
-    def run(self, fn: Callable[[], T], on_timeout: Callable[[], T], on_error: Callable[[BaseException], T]) -> T:
+    def run(self, fn: Callable[[], list[Status]], n: int, nbytes: int = 0) -> list[Status]:
+        """`fn`'s n statuses; n TIMEOUT past the bound for `nbytes` (at once while `max_stuck` calls are late);
+        n FAILED if the client raised or answered for another number of keys than asked."""
         with self._lock:
             if len(self._late) >= self._max_stuck:
-                return on_timeout()
-        future = self._pool.submit(self._tracked, fn)
+                return all_status(n, Status.TIMEOUT)
+        future = self._pool.submit(self._timed, fn)
         try:
-            return future.result(timeout=self.timeout_s)
+            status, seconds = future.result(timeout=self.bounds.timeout_s(nbytes))
         except FutureTimeout:
             with self._lock:
                 self._late.add(future)
             future.add_done_callback(self._unstick)
-            return on_timeout()
-        except Exception as exc:  # the client library raised: a failure, not a crash
-            return on_error(exc)
+            return all_status(n, Status.TIMEOUT)
+        except Exception:  # the client library raised: a failure, not a crash
+            return all_status(n, Status.FAILED)
+        if len(status) != n:  # an answer about other keys than the ones asked says nothing about them
+            return all_status(n, Status.FAILED)
+        if nbytes and all(s is Status.OK for s in status):
+            self.bounds.record(nbytes, seconds)
+        return status
 
-    def _tracked(self, fn: Callable[[], T]) -> T:
+    def _timed(self, fn: Callable[[], list[Status]]) -> tuple[list[Status], float]:
         with self._lock:
             self._running += 1
         try:
-            return fn()
+            start = time.perf_counter()
+            return fn(), time.perf_counter() - start
         finally:
             with self._lock:
                 self._running -= 1
@@ -125,24 +146,61 @@ class BoundedCalls:
 
 
 class BoundedClient:
-    """What both backends share: a native client (`_store`) whose every call runs through `_calls`."""
+    """What both backends share: a native client (`_store`) whose every call is bounded (`_calls`) and refused at
+    once while the pool backs off after it failed to answer (`_backoff`)."""
 
     _store: Any
-    _calls: BoundedCalls
 
-    def _bounded(self, call: Callable[[], list[Status]], n: int) -> list[Status]:
-        """`call` for n keys, as n TIMEOUT statuses past the bound and n FAILED if the client raised."""
-        if n == 0:
+    def _guard(self, policy: CallPolicy) -> None:
+        self._calls = BoundedCalls(CallBounds(policy))
+        self._backoff = PoolBackoff(policy.backoff_s, policy.backoff_max_s)
+
+    def exists(self, keys: Sequence[str]) -> list[Status]:
+        return self._bounded(lambda: self._exists(keys), keys)
+
+    def _exists(self, keys: Sequence[str]) -> list[Status]:
+        return exist_statuses(self._store.batch_is_exist(list(keys)))
+
+    def _bounded(self, call: Callable[[], list[Status]], keys: Sequence[str], nbytes: int = 0) -> list[Status]:
+        """`call` for `keys`, moving `nbytes`: its statuses, TIMEOUT past its bound, REFUSED while backing off.
+
+        The call that asks the pool again after a backoff holds no blocks: a call that moves no data is its own
+        probe, a put or get is preceded by an existence check of its first key."""
+        if not keys:
             return []
-        return self._calls.run(call, lambda: all_status(n, Status.TIMEOUT),
-                               lambda _exc: all_status(n, Status.FAILED))
+        ticket = self._backoff.admit()
+        if ticket is not None and ticket.probe and nbytes:
+            self._judge(ticket, self._calls.run(lambda: self._exists(keys[:1]), 1), moves_data=False)
+            ticket = self._backoff.admit()
+        if ticket is None:
+            return all_status(len(keys), Status.REFUSED)
+        status = self._calls.run(call, len(keys), nbytes)
+        self._judge(ticket, status, moves_data=nbytes > 0)
+        return status
+
+    def _judge(self, ticket: Ticket, status: list[Status], moves_data: bool) -> None:
+        """The pool did not answer a call that outlived its bound, nor a call moving no data that failed (the
+        master could not be reached). A put's or get's FAILED is an answer about its objects (no space, a
+        lease, a transfer error), which says nothing of the pool's other objects."""
+        if Status.TIMEOUT in status:
+            why = "a store call outlived its bound, or too many still run late"
+        elif not moves_data and Status.FAILED in status:
+            why = "the store could not answer a call that moves no data"
+        else:
+            self._backoff.answered(ticket)
+            return
+        self._backoff.failed(ticket, why)
+        self._calls.bounds.forget()
+
+    def call_bytes(self) -> int:
+        return self._calls.bounds.call_bytes()
 
     def late_calls(self) -> list[Future]:
         return self._calls.late()
 
     def close(self) -> None:
         # Closing a native client under a running call crashes the process: leave it open then.
-        if self._calls.close(wait_s=self._calls.timeout_s):
+        if self._calls.close(wait_s=self._calls.bounds.ceiling_s):
             self._store.close()
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from connectors.store.backends.base import (BackendError, BoundedCalls, BoundedClient, Status, all_status,
-                                           exist_statuses)
+from connectors.store.backends.base import BackendError, BoundedClient, Status, all_status
+from connectors.store.backends.bounds import CallPolicy
 from connectors.store.backends.settings import MemcacheSettings
 
 CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
@@ -35,7 +35,7 @@ def local_config(settings: MemcacheSettings):
 class MemcacheBackend(BoundedClient):
     name = "memcache"
 
-    def __init__(self, settings: MemcacheSettings, *, call_timeout_s: float, device_memory: bool = False) -> None:
+    def __init__(self, settings: MemcacheSettings, *, policy: CallPolicy, device_memory: bool = False) -> None:
         try:
             import memcache_hybrid
         except ImportError as exc:
@@ -63,7 +63,7 @@ class MemcacheBackend(BoundedClient):
                 "meta_service_url? The data path (metadata_only false) needs an Ascend driver"
             )
         self._put_dir, self._get_dir = (_L2G, _G2L) if device_memory else (_H2G, _G2H)
-        self._calls = BoundedCalls(call_timeout_s)
+        self._guard(policy)
 
     def register(self, ptr: int, size: int) -> None:
         if self.metadata_only:
@@ -71,12 +71,6 @@ class MemcacheBackend(BoundedClient):
         rc = self._store.register_buffer(ptr, size)
         if rc != 0:
             raise BackendError(f"memcache register_buffer({size} bytes) failed with {rc}")
-
-    def exists(self, keys: Sequence[str]) -> list[Status]:
-        def call() -> list[Status]:
-            return exist_statuses(self._store.batch_is_exist(list(keys)))
-
-        return self._bounded(call, len(keys))
 
     def put(self, keys, ptrs, sizes) -> list[Status]:
         if self.metadata_only:
@@ -87,7 +81,7 @@ class MemcacheBackend(BoundedClient):
                                                       [list(s) for s in sizes], self._put_dir)
             return [Status.OK if c == 0 else Status.FAILED for c in codes]
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys, sum(map(sum, sizes)))
 
     def get(self, keys, ptrs, sizes) -> list[Status]:
         if self.metadata_only:
@@ -107,10 +101,10 @@ class MemcacheBackend(BoundedClient):
                     status[i] = Status.OK if code == 0 else Status.FAILED
             return status
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys, sum(map(sum, sizes)))
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:
             return [Status.OK if c == 0 else Status.FAILED for c in self._store.remove_batch(list(keys))]
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys)

@@ -6,17 +6,23 @@ pool's own holder process (`kvpp pool up`), so pooled prefixes outlive any engin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
 from kvpp_core.config import parse_struct
 
 from connectors.common.hosts import local_host, mooncake_family
-from connectors.store.backends.base import BackendError, BoundedCalls, BoundedClient, Status, exist_statuses
+from connectors.store.backends.base import BackendError, BoundedClient, Status
+from connectors.store.backends.bounds import CallPolicy
 from connectors.store.backends.settings import MooncakeSettings
+
+logger = logging.getLogger(f"vllm.{__name__}")  # plain logging under "vllm.": see backends.backoff
 
 # Mooncake store error codes (mooncake-store/include/types.h) the pool reacts to.
 _OBJECT_NOT_FOUND = -704
@@ -60,6 +66,31 @@ def _read_file(path: str) -> MooncakeSettings:
     return parsed.value
 
 
+RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
+"""Mooncake's bound on one master RPC (default 30 s), read when a client is set up."""
+PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+"""Mooncake's bound on a TCP transfer that makes no progress (default 30 s), read when a transfer connects."""
+
+
+@contextlib.contextmanager
+def native_bounds(ceiling_s: float) -> Iterator[dict[str, str]]:
+    """Mooncake's own bounds, within which the client setup runs: a native call outlived by the connector keeps
+    its blocks held until it returns, so a stalled master or segment holder must end it near the connector's
+    ceiling rather than Mooncake's 30 s. Values set in the environment win. The RPC bound is read at setup and
+    put back after it; the progress bound is read at every transfer connection, so it stays set for the process
+    (other Mooncake clients in it, such as a P/D transfer engine, then share it). Yields the values in force."""
+    wanted = {RPC_TIMEOUT_ENV: str(math.ceil(ceiling_s * 1000)),
+              PROGRESS_TIMEOUT_ENV: str(max(1, math.ceil(ceiling_s)))}
+    given = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield {name: os.environ[name] for name in wanted}
+    finally:
+        if given[RPC_TIMEOUT_ENV] is None:
+            os.environ.pop(RPC_TIMEOUT_ENV, None)
+
+
 def _get_status(code: int, expected: int) -> Status:
     if code == expected:
         return Status.OK
@@ -73,7 +104,7 @@ def _get_status(code: int, expected: int) -> Status:
 class MooncakeBackend(BoundedClient):
     name = "mooncake"
 
-    def __init__(self, settings: MooncakeSettings, *, call_timeout_s: float) -> None:
+    def __init__(self, settings: MooncakeSettings, *, policy: CallPolicy) -> None:
         cfg = resolve_settings(settings)
         try:  # before the client library loads: it reads the family once
             mooncake_family(cfg.local_hostname, os.environ)
@@ -87,26 +118,23 @@ class MooncakeBackend(BoundedClient):
                 "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine"
             ) from exc
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
-                               cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices, cfg.master_server_address)
+        with native_bounds(policy.ceiling_s) as native:
+            rc = self._store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
+                                   cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices, cfg.master_server_address)
         if rc != 0:
             raise BackendError(
                 f"cannot connect to mooncake_master at {cfg.master_server_address} (setup returned "
                 f"{rc}); start the pool (`kvpp pool up --backend mooncake`) or fix "
                 "kv_connector_extra_config.mooncake.master_server_address"
             )
-        self._calls = BoundedCalls(call_timeout_s)
+        self._guard(policy)
+        logger.info("Mooncake store client: calls bounded at %.1f-%.1f s; native bounds %s",
+                    policy.floor_s, policy.ceiling_s, ", ".join(f"{k}={v}" for k, v in native.items()))
 
     def register(self, ptr: int, size: int) -> None:
         rc = self._store.register_buffer(ptr, size)
         if rc != 0:
             raise BackendError(f"Mooncake register_buffer({size} bytes) failed with {rc}")
-
-    def exists(self, keys: Sequence[str]) -> list[Status]:
-        def call() -> list[Status]:
-            return exist_statuses(self._store.batch_is_exist(list(keys)))
-
-        return self._bounded(call, len(keys))
 
     def put(self, keys, ptrs, sizes) -> list[Status]:
         def call() -> list[Status]:
@@ -114,7 +142,7 @@ class MooncakeBackend(BoundedClient):
                                                              [list(s) for s in sizes])
             return [Status.OK if c == 0 else Status.FAILED for c in codes]
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys, sum(map(sum, sizes)))
 
     def get(self, keys, ptrs, sizes) -> list[Status]:
         def call() -> list[Status]:
@@ -127,7 +155,7 @@ class MooncakeBackend(BoundedClient):
                     status[i] = Status.WRONG_SIZE
             return status
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys, sum(map(sum, sizes)))
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:
@@ -135,7 +163,7 @@ class MooncakeBackend(BoundedClient):
             return [Status.OK if c == 0 else Status.MISSING if c == _OBJECT_NOT_FOUND else Status.FAILED
                     for c in codes]
 
-        return self._bounded(call, len(keys))
+        return self._bounded(call, keys)
 
     def raw(self):
         """The underlying client, for benchmarks comparing the connector with raw batch calls."""

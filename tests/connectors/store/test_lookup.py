@@ -39,7 +39,7 @@ def test_sockets_live_in_a_private_directory_per_port_and_dp_rank(channel, runti
     assert channel.path.startswith(f"{runtime_dir}/kvpp/") and channel.path.endswith("-dp1.sock")
     assert LookupChannel(5000, 0).path != LookupChannel(5000, 1).path != LookupChannel(5001, 1).path
     assert lookup_path(channel.lookup_rpc_port, 1) == f"ipc://{channel.path}"
-    server = LookupServer(channel, lambda hashes: 0)
+    server = LookupServer(channel, lambda hashes: LookupReply(0))
     try:
         st = os.stat(runtime_dir / "kvpp")
         assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
@@ -77,24 +77,24 @@ def test_an_unsafe_socket_directory_is_refused(runtime_dir, plant):
 
 @pytest.mark.integration
 def test_a_second_engine_on_the_same_port_fails_and_cannot_remove_the_first_ones_socket(channel):
-    first = LookupServer(channel, lambda hashes: 3)
+    first = LookupServer(channel, lambda hashes: LookupReply(3))
     client = LookupClient(channel, timeout_s=2)
     try:
         with pytest.raises(SocketInUse, match=rf"lookup_rpc_port {channel.lookup_rpc_port} is already in use.*pid {os.getpid()}"):
-            LookupServer(channel, lambda hashes: 0)
+            LookupServer(channel, lambda hashes: LookupReply(0))
         assert os.path.exists(channel.path), "the failed second server left the first one's socket alone"
-        assert client.hit_blocks(HASHES) == (3, ""), "the first engine still answers its own scheduler"
+        assert client.lookup(HASHES) == LookupReply(3), "the first engine still answers its own scheduler"
     finally:
         client.close()
         first.close()
     assert not os.path.exists(channel.path), "the owner removes its socket on close"
-    LookupServer(channel, lambda hashes: 0).close()  # the name is free again
+    LookupServer(channel, lambda hashes: LookupReply(0)).close()  # the name is free again
 
 
 _OWNER = """
 import sys, time
-from connectors.store.lookup import LookupChannel, LookupServer
-server = LookupServer(LookupChannel(int(sys.argv[1]), 1), lambda hashes: 2)
+from connectors.store.lookup import LookupChannel, LookupReply, LookupServer
+server = LookupServer(LookupChannel(int(sys.argv[1]), 1), lambda hashes: LookupReply(2))
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -108,18 +108,18 @@ def test_a_port_held_by_another_process_fails_and_a_killed_owners_socket_is_recl
     try:
         assert owner.stdout.readline().strip() == "ready"
         with pytest.raises(SocketInUse, match=f"pid {owner.pid}"):
-            LookupServer(channel, lambda hashes: 0)
+            LookupServer(channel, lambda hashes: LookupReply(0))
         client = LookupClient(channel, timeout_s=2)
-        assert client.hit_blocks(HASHES) == (2, "")
+        assert client.lookup(HASHES) == LookupReply(2)
         client.close()
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
     assert os.path.exists(channel.path), "a killed owner leaves its socket file behind"
-    server = LookupServer(channel, lambda hashes: 4)  # ...which the next engine reclaims
+    server = LookupServer(channel, lambda hashes: LookupReply(4))  # ...which the next engine reclaims
     client = LookupClient(channel, timeout_s=2)
     try:
-        assert client.hit_blocks(HASHES) == (4, "")
+        assert client.lookup(HASHES) == LookupReply(4)
     finally:
         client.close()
         server.close()
@@ -127,12 +127,12 @@ def test_a_port_held_by_another_process_fails_and_a_killed_owners_socket_is_recl
 
 @pytest.mark.integration
 def test_answer_comes_from_the_worker(endpoint):
-    server = LookupServer(endpoint, lambda hashes: 4 if hashes == HASHES else 0)
+    server = LookupServer(endpoint, lambda hashes: LookupReply(4 if hashes == HASHES else 0))
     client = LookupClient(endpoint, timeout_s=2)
     try:
-        assert client.hit_blocks(HASHES) == (4, "")
-        assert client.hit_blocks(HASHES[:2]) == (0, "")
-        assert client.hit_blocks([]) == (0, "")
+        assert client.lookup(HASHES) == LookupReply(4)
+        assert client.lookup(HASHES[:2]) == LookupReply(0)
+        assert client.lookup([]) == LookupReply(0)
     finally:
         client.close()
         server.close()
@@ -147,8 +147,22 @@ def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):
     server = LookupServer(endpoint, boom)
     client = LookupClient(endpoint, timeout_s=2)
     try:
-        hit, error = client.hit_blocks(HASHES)
-        assert hit == 0 and "store unreachable" in error
+        reply = client.lookup(HASHES)
+        assert reply.hit_blocks == 0 and "store unreachable" in reply.error and not reply.counted
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.integration
+def test_a_lookup_the_pool_did_not_answer_reaches_the_scheduler_as_a_failure_the_worker_counted(endpoint):
+    """Not as an answer of 0 blocks: that one would announce every pooled block of the prefix removed."""
+    failed = LookupReply(0, "the pool did not answer: the store did not answer within its bound", counted=True)
+    server = LookupServer(endpoint, lambda hashes: failed)
+    client = LookupClient(endpoint, timeout_s=2)
+    try:
+        reply = client.lookup(HASHES)
+        assert reply == failed and not reply.answered
     finally:
         client.close()
         server.close()
@@ -156,7 +170,7 @@ def test_a_failing_lookup_is_a_miss_with_the_reason(endpoint):
 
 @pytest.mark.integration
 def test_malformed_requests_are_answered_with_an_error(endpoint):
-    server = LookupServer(endpoint, lambda hashes: len(hashes))
+    server = LookupServer(endpoint, lambda hashes: LookupReply(len(hashes)))
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint.endpoint)
@@ -176,8 +190,8 @@ def test_malformed_requests_are_answered_with_an_error(endpoint):
 def test_no_worker_means_a_bounded_miss(endpoint):
     client = LookupClient(endpoint, timeout_s=0.3)
     start = time.monotonic()
-    hit, error = client.hit_blocks(HASHES)
-    assert hit == 0 and "within 300 ms" in error
+    reply = client.lookup(HASHES)
+    assert reply.hit_blocks == 0 and "within 300 ms" in reply.error and not reply.counted
     assert time.monotonic() - start < 10  # liveness: the 0.3 s bound with room for a loaded host; no worker: forever
     client.close()
 
@@ -189,15 +203,15 @@ def test_a_late_reply_is_not_taken_for_the_next_answer(endpoint):
     def count(hashes):
         if len(hashes) == 1:
             late.wait(10)  # the first lookup answers only after the client gave up
-            return 1
-        return 5
+            return LookupReply(1)
+        return LookupReply(5)
 
     server = LookupServer(endpoint, count)
     client = LookupClient(endpoint, timeout_s=2.0)
     try:
-        assert client.hit_blocks(HASHES[:1]) == (0, "no lookup answer from worker rank 0 within 2000 ms")
+        assert client.lookup(HASHES[:1]) == LookupReply(0, "no lookup answer from worker rank 0 within 2000 ms")
         late.set()
-        assert client.hit_blocks(HASHES) == (5, "")
+        assert client.lookup(HASHES) == LookupReply(5)
     finally:
         client.close()
         server.close()
@@ -210,17 +224,17 @@ def test_a_late_reply_does_not_stretch_the_next_lookup_past_its_bound(endpoint):
     def count(hashes):
         if len(hashes) == 1:
             late.wait(10)
-            return 1
+            return LookupReply(1)
         never.wait(10)  # the second lookup is never answered in time
-        return 5
+        return LookupReply(5)
 
     server = LookupServer(endpoint, count)
     client = LookupClient(endpoint, timeout_s=0.5)
     try:
-        assert client.hit_blocks(HASHES[:1])[0] == 0
+        assert not client.lookup(HASHES[:1]).answered
         late.set()  # its reply now wakes the client's wait for the second answer
         start = time.monotonic()
-        assert client.hit_blocks(HASHES) == (0, "no lookup answer from worker rank 0 within 500 ms")
+        assert client.lookup(HASHES) == LookupReply(0, "no lookup answer from worker rank 0 within 500 ms")
         # Liveness: 10x the 0.5 s bound, short of the server's 10 s; the answer (0, not the late 5) is the proof.
         assert time.monotonic() - start < 5
     finally:
@@ -246,3 +260,7 @@ def test_lookup_messages_round_trip_and_validate():
         validate_reply(LookupReply(hit_blocks=5), asked=4)
     with pytest.raises(InvalidMessage):
         validate_reply(LookupReply(hit_blocks=-1), asked=4)
+    with pytest.raises(InvalidMessage, match="hit blocks and a failure"):
+        validate_reply(LookupReply(hit_blocks=2, error="the pool did not answer"), asked=4)
+    with pytest.raises(InvalidMessage, match="does not name"):
+        validate_reply(LookupReply(hit_blocks=0, counted=True), asked=4)

@@ -95,14 +95,15 @@ def test_saves_are_keyed_when_a_multiconnector_skips_the_lookup():
 def test_a_request_whose_load_failed_is_not_looked_up_again():
     from vllm.v1.outputs import KVConnectorOutput
 
+    from connectors.store.lookup import LookupReply
     from connectors.store.scheduler import StoreScheduler
 
     class _Client:
         calls = 0
 
-        def hit_blocks(self, hashes, request_id=""):
+        def lookup(self, hashes, request_id=""):
             self.calls += 1
-            return 2, ""
+            return LookupReply(2)
 
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16),
                                   kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
@@ -163,24 +164,30 @@ def test_saved_blocks_are_announced_in_vllms_terms_once_every_worker_reported_th
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SimpleNamespace()))
 
 
-def test_a_lookup_shorter_than_the_announced_prefix_announces_the_rest_removed_and_a_failed_lookup_does_not():
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+class _Answers:
+    """Worker rank 0's lookup channel, answering what the test sets."""
+
+    def __init__(self):
+        from connectors.store.lookup import LookupReply
+
+        self.reply = LookupReply(0)
+
+    def lookup(self, hashes, request_id=""):
+        return self.reply
+
+    def close(self):
+        pass
+
+
+def _announced(sched, client, tokens):
+    """A request whose whole prompt blocks were looked up (a miss), saved and announced stored: its vLLM hashes."""
     from vllm.v1.outputs import KVConnectorOutput
 
+    from connectors.store.lookup import LookupReply
     from connectors.store.metadata import SavedShards, ShardReport
 
-    class _Client:
-        answer = (3, "")
-
-        def hit_blocks(self, hashes, request_id=""):
-            return self.answer
-
-    sched = _scheduler("kv_both", events=True)
-    sched._client.close()
-    sched._client = client = _Client()
-    tokens = list(range(16 * 4 + 1))  # four whole blocks and the token that is always computed
     request = _hashed_request("r", tokens)
-    client.answer = (0, "")
+    client.reply = LookupReply(0)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
     sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
     new = SimpleNamespace(req_id="r", prompt_token_ids=tokens, block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
@@ -188,11 +195,51 @@ def test_a_lookup_shorter_than_the_announced_prefix_announces_the_rest_removed_a
     sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=SavedShards((ShardReport(0, job.block_hashes),))))
     assert len(list(sched.take_events())) == 4
     sched.request_finished(request, [])
-    again = _hashed_request("r2", tokens)
-    client.answer = (1, "lookup channel error: gone")
-    sched.get_num_new_matched_tokens(again, 0)
-    assert list(sched.take_events()) == [], "a lookup the pool could not answer proves nothing lost"
-    client.answer = (1, "")
-    sched.get_num_new_matched_tokens(again, 0)
+    return _hashed_request("r2", tokens)
+
+
+@pytest.fixture
+def announced():
+    """A scheduler with events on whose four-block prompt is announced stored, and that prompt asked again."""
+    sched = _scheduler("kv_both", events=True)
+    sched._client.close()
+    sched._client = client = _Answers()
+    again = _announced(sched, client, list(range(16 * 4 + 1)))  # four whole blocks and the token always computed
+    return sched, client, again
+
+
+def test_a_lookup_shorter_than_the_announced_prefix_announces_the_rest_removed(announced):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from connectors.store.lookup import LookupReply
+
+    sched, client, again = announced
+    client.reply = LookupReply(1)
+    assert sched.get_num_new_matched_tokens(again, 0) == (16, False)
     (removed,) = sched.take_events()
     assert removed.block_hashes == [maybe_convert_block_hash(h) for h in again.block_hashes[1:4]]
+
+
+@pytest.mark.parametrize("failure, counted_here", [
+    ("the pool did not answer: the store did not answer within its bound", False),  # the master stalled
+    ("the pool did not answer: the store failed", False),  # the master died
+    ("the pool did not answer: not asked: the pool failed to answer a recent call and is backing off", False),
+    ("no lookup answer from worker rank 0 within 1000 ms", True),  # the channel: the worker never counted it
+    ("lookup channel error: gone", True),
+])
+def test_a_lookup_the_pool_did_not_answer_is_a_counted_miss_that_removes_nothing(announced, failure, counted_here):
+    """Issue 35: a failed or timed-out lookup once became an answer of 0 blocks, and a killed or slow master wiped
+    every announced block of the prefix from every router's view. Now it is a miss that proves nothing, counted
+    once: by the worker when the pool failed it there, by the scheduler when no answer came back."""
+    from connectors.store.lookup import LookupReply
+
+    sched, client, again = announced
+    sched.get_stats()
+    client.reply = LookupReply(0, failure, counted=not counted_here)
+    assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+    assert list(sched.take_events()) == [], "no BlockRemoved: the pool did not say it lost anything"
+    stats = sched.get_stats()
+    assert (stats.data["lookup_failures"] if stats else 0) == int(counted_here)
+    client.reply = LookupReply(4)
+    assert sched.get_num_new_matched_tokens(again, 0) == (64, False), "the blocks are still pooled"
+    assert list(sched.take_events()) == [], "and still announced"

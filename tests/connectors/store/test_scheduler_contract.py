@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.store.lookup import LookupChannel, LookupServer
+from connectors.store.lookup import LookupChannel, LookupReply, LookupServer
 from tests.helpers import vllm_scheduler as vs
 from tests.helpers.store_config import BASE
 
@@ -23,7 +23,7 @@ def pool(runtime_dir, free_port):
     pooled: set[str] = set()
 
     def leading_hits(hashes):
-        return next((i for i, h in enumerate(hashes) if h not in pooled), len(hashes))
+        return LookupReply(next((i for i, h in enumerate(hashes) if h not in pooled), len(hashes)))
 
     server = LookupServer(LookupChannel(free_port, 0), leading_hits)
     yield free_port, pooled

@@ -31,6 +31,9 @@ def test_defaults_and_backend_settings():
     ({"use_layerwise": True}, "use_layerwise"),
     ({"discard_partial_chunks": False}, "discard_partial_chunks"),
     ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
+    ({"backend_timeout_floor_ms": 0}, "backend_timeout_floor_ms"),
+    ({"backend_timeout_slack": 0.5}, "backend_timeout_slack"),
+    ({"pool_backoff_ms": -1}, "pool_backoff_ms"),
     ({"mooncake": "127.0.0.1:1"}, "mooncake"),
 ])
 def test_bad_settings_name_the_option(extra, option):
@@ -114,3 +117,32 @@ def test_backend_settings_round_trip():
     cfg = parse_store_settings(extra)
     assert cfg.mooncake.explicit() == extra["mooncake"]  # unset fields stay unset, set ones keep their values
     assert parse_store_settings(msgspec.to_builtins(cfg)) == cfg
+
+
+def test_store_calls_are_bounded_short_by_default():
+    from connectors.store.backends.bounds import CallPolicy
+
+    cfg = parse_store_settings(BASE)
+    assert cfg.call_policy == CallPolicy(floor_s=0.5, ceiling_s=3.0, slack=4.0, backoff_s=1.0, backoff_max_s=30.0)
+    assert cfg.lookup_timeout_s == 1.0
+
+
+@pytest.mark.parametrize("extra, option, says", [
+    ({"backend_timeout_ms": 400}, "backend_timeout_ms", "backend_timeout_floor_ms 500 must be at most backend_timeout_ms 400"),
+    ({"backend_timeout_floor_ms": 4000, "lookup_timeout_ms": 5000}, "backend_timeout_floor_ms",
+     "must be at most backend_timeout_ms 3000"),
+    ({"lookup_timeout_ms": 500}, "lookup_timeout_ms", "backend_timeout_floor_ms 500 must be below lookup_timeout_ms 500"),
+    ({"backend_timeout_floor_ms": 2000}, "backend_timeout_floor_ms", "must be below lookup_timeout_ms 1000"),
+    ({"pool_backoff_ms": 60000}, "pool_backoff_ms", "must be at most pool_backoff_max_ms 30000"),
+])
+def test_bounds_out_of_order_are_refused_naming_the_key_that_was_set(extra, option, says):
+    with pytest.raises(KvppConfigError) as err:
+        parse_store_settings({**BASE, **extra})
+    assert str(err.value).startswith(f"kv_connector_extra_config.{option}: ") and says in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_long_bounds_in_order_are_accepted():
+    cfg = parse_store_settings({**BASE, "backend_timeout_floor_ms": 20000, "backend_timeout_ms": 20000,
+                                "lookup_timeout_ms": 25000})
+    assert (cfg.call_policy.floor_s, cfg.call_policy.ceiling_s) == (20.0, 20.0)

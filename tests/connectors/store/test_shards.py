@@ -6,7 +6,8 @@ import pytest
 
 from connectors.store.backends.base import Status
 from connectors.store.keys import CacheLayout, block_hashes
-from connectors.store.shards import StageLayers, all_shards, count_pooled, hit_blocks, shard_keys, stage_shards
+from connectors.store.shards import (PoolUnanswered, StageLayers, all_shards, count_pooled, hit_blocks, shard_keys,
+                                     stage_shards)
 
 pytestmark = pytest.mark.unit
 
@@ -38,12 +39,12 @@ def test_hit_needs_every_shard_of_every_stage():
 class _DictBackend:
     """Narrow in-memory stand-in for exists(); the real backends are covered by integration tests."""
 
-    def __init__(self, keys, fail=False):
-        self.keys, self.fail = set(keys), fail
+    def __init__(self, keys, answer=None):
+        self.keys, self.answer = set(keys), answer
 
     def exists(self, keys):
-        if self.fail:
-            return [Status.FAILED] * len(keys)
+        if self.answer is not None:
+            return self.answer(keys)
         return [Status.OK if k in self.keys else Status.MISSING for k in keys]
 
 
@@ -57,4 +58,18 @@ def test_count_pooled_with_a_missing_owner_shard():
     assert count_pooled(_DictBackend(stored), keys, hashes) == 5
     stored.discard(keys[3].key(hashes[2]))  # stage 1, owner 1, block 2 evicted
     assert count_pooled(_DictBackend(stored), keys, hashes) == 2
-    assert count_pooled(_DictBackend(stored, fail=True), keys, hashes) is None
+
+
+@pytest.mark.parametrize("answer", [
+    lambda keys: [Status.FAILED] * len(keys),  # the master could not be reached
+    lambda keys: [Status.TIMEOUT] * len(keys),  # it did not answer within the bound
+    lambda keys: [Status.REFUSED] * len(keys),  # not asked: the client backs off
+    lambda keys: [Status.OK] * (len(keys) - 1) + [Status.FAILED],  # one key errored: a partial answer
+    lambda keys: [Status.OK] * (len(keys) - 1),  # fewer statuses than keys
+], ids=["failed", "timeout", "refused", "partial", "short"])
+def test_a_pool_that_did_not_answer_for_every_key_gives_no_count(answer):
+    """Not 0 (which would announce every pooled block of the prefix removed), nor a count from the keys it answered."""
+    layout = CacheLayout("m", "float32", 16, 36864)
+    keys = shard_keys(layout, all_shards([StageLayers(0, tuple(range(4)))], 2, kvpp=True, replicated=True))
+    with pytest.raises(PoolUnanswered):
+        count_pooled(_DictBackend((), answer), keys, block_hashes(list(range(80)), 16))

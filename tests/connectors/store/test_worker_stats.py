@@ -1,5 +1,5 @@
 """The worker's stats file: the cumulative counters, written once per finished job or lookup (not once per
-counter), and only when the job counted something."""
+counter), and only when the job counted something; and what a lookup answers and counts."""
 
 import json
 from types import SimpleNamespace
@@ -60,3 +60,38 @@ def test_a_job_that_counted_nothing_leaves_the_file_alone(worker):
     w, writes, path = worker
     w._finish_save(BlockJob("a", (), ()), SaveResult(saved=0, skipped=0, failed=0))
     assert writes == [] and not path.exists()
+
+
+class _Pool:
+    """exists() as the test sets it."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def exists(self, keys):
+        return self.answer(keys)
+
+
+def _lookup(w, answer):
+    from connectors.store.keys import ShardKey, block_hashes
+
+    w._backend, w._all_shards = _Pool(answer), [ShardKey("fp", 0, 0), ShardKey("fp", 0, 1)]
+    return w.lookup(block_hashes(list(range(64)), 16))
+
+
+def test_a_lookup_the_pool_answered_counts_its_hit(worker):
+    w, _, path = worker
+    reply = _lookup(w, lambda keys: [Status.OK if i % 4 < 2 else Status.MISSING for i in range(len(keys))])
+    assert reply.answered and reply.hit_blocks == 2
+    assert _counted(path) == {"lookups": 1, "lookup_hit_blocks": 2, "lookup_hit_tokens": 32}
+
+
+@pytest.mark.parametrize("status, refusals", [(Status.FAILED, 0), (Status.TIMEOUT, 0), (Status.REFUSED, 1)])
+def test_a_lookup_the_pool_did_not_answer_is_a_counted_failure_not_zero_hits(worker, status, refusals):
+    """Issue 35: `hit or 0` once made this an answer of 0 blocks, which announced the prefix's pooled blocks
+    removed."""
+    w, _, path = worker
+    reply = _lookup(w, lambda keys: [status] * len(keys))
+    assert not reply.answered and reply.counted and reply.hit_blocks == 0
+    assert reply.error.startswith("the pool did not answer")
+    assert _counted(path) == {"lookups": 1, "lookup_failures": 1, **({"lookup_refusals": 1} if refusals else {})}

@@ -1,4 +1,7 @@
-"""Bounded backend calls: a stalled backend costs its bound once, then fails fast until it returns."""
+"""Bounded backend calls: a stalled call costs its bound once, then calls fail fast until it returns; a client that
+found the pool failing refuses calls until its backoff ends, asks again with an existence check (never with a
+put or get, which would hold blocks), and goes on once the pool answers. Narrow fakes of the native store; the
+real one is in test_mooncake.py."""
 
 from __future__ import annotations
 
@@ -7,29 +10,132 @@ import time
 
 import pytest
 
-from connectors.store.backends.base import BoundedCalls
+from connectors.store.backends.backoff import PoolBackoff
+from connectors.store.backends.base import BoundedCalls, BoundedClient, Status
+from connectors.store.backends.bounds import CallBounds, CallPolicy
+from tests.helpers.clock import Clock
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_stalled_call_returns_within_its_bound_and_fails_fast_after():
-    calls = BoundedCalls(timeout_s=1.0, max_stuck=1)
+    calls = BoundedCalls(CallBounds(CallPolicy.fixed(1.0)), max_stuck=1)
     release = threading.Event()
     start = time.monotonic()
-    assert calls.run(lambda: release.wait(30) and "late", lambda: "timeout", lambda e: "error") == "timeout"
+    assert calls.run(lambda: [Status.OK] if release.wait(30) else [], 1) == [Status.TIMEOUT]
     # Liveness: the 1 s bound with 9 s for a loaded host, where the call itself would take 30 s.
-    assert time.monotonic() - start < 10, "bounded by the timeout, not by the call's 30 s"
+    assert time.monotonic() - start < 10, "bounded by the bound, not by the call's 30 s"
     (late,) = calls.late()
     assert not late.done(), "the timed-out call is still running and is listed until it returns"
     ran = []
-    assert calls.run(lambda: ran.append(1), lambda: "timeout", lambda e: "error") == "timeout", "fail fast"
+    assert calls.run(lambda: ran.append(1) or [Status.OK], 1) == [Status.TIMEOUT], "fail fast"
     assert ran == [], "failed fast: the call was not even started, so nothing waited for the 1 s bound"
     release.set()
-    assert late.result(timeout=10) == "late"
+    assert late.result(timeout=10)[0] == [Status.OK]
     deadline = time.monotonic() + 10  # the done-callback that unlists it runs just after the result is set
     while calls.late() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls.late() == []
-    assert calls.run(lambda: "ok", lambda: "timeout", lambda e: "error") == "ok", "recovers once the call returns"
-    assert calls.run(lambda: 1 / 0, lambda: "timeout", lambda e: type(e).__name__) == "ZeroDivisionError"
+    assert calls.run(lambda: [Status.OK], 1) == [Status.OK], "recovers once the call returns"
+    assert calls.run(lambda: [1 / 0], 2) == [Status.FAILED] * 2, "a client that raised failed, it did not crash"
+    assert calls.run(lambda: [Status.OK], 2) == [Status.FAILED] * 2, "an answer for fewer keys than asked is none"
     calls.close()
+
+
+def test_only_data_calls_that_moved_every_byte_measure_the_rate():
+    bounds = CallBounds(CallPolicy(0.5, 3.0))
+    calls = BoundedCalls(bounds)
+    assert calls.run(lambda: [Status.OK], 1) == [Status.OK] and bounds.rate() is None, "an existence check moves nothing"
+    calls.run(lambda: [Status.OK, Status.FAILED], 2, nbytes=1 << 20)
+    assert bounds.rate() is None, "a partly failed put says nothing of the link"
+    calls.run(lambda: time.sleep(0.01) or [Status.OK], 1, nbytes=1 << 20)
+    assert 0 < bounds.rate() <= (1 << 20) / 0.01
+    calls.close()
+
+
+class _Store:
+    """The native calls a BoundedClient makes, answering what the test sets, counting each call by name."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.exist = [1]
+        self.data = Status.OK
+        self.stall = threading.Event()
+        self.stall.set()
+
+    def batch_is_exist(self, keys):
+        self.calls.append("exists")
+        self.stall.wait(30)
+        return (self.exist * len(keys))[:len(keys)]
+
+    def data_call(self, keys):
+        self.calls.append("data")
+        self.stall.wait(30)
+        return [self.data] * len(keys)
+
+    def close(self):
+        pass
+
+
+class _Client(BoundedClient):
+    """A BoundedClient over `_Store`, with a clock the test moves. Its puts and gets move 1 MiB per key."""
+
+    def __init__(self, clock):
+        self._store = _Store()
+        self._guard(CallPolicy(0.2, 0.5, backoff_s=1.0, backoff_max_s=8.0))
+        self._backoff = PoolBackoff(1.0, 8.0, clock=clock)
+
+    def data(self, keys):
+        return self._bounded(lambda: self._store.data_call(keys), keys, len(keys) << 20)
+
+
+@pytest.fixture
+def client():
+    clock = Clock()
+    c = _Client(clock)
+    yield c, c._store, clock
+    c._store.stall.set()
+    c.close()
+
+
+def test_a_pool_that_did_not_answer_is_not_asked_until_the_backoff_ends(client):
+    c, store, clock = client
+    store.exist = [-1]  # the master cannot be reached
+    assert c.exists(["a", "b"]) == [Status.FAILED] * 2
+    store.exist = [1]
+    store.calls.clear()
+    assert c.exists(["a"]) == [Status.REFUSED] and c.data(["a"]) == [Status.REFUSED]
+    assert store.calls == [], "refused calls never reach the store"
+    clock.now += 1.01
+    assert c.exists(["a"]) == [Status.OK], "after the backoff an existence check asks, and is answered"
+    assert c.data(["a", "b"]) == [Status.OK] * 2 and store.calls == ["exists", "data"]
+
+
+def test_after_the_backoff_a_put_or_get_asks_only_behind_an_existence_check(client):
+    c, store, clock = client
+    store.exist = [-1]
+    c.exists(["a"])
+    clock.now += 1.01
+    store.calls.clear()
+    assert c.data(["a", "b"]) == [Status.REFUSED] * 2, "the check failed: the get is not made"
+    assert store.calls == ["exists"]
+    clock.now += 2.01  # the second failure in a row doubled the backoff
+    store.exist = [1]
+    store.calls.clear()
+    assert c.data(["a", "b"]) == [Status.OK] * 2 and store.calls == ["exists", "data"]
+    assert c.data(["a"]) == [Status.OK] and store.calls == ["exists", "data", "data"], "then calls go straight on"
+
+
+def test_a_call_past_its_bound_starts_a_backoff_and_a_failed_put_does_not(client):
+    c, store, clock = client
+    store.data = Status.FAILED  # e.g. no space: an answer about these objects
+    assert c.data(["a"]) == [Status.FAILED]
+    assert c.data(["a"]) == [Status.FAILED], "still asked"
+    store.data = Status.OK
+    store.stall.clear()  # the segment holder stops
+    start = time.monotonic()
+    assert c.data(["a"]) == [Status.TIMEOUT]  # what fired: the bound
+    # Liveness: the 0.5 s bound with 4.5 s for a loaded host, where the stalled call would take 30 s.
+    assert time.monotonic() - start < 5
+    assert c.exists(["a"]) == [Status.REFUSED], "the lookup after it fails at once"
+    store.stall.set()

@@ -2,7 +2,10 @@
 (`kvpp pool up`): bytes intact through zero-copy multi-page objects, wrong sizes refused, pooled
 objects outliving the client that wrote them, the shard hit rule on real keys, a killed master
 turning every call into a failure within a bounded time, and a holder stalled past the client TTL
-costing its blocks but not the pool."""
+costing its blocks but not the pool. With the connector's default bounds, a stopped master or segment
+holder costs a lookup, a load and a save at most a short bound, after which they fail at once while the
+client backs off, and the pool is used again once its master or holder answers (or a killed master is
+started again)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from connectors.store.backends import Status, open_backend
+from connectors.store.backends.mooncake import PROGRESS_TIMEOUT_ENV, RPC_TIMEOUT_ENV
 from connectors.store.settings import parse_store_settings
 from connectors.store.keys import CacheLayout, ShardKey, block_hashes
 from connectors.store.metadata import BlockJob, StoreMetadata
@@ -31,6 +36,19 @@ from tests.helpers.pool_runs import POOL_ENV, POOL_TIMERS
 
 BOUND_S = 4.0
 LAYERS, BLOCKS, PAGE = 3, 8, (16, 576)
+
+
+@pytest.fixture(autouse=True)
+def native_bounds_left_as_found():
+    """Every Mooncake client sets the transfer-progress bound for its process unless the environment has one
+    (connectors.store.backends.mooncake.native_bounds): no test leaves its own behind for the next."""
+    before = {name: os.environ.get(name) for name in (PROGRESS_TIMEOUT_ENV, RPC_TIMEOUT_ENV)}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +178,7 @@ def test_killed_master_turns_calls_into_bounded_failures(tmp_path):
                      lambda: b.put(["test/new"], *_objects(pages, [2]))):
             start = time.monotonic()
             status = call()
-            assert all(s in (Status.FAILED, Status.TIMEOUT, Status.MISSING) for s in status), status
+            assert all(s in (Status.FAILED, Status.TIMEOUT, Status.MISSING, Status.REFUSED) for s in status), status
             assert Status.OK not in status
             # Liveness: the 4 s call bound, doubled for a loaded host, and still short of the 10 s master RPC timeout.
             assert time.monotonic() - start <= 2 * BOUND_S
@@ -207,9 +225,15 @@ def test_a_holder_stalled_past_the_client_ttl_costs_its_blocks_not_the_pool(tmp_
 BIG_LAYERS, BIG_BLOCKS, BIG_PAGE = 4, 4, (512, 512)
 
 
-def _store_worker(pool, monkeypatch, bound_ms: float, caches, events: bool = False):
-    """A real StoreWorker on the real pool (`events`: vLLM's KV events on, so it reports its saves); only vLLM's
-    rank lookups are stubbed (no process group)."""
+def _fixed(bound_ms: float) -> dict:
+    """Settings bounding every store call of a worker by `bound_ms` alone."""
+    return {"backend_timeout_ms": bound_ms, "backend_timeout_floor_ms": bound_ms, "lookup_timeout_ms": bound_ms + 1}
+
+
+def _store_worker(pool, monkeypatch, caches, events: bool = False, role: str = "kv_producer", **settings):
+    """A real StoreWorker on the real pool with the connector's `settings` over the pool's (the defaults unless
+    given; `events`: vLLM's KV events on, so it reports its saves; role kv_both: it answers lookups too); only
+    vLLM's rank lookups are stubbed (no process group)."""
     from vllm.config.kv_events import KVEventsConfig
 
     import vllm.distributed.parallel_state as parallel_state
@@ -221,27 +245,28 @@ def _store_worker(pool, monkeypatch, bound_ms: float, caches, events: bool = Fal
     monkeypatch.setattr(parallel_state, "get_world_group", lambda: SimpleNamespace(rank_in_group=0))
     vllm_config = SimpleNamespace(
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if events else None,
-        kv_transfer_config=SimpleNamespace(kv_role="kv_producer"),
+        kv_transfer_config=SimpleNamespace(kv_role=role),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(model="late-calls", use_mla=True,
                                      hf_text_config=SimpleNamespace(num_hidden_layers=BIG_LAYERS)),
     )
-    cfg = parse_store_settings({**pool.kv_connector_extra_config, "backend_timeout_ms": bound_ms})
+    cfg = parse_store_settings({**pool.kv_connector_extra_config, **settings})
     worker = StoreWorker(vllm_config, cfg)
     _REGISTERED.extend(caches)
     worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)})
     return worker
 
 
-def _wait_reported(worker, req_id: str, sending: bool, within_s: float = 30) -> None:
-    deadline = time.monotonic() + within_s
+def _wait_reported(worker, *req_ids: str, sending: bool, within_s: float = 30) -> None:
+    deadline, waiting = time.monotonic() + within_s, set(req_ids)
     while time.monotonic() < deadline:
-        sent, recv = worker.get_finished({req_id} if sending else set())
-        if req_id in ((sent if sending else recv) or ()):
+        sent, recv = worker.get_finished(waiting if sending else set())
+        waiting -= (sent if sending else recv) or set()
+        if not waiting:
             return
         time.sleep(0.001)
-    raise AssertionError(f"{req_id} never reported finished")
+    raise AssertionError(f"{sorted(waiting)} never reported finished")
 
 
 def _big_caches(fill=None):
@@ -255,14 +280,14 @@ def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(p
     src = _big_caches()
     hashes = tuple(block_hashes(list(range(16 * BIG_BLOCKS)), 16))
     blocks = tuple(range(BIG_BLOCKS))
-    writer = _store_worker(pool, monkeypatch, 10_000, src)
+    writer = _store_worker(pool, monkeypatch, src, **_fixed(10_000))
     writer.wait_for_save(StoreMetadata(saves=[BlockJob("w", blocks, hashes)]))
     _wait_reported(writer, "w", sending=True)
     assert writer.get_stats().data["saved_blocks"] == BIG_BLOCKS
     writer.close()
 
     dst = _big_caches(fill=0.0)
-    reader = _store_worker(pool, monkeypatch, 1, dst)  # a 16 MiB get cannot return within 1 ms
+    reader = _store_worker(pool, monkeypatch, dst, **_fixed(1))  # a 16 MiB get cannot return within 1 ms
     reader.start_load_kv(StoreMetadata(loads=[BlockJob("r", blocks, hashes)]))
     _wait_reported(reader, "r", sending=False)
     # Reported as failed (vLLM recomputes), but only once the native get stopped writing: the blocks
@@ -272,34 +297,85 @@ def test_a_load_that_outlives_its_bound_holds_its_blocks_until_the_get_returns(p
     reader.close()
 
 
+def _wait_answered(worker, hashes, within_s: float = 60):
+    """Ask the pool (a lookup) until it answers: the client's backoff ended and its probe was answered."""
+    deadline = time.monotonic() + within_s
+    while not (reply := worker.lookup(hashes)).answered:
+        assert time.monotonic() < deadline, f"the pool was never asked again: {reply.error}"
+        time.sleep(0.2)
+    return reply
+
+
+def _pooled(pool, monkeypatch, seed: int):
+    """BIG_BLOCKS blocks saved to `pool` by a worker of long bounds, which leaves no transfer bound of its own in
+    the environment for the worker under test: (hashes, block ids)."""
+    hashes = tuple(block_hashes(list(range(seed, seed + 16 * BIG_BLOCKS)), 16))
+    blocks = tuple(range(BIG_BLOCKS))
+    before = os.environ.get(PROGRESS_TIMEOUT_ENV)
+    writer = _store_worker(pool, monkeypatch, _big_caches(), **_fixed(10_000))
+    writer.wait_for_save(StoreMetadata(saves=[BlockJob("w", blocks, hashes)]))
+    _wait_reported(writer, "w", sending=True)
+    assert writer.get_stats().data["saved_blocks"] == BIG_BLOCKS
+    writer.close()
+    if before is None:
+        os.environ.pop(PROGRESS_TIMEOUT_ENV, None)
+    return hashes, blocks
+
+
+@pytest.fixture
+def connector_defaults(monkeypatch):
+    """The connector's default bounds in force: no Mooncake transfer bound in the environment (the worker sets it
+    from its ceiling). The test pools' master RPC bound (POOL_ENV, 2 s) stays: the connector's floor is shorter."""
+    monkeypatch.delenv(PROGRESS_TIMEOUT_ENV, raising=False)
+    return parse_store_settings({"backend": "mooncake", "lookup_rpc_port": 1}).call_policy
+
+
 @pytest.mark.integration
-def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, monkeypatch):
-    """The segment holder stops answering mid-get: the get misses its 1 s bound and the load is
-    reported failed only when the native call gives up: held past the bound, but not forever.
-    Mooncake bounds a stalled transfer by MC_TCP_PROGRESS_TIMEOUT_SEC (default 30 s; measured 20-60 s
-    for a 4-object batch against a stopped holder, 5 s for one object with the setting at 5)."""
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")  # read by each new store client
+def test_a_stalled_segment_holder_costs_a_load_about_the_ceiling_then_loads_and_lookups_fail_at_once(
+        tmp_path, monkeypatch, runtime_dir, connector_defaults):
+    """The segment holder stops answering mid-get. The get misses its bound (from its bytes and the rate of the
+    warm load) and is counted failed; the load is reported once the native get gave up, which the connector made
+    Mooncake do at its ceiling (MC_TCP_PROGRESS_TIMEOUT_SEC, 3 s) rather than at Mooncake's 30 s: the blocks are
+    held until then, so the late get cannot write into blocks vLLM reused. From the timed-out get on, lookups and
+    loads fail at once, and once the holder runs again the pool is asked again and answers."""
     pool = pool_up("mooncake", tmp_path / "stalled", 64 << 20, **POOL_TIMERS)
     holder = pool.pids[1]
     try:
-        hashes = tuple(block_hashes(list(range(7, 7 + 16 * BIG_BLOCKS)), 16))
-        blocks = tuple(range(BIG_BLOCKS))
-        writer = _store_worker(pool, monkeypatch, 10_000, _big_caches())
-        writer.wait_for_save(StoreMetadata(saves=[BlockJob("w", blocks, hashes)]))
-        _wait_reported(writer, "w", sending=True)
-        writer.close()
-        reader = _store_worker(pool, monkeypatch, 1_000, _big_caches(fill=0.0))
-        # A first load, while the holder runs, succeeds.
+        hashes, blocks = _pooled(pool, monkeypatch, 7)
+        reader = _store_worker(pool, monkeypatch, _big_caches(fill=0.0), role="kv_both")
+        assert os.environ[PROGRESS_TIMEOUT_ENV] == "3", "the worker bounded Mooncake's transfers by its ceiling"
         reader.start_load_kv(StoreMetadata(loads=[BlockJob("warm", blocks, hashes)]))
         _wait_reported(reader, "warm", sending=False)
         assert reader.get_block_ids_with_load_errors() == set()
         os.kill(holder, signal.SIGSTOP)
         start = time.monotonic()
         reader.start_load_kv(StoreMetadata(loads=[BlockJob("r", blocks[:1], hashes[:1])]))
-        _wait_reported(reader, "r", sending=False)
+        while not reader._backend.late_calls():  # the get passed its bound and runs on natively
+            assert time.monotonic() - start < 30, "the get never passed its bound"
+            time.sleep(0.005)
+        refused = reader.lookup(hashes)  # within the first backoff (1 s) after the get's failure
+        assert not refused.answered and "backing off" in refused.error
+        reader.start_load_kv(StoreMetadata(loads=[BlockJob("r2", blocks, hashes)]))
+        _wait_reported(reader, "r", "r2", sending=False)
         held = time.monotonic() - start
-        assert reader.get_block_ids_with_load_errors() == {blocks[0]}
-        assert 3.0 <= held <= 20.0, f"reported after {held:.1f} s: not at the 1 s bound, but once the get gave up"
+        print(f"the load of a stalled holder's object was reported failed after {held:.2f} s")
+        assert reader.get_block_ids_with_load_errors() == set(blocks)
+        # "r" was held until Mooncake gave up on the stalled transfer, 3 s after it last progressed: not less (the
+        # blocks were not handed back under a running get), and far from Mooncake's own 30 s (12 s of slack for a
+        # loaded host; it took 30 s before the connector set the bound). "r2" was refused without a call.
+        assert 2.0 <= held <= connector_defaults.ceiling_s + 12, f"reported after {held:.1f} s"
+        assert reader.get_stats().data["load_failures"] == 1 + BIG_BLOCKS
+        os.kill(holder, signal.SIGCONT)
+        assert _wait_answered(reader, hashes).hit_blocks == BIG_BLOCKS
+        # The first get after the stall may fail while Mooncake reconnects to the holder (seen: TRANSFER_FAIL after
+        # about 1 s, an answer about these objects, which costs no backoff); loads then work again.
+        for attempt in range(10):
+            reader.start_load_kv(StoreMetadata(loads=[BlockJob(f"again{attempt}", blocks, hashes)]))
+            _wait_reported(reader, f"again{attempt}", sending=False)
+            if not reader.get_block_ids_with_load_errors():
+                break
+        else:
+            pytest.fail("no load worked again in 10 attempts after the holder resumed")
         reader.close()
     finally:
         os.kill(holder, signal.SIGCONT)
@@ -307,11 +383,87 @@ def test_a_stalled_pool_holds_a_load_only_until_the_store_gives_up(tmp_path, mon
 
 
 @pytest.mark.integration
+def test_a_stopped_master_costs_one_lookup_its_floor_then_calls_fail_at_once_until_it_answers_again(
+        tmp_path, monkeypatch, runtime_dir, connector_defaults):
+    """With KV events on: the lookup the stopped master does not answer is a counted failure at the floor (0.5 s;
+    Mooncake's own master RPC bound is set to 30 s here, so only the connector can end it sooner), the next lookup,
+    a load and a save fail at once without asking (no store call is made), the save is reported failed and never
+    landed (so never announced stored), and once the master runs again the pool answers, holds what it held, and
+    takes saves."""
+    pool = pool_up("mooncake", tmp_path / "stopped", 64 << 20, **POOL_TIMERS)
+    master = pool.pids[0]
+    try:
+        hashes, blocks = _pooled(pool, monkeypatch, 11)
+        monkeypatch.setenv(RPC_TIMEOUT_ENV, "30000")  # read when the worker's client is set up
+        worker = _store_worker(pool, monkeypatch, _big_caches(), events=True, role="kv_both")
+        assert worker.lookup(hashes).hit_blocks == BIG_BLOCKS
+        os.kill(master, signal.SIGSTOP)
+        start = time.monotonic()
+        failed = worker.lookup(hashes)
+        took = time.monotonic() - start
+        print(f"the lookup the stopped master did not answer failed after {took:.2f} s")
+        assert not failed.answered and failed.counted and "within its bound" in failed.error
+        # The floor (0.5 s) plus 10 s of slack for a loaded host, against the 30 s the native call waits.
+        assert took <= connector_defaults.floor_s + 10, f"the lookup took {took:.1f} s"
+        refused = worker.lookup(hashes)
+        assert not refused.answered and "backing off" in refused.error
+        worker.start_load_kv(StoreMetadata(loads=[BlockJob("load", blocks, hashes)]))
+        _wait_reported(worker, "load", sending=False)
+        assert worker.get_block_ids_with_load_errors() == set(blocks)
+        fresh = tuple(block_hashes(list(range(500, 500 + 16 * BIG_BLOCKS)), 16))
+        worker.wait_for_save(StoreMetadata(saves=[BlockJob("save", blocks, fresh)]))
+        _wait_reported(worker, "save", sending=True)
+        (report,) = worker.take_shard_report().reports
+        assert (report.landed, report.failed) == ((), fresh), "a save the pool did not take is never announced"
+        stats = worker.get_stats().data
+        assert (stats["lookup_failures"], stats["lookup_refusals"], stats["save_failures"]) == (2, 1, BIG_BLOCKS)
+        os.kill(master, signal.SIGCONT)
+        assert _wait_answered(worker, hashes).hit_blocks == BIG_BLOCKS, "what it held is still pooled"
+        worker.wait_for_save(StoreMetadata(saves=[BlockJob("save2", blocks, fresh)]))
+        _wait_reported(worker, "save2", sending=True)
+        assert worker.take_shard_report().reports[0].landed == fresh, "and it takes saves again"
+        worker.close()
+    finally:
+        os.kill(master, signal.SIGCONT)
+        pool_down(tmp_path / "stopped")
+
+
+@pytest.mark.integration
+def test_a_killed_master_started_again_is_asked_again_and_answers(tmp_path, monkeypatch, runtime_dir,
+                                                                  connector_defaults):
+    """A dead master fails lookups (counted, at once while the client backs off); a new master on the same address
+    is asked again once a backoff ends and answers (it knows no key: a miss, which is an answer)."""
+    pool = pool_up("mooncake", tmp_path / "reborn", 64 << 20, **POOL_TIMERS)
+    master = pool.pids[0]
+    argv = Path(f"/proc/{master}/cmdline").read_text().split("\0")[:-1]
+    again = None
+    try:
+        hashes, _ = _pooled(pool, monkeypatch, 13)
+        worker = _store_worker(pool, monkeypatch, _big_caches(), role="kv_both")
+        assert worker.lookup(hashes).hit_blocks == BIG_BLOCKS
+        os.kill(master, signal.SIGKILL)
+        assert not worker.lookup(hashes).answered
+        refused = worker.lookup(hashes)
+        assert not refused.answered and "backing off" in refused.error
+        again = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        reply = _wait_answered(worker, hashes)
+        assert reply.hit_blocks == 0, "a new master knows no key"
+        stats = worker.get_stats().data
+        assert stats["lookup_failures"] >= 2 and stats["lookup_refusals"] >= 1
+        worker.close()
+    finally:
+        if again is not None:
+            again.kill()
+            again.wait()
+        pool_down(tmp_path / "reborn")
+
+
+@pytest.mark.integration
 def test_a_worker_reports_each_saved_block_landed_whether_it_wrote_it_or_found_it_pooled(pool, monkeypatch):
     """What the scheduler side's KV events are decided from (connectors.store.events): per block, this worker's
     shard is in the pool, written now or by an earlier save."""
     src = _big_caches()
-    worker = _store_worker(pool, monkeypatch, 10_000, src, events=True)
+    worker = _store_worker(pool, monkeypatch, src, events=True, **_fixed(10_000))
     hashes = tuple(block_hashes([99] * 16 * BIG_BLOCKS, 16))
     assert worker.take_shard_report() is None, "nothing saved, nothing to report"
     worker.wait_for_save(StoreMetadata(saves=[BlockJob("first", (1,), hashes[1:2])]))
@@ -334,7 +486,7 @@ def test_a_save_that_outlives_its_bound_holds_its_blocks_until_the_put_returns(p
     original = [c.clone() for c in src]
     # Bound: the existence check (one small RPC) fits, the 16 MiB put does not; retried on a slow check.
     for attempt in range(5):
-        worker = _store_worker(pool, monkeypatch, 5, src, events=True)
+        worker = _store_worker(pool, monkeypatch, src, events=True, **_fixed(5))
         hashes = tuple(block_hashes([attempt + 1] * 16 * BIG_BLOCKS, 16))
         worker.wait_for_save(StoreMetadata(saves=[BlockJob("s", tuple(range(BIG_BLOCKS)), hashes)]))
         _wait_reported(worker, "s", sending=True)
