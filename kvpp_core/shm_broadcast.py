@@ -344,7 +344,9 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     prefetched layer is in place before its turn), else when it is waited for. The copies run on
     the forward's own thread: a helper thread would fight the Python-heavy eager forward for the
     GIL, and each hand-over can cost milliseconds that the owner, waiting for the copy, pays too.
-    `stats.bytes` counts the bytes copied into this rank.
+    So a receiver's copy is waited for wherever it runs (its flight is the copy and the wait for the
+    owner's publish, all of it waited); what prefetch can hide is the owner's side: its readers copy
+    its layers while its forward computes. `stats.bytes` counts the bytes copied into this rank.
     """
 
     def __init__(self, layout: RankLayout, regions: Mapping[int, Sequence[torch.Tensor]],
@@ -374,24 +376,21 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
 
     # -- the two transport primitives LayerBroadcaster.before_layer schedules ---------------------
 
-    def _issue(self, layer_id: int) -> None:
-        issued = time.perf_counter()
+    def _issue(self, layer_id: int, started: float) -> None:
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
-        self._issued[layer_id] = issued
         if owner == self.layout.kvpp_rank:
+            self._issued[layer_id] = started  # its readers copy it from its publish on, not this forward
             if self._published < self._epoch:  # every owned layer's history is in place: see the module doc
                 for slot in self._ready_slots:
                     self._own_flags[slot] = self._epoch
                 self._published = self._epoch
             self._pending[layer_id] = []
         elif self._shm.flags[owner][2 * pos + _HEADER] >= self._epoch:
-            self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))
+            self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))  # by this forward: waited for
             self._pending[layer_id] = []
-            del self._issued[layer_id]  # in place now: its flight ends here, not at its wait
-            self.stats.flight_seconds += time.perf_counter() - issued
         else:
-            self._pending[layer_id] = [owner]  # copied when waited for
+            self._pending[layer_id] = [owner]  # copied, and so in flight, only once waited for
 
     def _wait(self, layer_id: int) -> None:
         due = self._pending.pop(layer_id)
@@ -399,6 +398,7 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
         started = time.perf_counter()
         try:
             if due:
+                self._issued[layer_id] = started  # nothing moved it before this forward does
                 self._guarded(layer_id, lambda: self._copy(layer_id, pos, due[0]))
             elif self.layout.owner_of(layer_id) == self.layout.kvpp_rank:
                 read = 2 * pos + _HEADER + 1

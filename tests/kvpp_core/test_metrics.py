@@ -1,16 +1,101 @@
-"""KVPP's per-rank records read through a real Prometheus registry, as vLLM's /metrics serves them."""
+"""KVPP's metrics: what the broadcasters count as waited and in flight, and the per-rank records read
+through a real Prometheus registry, as vLLM's /metrics serves them."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpp_core import metrics
+from kvpp_core import broadcast, metrics, shm_broadcast
 from kvpp_core.broadcast import BroadcastStats
+from kvpp_core.ownership import rank_layout
 from kvpp_core.zero_copy import ZeroCopyStats
+from tests.helpers.clock import Clock
 
-pytestmark = pytest.mark.unit
+COPY_S, COMPUTE_S = 0.010, 0.004
+"""What one layer's copy and one layer's compute take on the test's clock."""
+
+
+def _shm_receiver(monkeypatch, published: set[int]):
+    """Kvpp rank 1 of 2 over 4 layers (owns 2 and 3; two staging slots, so one layer of prefetch), as
+    ShmLayerBroadcaster runs it, on a clock the test moves: every copy takes COPY_S. Its peer's control
+    segment is a plain array in which the peer has published the layers in `published` and already read
+    rank 1's layers. Returns the broadcaster, the peer's flags and the clock."""
+    clock = Clock()
+    monkeypatch.setattr(broadcast, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(perf_counter=clock, monotonic=time.monotonic,
+                                                               sleep=time.sleep))
+    layout = rank_layout(range(4), 2, 1, 2)
+    slots = shm_broadcast.layer_flag(len(layout.target_layers))
+    flags = [memoryview(bytearray(8 * slots)).cast("q") for _ in range(2)]
+    for lid in layout.target_layers:
+        pos = layout.position(lid)
+        if lid in published:
+            flags[0][shm_broadcast.layer_flag(pos)] = 1  # the owner's history of step 1 is in place
+        if lid in layout.owned:
+            flags[0][shm_broadcast.layer_flag(pos) + 1] = 1  # the peer has copied rank 1's layer
+    blocks, page = 4, 16
+    regions = {lid: [torch.zeros(blocks, page, dtype=torch.uint8)] for lid in layout.target_layers}
+    sources = {lid: [torch.full((blocks, page), lid + 1, dtype=torch.uint8)] for lid in layout.foreign}
+    group = SimpleNamespace(flags=flags, pids=[None, None], kv=[None, None])
+    bc = shm_broadcast.ShmLayerBroadcaster(layout, regions, sources, blocks, group, timeout=5.0)
+    copy = bc._copy
+
+    def timed_copy(*args):
+        copy(*args)
+        clock.now += COPY_S
+
+    monkeypatch.setattr(bc, "_copy", timed_copy)
+    return bc, flags[0], clock
+
+
+def _forward(bc, clock, between=lambda lid: None) -> None:
+    """One step's forward: each target layer, then its compute."""
+    bc.begin_step(True)
+    for lid in bc.layout.target_layers:
+        bc.before_layer(lid)
+        clock.now += COMPUTE_S
+        between(lid)
+    bc.end_step()
+
+
+@pytest.mark.unit
+def test_a_copy_made_at_its_issue_is_waited_for_and_only_the_owners_side_is_hidden(monkeypatch):
+    """The owner published before the receiver got there, so the receiver copies layers 0 and 1 when it
+    issues them (layer 1 as layer 0's prefetch), on its forward's thread: 2 copies waited for. Its own
+    layers 2 and 3 were read by the peer while it computed: their flight, one compute each, is hidden."""
+    bc, _, clock = _shm_receiver(monkeypatch, published={0, 1})
+    _forward(bc, clock)
+    assert all(torch.equal(bc._blocks[lid][0], bc._sources[lid][0]) for lid in bc.layout.foreign)
+    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S)
+    assert bc.stats.flight_seconds == pytest.approx(2 * COPY_S + 2 * COMPUTE_S)
+    assert bc.stats.layers == 4
+
+
+@pytest.mark.unit
+def test_a_copy_deferred_to_its_wait_is_in_flight_only_while_the_forward_makes_it(monkeypatch):
+    """Layer 1 is issued (as layer 0's prefetch) before its owner published it, which happens while the
+    receiver computes layer 0: nothing moves it until the receiver's forward copies it at its wait, so the
+    compute in between is not flight that prefetch hid."""
+    bc, peer, clock = _shm_receiver(monkeypatch, published={0})
+
+    def publish(lid):
+        if lid == 0:
+            peer[shm_broadcast.layer_flag(bc.layout.position(1))] = 1
+
+    _forward(bc, clock, publish)
+    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S)
+    # Layers 0 and 1: their copies. Layer 2 (owned), issued as layer 1's prefetch before layer 1's copy:
+    # its reader copies it while this forward copies layer 1 and computes. Layer 3: one compute.
+    flight = 2 * COPY_S + (COPY_S + COMPUTE_S) + COMPUTE_S
+    assert bc.stats.flight_seconds == pytest.approx(flight)
+    record = {**dict.fromkeys(metrics.SLOTS, 0.0), **metrics.stats_values(bc.stats), "kv_blocks_kvpp_off": 0.0}
+    assert metrics.derived(record)["prefetch_hidden_fraction"] == pytest.approx(1 - 2 * COPY_S / flight)
 
 
 def _scrape(directory, model="tiny-mla") -> dict[str, dict[tuple[str, str, str], float]]:
@@ -26,6 +111,7 @@ def _scrape(directory, model="tiny-mla") -> dict[str, dict[tuple[str, str, str],
     return out
 
 
+@pytest.mark.unit
 def test_records_of_several_ranks_round_trip_through_a_registry(tmp_path):
     rank0 = metrics.RecordWriter(tmp_path, 0, 0, 0, kv_blocks=165, kv_blocks_kvpp_off=107)
     rank1 = metrics.RecordWriter(tmp_path, 0, 1, 1, kv_blocks=165, kv_blocks_kvpp_off=110)
@@ -51,6 +137,7 @@ def test_records_of_several_ranks_round_trip_through_a_registry(tmp_path):
     assert exported == {sample for family in metrics.FAMILIES for sample in family.samples}
 
 
+@pytest.mark.unit
 def test_a_rank_that_has_not_written_is_absent_and_an_empty_directory_exports_no_sample(tmp_path):
     assert _scrape(tmp_path) == {}  # the families exist, without samples
     assert _scrape(tmp_path / "removed") == {}  # the serving process removed it at exit
@@ -62,6 +149,7 @@ def test_a_rank_that_has_not_written_is_absent_and_an_empty_directory_exports_no
     assert got["vllm:kvpp_steps_total"] == {("0", "0", "0"): 0}  # created, no step yet
 
 
+@pytest.mark.unit
 def test_the_hidden_fraction_is_absent_at_zero_flight_time_and_zero_copy_counts_reads(tmp_path):
     writer = metrics.RecordWriter(tmp_path, 1, 0, 0, kv_blocks=10, kv_blocks_kvpp_off=None)
     writer.update(ZeroCopyStats(steps=4, broadcast_steps=3, reads=24, waits=5, wait_seconds=0.25, bytes=0))
