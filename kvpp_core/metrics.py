@@ -10,6 +10,8 @@ Grafana dashboard's check (tests/deploy/deployment/test_dashboard.py) read it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
 import struct
@@ -21,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvpp_core.broadcast import BroadcastStats
 from kvpp_core.zero_copy import ZeroCopyStats
+
+logger = logging.getLogger("vllm.kvpp.metrics")  # the logger vLLM's init_logger hands out
 
 METRICS_DIR_ENV = "KVPP_METRICS_DIR"
 """The directory of this engine's records; set by the process that serves `/metrics`, inherited by its workers."""
@@ -98,11 +102,19 @@ class RecordWriter:
 
     def __init__(self, directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
                  kv_blocks_kvpp_off: int | None) -> None:
+        """Raises OSError when the record cannot be created, its page included: after that, every store
+        into it lands in memory that exists."""
         path = directory / f"rank-{engine}-{pp_stage}-{kvpp_rank}.rec"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, RECORD_BYTES)
+            # Reserve the page now. A file only ftruncate'd is sparse: on a full /dev/shm (a tight
+            # --shm-size or sizeLimit) the first store into its mapping is a SIGBUS that kills the worker.
+            os.posix_fallocate(fd, 0, RECORD_BYTES)
             self._map = mmap.mmap(fd, RECORD_BYTES, mmap.MAP_SHARED)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # an empty file is no record; the collector would skip it, but leave none
+            raise
         finally:
             os.close(fd)
         self._slots = memoryview(self._map).cast("d")
@@ -115,6 +127,21 @@ class RecordWriter:
     def update(self, stats: BroadcastStats) -> None:
         for name, value in stats_values(stats).items():
             self._slots[_INDEX[name]] = value
+
+
+def open_record(directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
+                kv_blocks_kvpp_off: int | None) -> RecordWriter | None:
+    """This rank's record, or None (warned once) where it cannot be made: the rank then serves without
+    metrics, since no failure of KVPP's metrics may stop or kill an engine."""
+    try:
+        return RecordWriter(directory, engine, pp_stage, kvpp_rank, kv_blocks, kv_blocks_kvpp_off)
+    except OSError as exc:
+        logger.warning(
+            "KVPP engine %d stage %d rank %d: its metrics are off, /metrics lacks its vllm:kvpp_* samples "
+            "(collective_rpc('kvpp_stats') still has them); its record cannot be created in %s=%s: %s. "
+            "Enlarge /dev/shm (docker run --shm-size, a Kubernetes emptyDir sizeLimit) or free it",
+            engine, pp_stage, kvpp_rank, METRICS_DIR_ENV, directory, exc.strerror or exc)
+        return None
 
 
 def read_records(directory: Path) -> list[dict[str, float]]:

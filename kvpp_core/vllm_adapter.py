@@ -367,13 +367,8 @@ def _metrics_record(worker, ctx: WorkerContext, num_blocks: int) -> metrics.Reco
     directory = os.environ.get(metrics.METRICS_DIR_ENV)
     if not directory:
         return None
-    try:
-        return metrics.RecordWriter(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
-                                    ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
-    except OSError as exc:  # the engine serves on; only its vllm:kvpp_* samples of this rank are missing
-        _logger().warning("KVPP rank %d: no metrics record in %s=%s (%s); /metrics lacks this rank's vllm:kvpp_* "
-                          "samples", ctx.layout.kvpp_rank, metrics.METRICS_DIR_ENV, directory, exc)
-        return None
+    return metrics.open_record(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
+                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
 
 
 _metrics_collector: metrics.RecordCollector | None = None
@@ -395,7 +390,15 @@ def _serve_metrics(vllm_config) -> None:
                           "(--api-server-count > 1, a multiprocess Prometheus registry); collective_rpc('kvpp_stats') "
                           "still reports them")
         return
-    directory = Path(tempfile.mkdtemp(prefix="kvpp-metrics-", dir=metrics.RECORDS_PARENT))
+    try:
+        directory = Path(tempfile.mkdtemp(prefix="kvpp-metrics-", dir=metrics.RECORDS_PARENT))
+    except OSError as exc:  # metrics never stop an engine
+        _logger().warning("KVPP: its metrics (vllm:kvpp_*) are off for this engine, /metrics lacks them "
+                          "(collective_rpc('kvpp_stats') still reports them): cannot create their directory in %s "
+                          "(%s); make /dev/shm writable, or enlarge it (docker run --shm-size, a Kubernetes "
+                          "emptyDir sizeLimit)", metrics.RECORDS_PARENT or tempfile.gettempdir(), exc.strerror or exc)
+        os.environ.pop(metrics.METRICS_DIR_ENV, None)
+        return
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     os.environ[metrics.METRICS_DIR_ENV] = str(directory)
     _metrics_collector = metrics.RecordCollector(directory, model_name)

@@ -3,7 +3,13 @@ through a real Prometheus registry, as vLLM's /metrics serves them."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -164,3 +170,42 @@ def test_the_hidden_fraction_is_absent_at_zero_flight_time_and_zero_copy_counts_
     # A worker whose capacity was not planned: no KVPP-off count, so no gain either.
     assert "vllm:kvpp_kv_blocks_kvpp_off" not in got and "vllm:kvpp_capacity_gain" not in got
     assert got["vllm:kvpp_kv_blocks"] == {key: 10}
+
+
+@pytest.mark.integration
+def test_a_full_or_read_only_shm_turns_a_ranks_metrics_off_with_one_warning_never_a_sigbus(tmp_path):
+    """A small tmpfs in a mount namespace of the test's own, as a tight `--shm-size` or emptyDir sizeLimit
+    makes /dev/shm: filled up, a rank's record cannot be made (a sparse record would be a SIGBUS at its
+    first store), and read-only, neither; each such rank warns once and serves without metrics, and a
+    rank whose record was made before keeps updating it."""
+    full, read_only = tmp_path / "shm", tmp_path / "shm-ro"
+    full.mkdir()
+    read_only.mkdir()
+    mount = ('mount -t tmpfs -o size=16k,mode=0700 wt-metrics-shm "$1" && '
+             'mount -t tmpfs -o ro,size=16k wt-metrics-shm-ro "$2"')
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare (a mount namespace) to mount a small tmpfs")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount, "sh", full, read_only], capture_output=True,
+                           text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here (root needed): {probe.stderr.strip()}")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'{mount} && exec "$3" -m tests.helpers.records_on_full_shm "$1" "$2"', "sh",
+         full, read_only, sys.executable],
+        capture_output=True, text=True, timeout=120, cwd=root,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))})
+    assert proc.returncode == 0, f"the ranks' process died (rc {proc.returncode}; -7 is SIGBUS): {proc.stderr[-2000:]}"
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["filled_bytes"] > 0 and got["free_bytes"] == 0
+    assert got["rank1"] is False and got["rank2"] is False
+    assert len(got["warnings"]) == 2, got["warnings"]  # one per rank whose metrics are off
+    no_space, no_write = got["warnings"]
+    assert "rank 1: its metrics are off" in no_space and "No space left on device" in no_space
+    assert "--shm-size" in no_space
+    assert "rank 2: its metrics are off" in no_write and "Read-only file system" in no_write
+    assert got["files"] == ["fill", "rank-0-0-0.rec"], "a rank without a record leaves no file behind"
+    steps = {s.labels["kvpp_rank"]: s.value for f in text_string_to_metric_families(got["exposition"])
+             for s in f.samples if s.name == "vllm:kvpp_steps_total"}
+    assert steps == {"0": 8}
+    assert list(full.iterdir()) == [] == list(read_only.iterdir()), "the tmpfs lived in the test's namespace only"
