@@ -209,3 +209,50 @@ def test_a_full_or_read_only_shm_turns_a_ranks_metrics_off_with_one_warning_neve
              for s in f.samples if s.name == "vllm:kvpp_steps_total"}
     assert steps == {"0": 8}
     assert list(full.iterdir()) == [] == list(read_only.iterdir()), "the tmpfs lived in the test's namespace only"
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_an_engine_says_at_start_which_ranks_its_metrics_leave_out(tiny_model, monkeypatch, tmp_path, capfd):
+    """vLLM's own config building, as `vllm serve` runs it on each node: records travel through one host's
+    shared memory, so the head of a two-node engine says its /metrics lacks the other node's ranks, the
+    headless node says its ranks reach no /metrics (and its workers write no record), and an API server
+    that cannot make the records' directory says the engine's metrics are off, and serves on. What they
+    say is read where vLLM's log handler prints it (vLLM reconfigures its loggers while it builds a config)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from connectors.plugin import register
+    from kvpp_core import vllm_adapter
+
+    register()
+    monkeypatch.setattr(vllm_adapter, "_metrics_collector", None)
+    monkeypatch.setattr(metrics, "RECORDS_PARENT", str(tmp_path))
+    monkeypatch.delenv(metrics.METRICS_DIR_ENV, raising=False)
+
+    def start(headless: bool = False, **nodes) -> list[str]:
+        """The warnings KVPP logs while vLLM builds this node's config."""
+        capfd.readouterr()
+        EngineArgs(model=tiny_model, enforce_eager=True, tensor_parallel_size=2, max_model_len=1024,
+                   additional_config={"enable_kvpp": True}, **nodes).create_engine_config(headless=headless)
+        out = capfd.readouterr()
+        return [line for line in (out.out + out.err).splitlines() if "WARNING" in line and "KVPP" in line]
+
+    assert start() == []  # one node: every rank is served
+    directory = Path(os.environ[metrics.METRICS_DIR_ENV])
+    assert directory.parent == tmp_path
+    two_nodes = {"nnodes": 2, "master_addr": "127.0.0.1"}
+    (head,) = start(**two_nodes, node_rank=0)
+    assert "/metrics carries the vllm:kvpp_* samples of this node's ranks only" in head
+    assert "1 of each engine's 2 ranks (on its 1 other node)" in head and "kvpp_stats" in head
+    assert os.environ[metrics.METRICS_DIR_ENV] == str(directory)  # the head's own ranks still are
+    (worker_node,) = start(headless=True, **two_nodes, node_rank=1)
+    assert "this node runs headless (no API server)" in worker_node and "reach no /metrics" in worker_node
+    assert metrics.METRICS_DIR_ENV not in os.environ, "a headless node's workers write no record"
+    get_prometheus_registry().unregister(vllm_adapter._metrics_collector)
+
+    monkeypatch.setattr(vllm_adapter, "_metrics_collector", None)
+    monkeypatch.setattr(metrics, "RECORDS_PARENT", str(tmp_path / "gone"))
+    (off,) = start()
+    assert "metrics (vllm:kvpp_*) are off for this engine" in off and str(tmp_path / "gone") in off
+    assert metrics.METRICS_DIR_ENV not in os.environ and vllm_adapter._metrics_collector is None
