@@ -68,11 +68,14 @@ COUNTERS = dict((
     _counter("broadcast_steps", "Steps whose batch had history a foreign layer needed (the others broadcast nothing)."),
     _counter("broadcast_layers", "Target layers delivered (received, or sent and read by every peer)."),
     _counter("broadcast_bytes", "KV bytes broadcast into this rank's staging buffers (received; 0 for zero-copy)."),
-    _counter("broadcast_seconds", "Per layer, seconds from issuing its broadcast to its data being in place, summed."),
-    _counter("broadcast_wait_seconds", "Seconds the forward blocked on a layer's broadcast (what prefetch did not hide)."),
+    _counter("broadcast_seconds", "Per layer, seconds it was in flight (moving without the forward, or moved by it) "
+                                  "until this rank saw it in place, summed."),
+    _counter("broadcast_wait_seconds", "Seconds the forward spent on broadcasts instead of computing: issuing, "
+                                       "copying and waiting for layers (what prefetch did not hide)."),
     _counter("zero_copy_reads", "Zero-copy: foreign layers read in their owner's pages."),
-    _counter("zero_copy_waits", "Zero-copy: reads that had to wait for the owner's write of the step."),
-    _counter("zero_copy_wait_seconds", "Zero-copy: seconds those reads waited."),
+    _counter("zero_copy_waits", "Zero-copy: waits on a peer: reads for the owner's write of the step, a step's "
+                                "start for the peers' previous step, an owner's first write for their forward."),
+    _counter("zero_copy_wait_seconds", "Zero-copy: seconds the forward spent in those waits."),
 ))
 GAUGES = {
     "kv_blocks": Family("vllm:kvpp_kv_blocks", "gauge", "KV blocks this engine holds with KVPP (the engine's count)."),
@@ -81,18 +84,18 @@ GAUGES = {
     "capacity_gain": Family("vllm:kvpp_capacity_gain", "gauge", "kv_blocks / kv_blocks_kvpp_off."),
     "prefetch_hidden_fraction": Family(
         "vllm:kvpp_prefetch_hidden_fraction", "gauge",
-        "1 - broadcast_wait_seconds / broadcast_seconds since start: the part of the broadcasts' flight the "
-        "forward did not wait for (absent before any flight time, and for zero-copy)."),
+        "1 - broadcast_wait_seconds / broadcast_seconds since start: at most the part of the broadcasts' flight "
+        "the forward did not wait for (absent before any flight time, and for zero-copy)."),
 }
 FAMILIES: tuple[Family, ...] = (*COUNTERS.values(), *GAUGES.values())
 
 
 def stats_values(stats: BroadcastStats) -> dict[str, float]:
-    """The record's counter slots from a broadcaster's stats (zero-copy's waits are reads, not broadcasts)."""
+    """The record's counter slots from a broadcaster's stats (zero-copy's waits are on peers, not broadcasts)."""
     common = {"steps": stats.steps, "broadcast_steps": stats.broadcast_steps}
     if isinstance(stats, ZeroCopyStats):
-        return {**common, "zero_copy_reads": stats.reads, "zero_copy_waits": stats.waits,
-                "zero_copy_wait_seconds": stats.wait_seconds}
+        return {**common, "zero_copy_reads": stats.reads, "zero_copy_waits": stats.waits + stats.step_waits,
+                "zero_copy_wait_seconds": stats.wait_seconds + stats.step_wait_seconds}
     return {**common, "broadcast_layers": stats.layers, "broadcast_bytes": stats.bytes,
             "broadcast_seconds": stats.flight_seconds, "broadcast_wait_seconds": stats.wait_seconds}
 

@@ -17,7 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpp_core import broadcast, metrics, shm_broadcast
+from kvpp_core import broadcast, metrics, shm_broadcast, zero_copy
 from kvpp_core.broadcast import BroadcastStats
 from kvpp_core.ownership import rank_layout
 from kvpp_core.zero_copy import ZeroCopyStats
@@ -118,6 +118,51 @@ def _scrape(directory, model="tiny-mla") -> dict[str, dict[tuple[str, str, str],
 
 
 @pytest.mark.unit
+def test_zero_copy_counts_every_wait_on_a_peer_the_step_edges_too(monkeypatch):
+    """Kvpp rank 0 of 2 over 4 layers (owns 0 and 1) in zero-copy, its peer's control segment a plain array
+    the peer sets while rank 0 waits (each poll's nap lets it act once and takes 5 ms). Rank 0 waits for
+    its peer's forward to begin before its first write, for the peer's write of layer 2 before reading
+    it, and at the next step's start for the peer to finish the step: three waits, all the forward's."""
+    nap = 0.005
+    clock = Clock()
+    peer_acts: list = []
+
+    def sleep(_seconds: float) -> None:
+        clock.now += nap
+        peer_acts.pop(0)()
+
+    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(perf_counter=clock, monotonic=clock, sleep=sleep))
+    monkeypatch.setattr(zero_copy, "time", SimpleNamespace(perf_counter=clock))
+    layout = rank_layout(range(4), 2, 0, 0)
+    flags = [memoryview(bytearray(8 * shm_broadcast.layer_flag(4))).cast("q") for _ in range(2)]
+    zc = zero_copy.ZeroCopyLayers(layout, SimpleNamespace(flags=flags, pids=[None, None], kv=[None, None]), 5.0)
+    peer = flags[1]
+
+    def peer_sets(slot: int, value: int = 1):
+        return lambda: peer.__setitem__(slot, value)
+
+    written: list[int] = []
+    zc.begin_step(True)  # step 1: nothing to wait for at its start
+    peer_acts.append(peer_sets(shm_broadcast.STARTED))  # the peer's forward begins while rank 0 waits
+    for lid in layout.target_layers:
+        zc.write(lid, lambda lid=lid: written.append(lid))
+        if lid == 2:
+            peer_acts.append(peer_sets(shm_broadcast.layer_flag(2)))  # the peer writes it while rank 0 waits
+        if lid == 3:
+            peer[shm_broadcast.layer_flag(3)] = 1  # written before rank 0 reads it: no wait
+        if lid in layout.foreign:
+            zc.before_read(lid)
+    zc.end_step()
+    peer_acts.append(peer_sets(shm_broadcast.FINISHED))
+    zc.begin_step(True)  # step 2 waits for the peer to finish step 1
+    assert peer_acts == [] and written == [0, 1]
+    assert (zc.stats.reads, zc.stats.waits, zc.stats.step_waits) == (2, 1, 2)
+    assert zc.stats.wait_seconds == pytest.approx(nap) and zc.stats.step_wait_seconds == pytest.approx(2 * nap)
+    record = metrics.stats_values(zc.stats)
+    assert record["zero_copy_waits"] == 3 and record["zero_copy_wait_seconds"] == pytest.approx(3 * nap)
+
+
+@pytest.mark.unit
 def test_records_of_several_ranks_round_trip_through_a_registry(tmp_path):
     rank0 = metrics.RecordWriter(tmp_path, 0, 0, 0, kv_blocks=165, kv_blocks_kvpp_off=107)
     rank1 = metrics.RecordWriter(tmp_path, 0, 1, 1, kv_blocks=165, kv_blocks_kvpp_off=110)
@@ -158,14 +203,15 @@ def test_a_rank_that_has_not_written_is_absent_and_an_empty_directory_exports_no
 @pytest.mark.unit
 def test_the_hidden_fraction_is_absent_at_zero_flight_time_and_zero_copy_counts_reads(tmp_path):
     writer = metrics.RecordWriter(tmp_path, 1, 0, 0, kv_blocks=10, kv_blocks_kvpp_off=None)
-    writer.update(ZeroCopyStats(steps=4, broadcast_steps=3, reads=24, waits=5, wait_seconds=0.25, bytes=0))
+    writer.update(ZeroCopyStats(steps=4, broadcast_steps=3, reads=24, waits=5, wait_seconds=0.25, step_waits=2,
+                                step_wait_seconds=0.5, bytes=0))
     got = _scrape(tmp_path)
     key = ("1", "0", "0")
     assert "vllm:kvpp_prefetch_hidden_fraction" not in got  # no flight time: nothing hidden, nothing to divide
     assert got["vllm:kvpp_broadcast_seconds_total"] == {key: 0} and got["vllm:kvpp_broadcast_bytes_total"] == {key: 0}
     assert got["vllm:kvpp_zero_copy_reads_total"] == {key: 24}
-    assert got["vllm:kvpp_zero_copy_waits_total"] == {key: 5}
-    assert got["vllm:kvpp_zero_copy_wait_seconds_total"] == {key: 0.25}
+    assert got["vllm:kvpp_zero_copy_waits_total"] == {key: 7}  # the reads' waits and the step edges'
+    assert got["vllm:kvpp_zero_copy_wait_seconds_total"] == {key: 0.75}
     assert got["vllm:kvpp_broadcast_wait_seconds_total"] == {key: 0}  # zero-copy's waits are reads, not broadcasts
     # A worker whose capacity was not planned: no KVPP-off count, so no gain either.
     assert "vllm:kvpp_kv_blocks_kvpp_off" not in got and "vllm:kvpp_capacity_gain" not in got
