@@ -33,9 +33,10 @@ class BroadcastStats:
     """Time the forward's thread spent on layers' broadcasts instead of computing: issuing them, copying them
     (a copy on the forward's thread is waited for, whenever it runs) and waiting for them. The part not hidden."""
     flight_seconds: float = 0.0
-    """Per layer, from the moment its transfer can progress without the forward (a collective: its issue) to
-    this rank seeing its data in place (at its wait: an upper bound), summed; 1 - wait_seconds / flight_seconds
-    is the part prefetch hid, at most."""
+    """Per layer, the time it was in flight until this rank saw it in place (at its wait: an upper bound),
+    summed: from its issue on where a backend moves it while the forward computes (a collective), only while
+    a forward moves it or waits for it otherwise (shared memory). 1 - wait_seconds / flight_seconds is at
+    most the part prefetch hid."""
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(vars(self))

@@ -68,8 +68,8 @@ COUNTERS = dict((
     _counter("broadcast_steps", "Steps whose batch had history a foreign layer needed (the others broadcast nothing)."),
     _counter("broadcast_layers", "Target layers delivered (received, or sent and read by every peer)."),
     _counter("broadcast_bytes", "KV bytes broadcast into this rank's staging buffers (received; 0 for zero-copy)."),
-    _counter("broadcast_seconds", "Per layer, seconds it was in flight (moving without the forward, or moved by it) "
-                                  "until this rank saw it in place, summed."),
+    _counter("broadcast_seconds", "Per layer, seconds it was in flight (moved by a backend from its issue on, or "
+                                  "by a forward) until this rank saw it in place, summed."),
     _counter("broadcast_wait_seconds", "Seconds the forward spent on broadcasts instead of computing: issuing, "
                                        "copying and waiting for layers (what prefetch did not hide)."),
     _counter("zero_copy_reads", "Zero-copy: foreign layers read in their owner's pages."),

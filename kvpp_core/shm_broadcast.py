@@ -344,9 +344,11 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     prefetched layer is in place before its turn), else when it is waited for. The copies run on
     the forward's own thread: a helper thread would fight the Python-heavy eager forward for the
     GIL, and each hand-over can cost milliseconds that the owner, waiting for the copy, pays too.
-    So a receiver's copy is waited for wherever it runs (its flight is the copy and the wait for the
-    owner's publish, all of it waited); what prefetch can hide is the owner's side: its readers copy
-    its layers while its forward computes. `stats.bytes` counts the bytes copied into this rank.
+    So every copy is waited for by the forward that makes it, wherever it runs; an owner moves
+    nothing, its readers do. A layer is in flight only while this rank's forward copies it or waits
+    for it (for its owner's publish or, as its owner, for its readers' copies): nothing is hidden
+    (`stats.flight_seconds` equals `stats.wait_seconds`), and what prefetch buys is a shorter wait,
+    an owner finding its layers already copied. `stats.bytes` counts the bytes copied into this rank.
     """
 
     def __init__(self, layout: RankLayout, regions: Mapping[int, Sequence[torch.Tensor]],
@@ -380,7 +382,6 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
         if owner == self.layout.kvpp_rank:
-            self._issued[layer_id] = started  # its readers copy it from its publish on, not this forward
             if self._published < self._epoch:  # every owned layer's history is in place: see the module doc
                 for slot in self._ready_slots:
                     self._own_flags[slot] = self._epoch
@@ -396,9 +397,9 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
         due = self._pending.pop(layer_id)
         pos = self._position[layer_id]
         started = time.perf_counter()
+        self._issued[layer_id] = started  # in flight only while this forward copies it or waits for it
         try:
             if due:
-                self._issued[layer_id] = started  # nothing moved it before this forward does
                 self._guarded(layer_id, lambda: self._copy(layer_id, pos, due[0]))
             elif self.layout.owner_of(layer_id) == self.layout.kvpp_rank:
                 read = 2 * pos + _HEADER + 1

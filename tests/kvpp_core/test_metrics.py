@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,28 +22,48 @@ from kvpp_core.ownership import rank_layout
 from kvpp_core.zero_copy import ZeroCopyStats
 from tests.helpers.clock import Clock
 
-COPY_S, COMPUTE_S = 0.010, 0.004
-"""What one layer's copy and one layer's compute take on the test's clock."""
+COPY_S, COMPUTE_S, NAP_S = 0.010, 0.004, 0.005
+"""What one layer's copy and one layer's compute take on the test's clock, and one nap of a rank polling a
+peer's flag."""
 
 
-def _shm_receiver(monkeypatch, published: set[int]):
-    """Kvpp rank 1 of 2 over 4 layers (owns 2 and 3; two staging slots, so one layer of prefetch), as
-    ShmLayerBroadcaster runs it, on a clock the test moves: every copy takes COPY_S. Its peer's control
-    segment is a plain array in which the peer has published the layers in `published` and already read
-    rank 1's layers. Returns the broadcaster, the peer's flags and the clock."""
-    clock = Clock()
+def _peer_acting_while_polled(monkeypatch) -> tuple[Clock, list]:
+    """The broadcasters' clock, moved by hand, and the actions a peer takes while this rank polls its flags:
+    each nap of a poll takes NAP_S and lets the peer take its next action."""
+    clock, peer_acts = Clock(), []
+
+    def nap(_seconds: float) -> None:
+        clock.now += NAP_S
+        peer_acts.pop(0)()
+
     monkeypatch.setattr(broadcast, "time", SimpleNamespace(perf_counter=clock))
-    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(perf_counter=clock, monotonic=time.monotonic,
-                                                               sleep=time.sleep))
+    monkeypatch.setattr(zero_copy, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(perf_counter=clock, monotonic=clock, sleep=nap))
+    return clock, peer_acts
+
+
+def _control_segments(layout) -> list[memoryview]:
+    """Both ranks' control segments, as plain arrays."""
+    return [memoryview(bytearray(8 * shm_broadcast.layer_flag(len(layout.target_layers)))).cast("q")
+            for _ in range(layout.group_size)]
+
+
+def _sets(flags: memoryview, slot: int):
+    return lambda: flags.__setitem__(slot, 1)
+
+
+def _shm_rank1(monkeypatch, published: set[int], read: set[int]):
+    """Kvpp rank 1 of 2 over 4 layers (owns 2 and 3; two staging slots, so one layer of prefetch) as
+    ShmLayerBroadcaster runs it, every copy taking COPY_S. Its peer has published the layers in `published`
+    and copied rank 1's layers in `read`. Returns the broadcaster, the peer's flags, the clock and the
+    peer's actions while polled."""
+    clock, peer_acts = _peer_acting_while_polled(monkeypatch)
     layout = rank_layout(range(4), 2, 1, 2)
-    slots = shm_broadcast.layer_flag(len(layout.target_layers))
-    flags = [memoryview(bytearray(8 * slots)).cast("q") for _ in range(2)]
-    for lid in layout.target_layers:
-        pos = layout.position(lid)
-        if lid in published:
-            flags[0][shm_broadcast.layer_flag(pos)] = 1  # the owner's history of step 1 is in place
-        if lid in layout.owned:
-            flags[0][shm_broadcast.layer_flag(pos) + 1] = 1  # the peer has copied rank 1's layer
+    flags = _control_segments(layout)
+    for lid in published:
+        flags[0][shm_broadcast.layer_flag(layout.position(lid))] = 1  # the peer's ready flag of step 1
+    for lid in read:
+        flags[0][shm_broadcast.layer_flag(layout.position(lid)) + 1] = 1  # its read flag of step 1
     blocks, page = 4, 16
     regions = {lid: [torch.zeros(blocks, page, dtype=torch.uint8)] for lid in layout.target_layers}
     sources = {lid: [torch.full((blocks, page), lid + 1, dtype=torch.uint8)] for lid in layout.foreign}
@@ -57,7 +76,7 @@ def _shm_receiver(monkeypatch, published: set[int]):
         clock.now += COPY_S
 
     monkeypatch.setattr(bc, "_copy", timed_copy)
-    return bc, flags[0], clock
+    return bc, flags[0], clock, peer_acts
 
 
 def _forward(bc, clock, between=lambda lid: None) -> None:
@@ -70,38 +89,74 @@ def _forward(bc, clock, between=lambda lid: None) -> None:
     bc.end_step()
 
 
+def _hidden(stats) -> float:
+    record = {**dict.fromkeys(metrics.SLOTS, 0.0), **metrics.stats_values(stats), "kv_blocks_kvpp_off": 0.0}
+    return metrics.derived(record)["prefetch_hidden_fraction"]
+
+
 @pytest.mark.unit
-def test_a_copy_made_at_its_issue_is_waited_for_and_only_the_owners_side_is_hidden(monkeypatch):
+def test_a_copy_made_at_its_issue_is_waited_for(monkeypatch):
     """The owner published before the receiver got there, so the receiver copies layers 0 and 1 when it
-    issues them (layer 1 as layer 0's prefetch), on its forward's thread: 2 copies waited for. Its own
-    layers 2 and 3 were read by the peer while it computed: their flight, one compute each, is hidden."""
-    bc, _, clock = _shm_receiver(monkeypatch, published={0, 1})
+    issues them (layer 1 as layer 0's prefetch), on its forward's thread: both copies are waited for, and
+    in flight only while they are made. Its own layers were copied by the peer already: no wait, and no
+    flight either (it moves nothing). Nothing is hidden (before the fix: wait 0, hidden fraction 1)."""
+    bc, _, clock, _ = _shm_rank1(monkeypatch, published={0, 1}, read={2, 3})
     _forward(bc, clock)
     assert all(torch.equal(bc._blocks[lid][0], bc._sources[lid][0]) for lid in bc.layout.foreign)
-    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S)
-    assert bc.stats.flight_seconds == pytest.approx(2 * COPY_S + 2 * COMPUTE_S)
     assert bc.stats.layers == 4
+    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S)
+    assert bc.stats.flight_seconds == bc.stats.wait_seconds
+    assert _hidden(bc.stats) == 0
 
 
 @pytest.mark.unit
-def test_a_copy_deferred_to_its_wait_is_in_flight_only_while_the_forward_makes_it(monkeypatch):
-    """Layer 1 is issued (as layer 0's prefetch) before its owner published it, which happens while the
-    receiver computes layer 0: nothing moves it until the receiver's forward copies it at its wait, so the
-    compute in between is not flight that prefetch hid."""
-    bc, peer, clock = _shm_receiver(monkeypatch, published={0})
+def test_a_copy_deferred_to_its_wait_and_an_owners_wait_for_its_reader_are_waited_for(monkeypatch):
+    """Layer 1 is issued (layer 0's prefetch) before its owner published it, which happens while rank 1
+    computes layer 0: nothing moves it until rank 1's forward copies it at its wait, so that compute is not
+    flight. Rank 1's layer 3 is copied by its reader while rank 1 polls for it, one nap: waited."""
+    bc, peer, clock, peer_acts = _shm_rank1(monkeypatch, published={0}, read={2})
+    peer_acts.append(_sets(peer, shm_broadcast.layer_flag(3) + 1))
 
     def publish(lid):
         if lid == 0:
-            peer[shm_broadcast.layer_flag(bc.layout.position(1))] = 1
+            peer[shm_broadcast.layer_flag(1)] = 1
 
     _forward(bc, clock, publish)
-    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S)
-    # Layers 0 and 1: their copies. Layer 2 (owned), issued as layer 1's prefetch before layer 1's copy:
-    # its reader copies it while this forward copies layer 1 and computes. Layer 3: one compute.
-    flight = 2 * COPY_S + (COPY_S + COMPUTE_S) + COMPUTE_S
-    assert bc.stats.flight_seconds == pytest.approx(flight)
-    record = {**dict.fromkeys(metrics.SLOTS, 0.0), **metrics.stats_values(bc.stats), "kv_blocks_kvpp_off": 0.0}
-    assert metrics.derived(record)["prefetch_hidden_fraction"] == pytest.approx(1 - 2 * COPY_S / flight)
+    assert peer_acts == []
+    assert bc.stats.wait_seconds == pytest.approx(2 * COPY_S + NAP_S)
+    assert bc.stats.flight_seconds == bc.stats.wait_seconds
+    assert _hidden(bc.stats) == 0
+
+
+@pytest.mark.unit
+def test_zero_copy_counts_every_wait_on_a_peer_the_step_edges_too(monkeypatch):
+    """Kvpp rank 0 of 2 over 4 layers (owns 0 and 1) in zero-copy. It waits for its peer's forward to begin
+    before its first write, for the peer's write of layer 2 before reading it, and at the next step's start
+    for the peer to finish the step: three waits of one nap each, all the forward's."""
+    clock, peer_acts = _peer_acting_while_polled(monkeypatch)
+    layout = rank_layout(range(4), 2, 0, 0)
+    flags = _control_segments(layout)
+    zc = zero_copy.ZeroCopyLayers(layout, SimpleNamespace(flags=flags, pids=[None, None], kv=[None, None]), 5.0)
+    peer = flags[1]
+    written: list[int] = []
+    zc.begin_step(True)  # step 1: nothing to wait for at its start
+    peer_acts.append(_sets(peer, shm_broadcast.STARTED))  # the peer's forward begins while rank 0 waits
+    for lid in layout.target_layers:
+        zc.write(lid, lambda lid=lid: written.append(lid))
+        if lid == 2:
+            peer_acts.append(_sets(peer, shm_broadcast.layer_flag(2)))  # the peer writes it while rank 0 waits
+        if lid == 3:
+            peer[shm_broadcast.layer_flag(3)] = 1  # written before rank 0 reads it: no wait
+        if lid in layout.foreign:
+            zc.before_read(lid)
+    zc.end_step()
+    peer_acts.append(_sets(peer, shm_broadcast.FINISHED))
+    zc.begin_step(True)  # step 2 waits for the peer to finish step 1
+    assert peer_acts == [] and written == [0, 1]
+    assert (zc.stats.reads, zc.stats.waits, zc.stats.step_waits) == (2, 1, 2)
+    assert zc.stats.wait_seconds == pytest.approx(NAP_S) and zc.stats.step_wait_seconds == pytest.approx(2 * NAP_S)
+    record = metrics.stats_values(zc.stats)
+    assert record["zero_copy_waits"] == 3 and record["zero_copy_wait_seconds"] == pytest.approx(3 * NAP_S)
 
 
 def _scrape(directory, model="tiny-mla") -> dict[str, dict[tuple[str, str, str], float]]:
@@ -115,51 +170,6 @@ def _scrape(directory, model="tiny-mla") -> dict[str, dict[tuple[str, str, str],
             out.setdefault(sample.name, {})[(sample.labels["engine"], sample.labels["pp_stage"],
                                              sample.labels["kvpp_rank"])] = sample.value
     return out
-
-
-@pytest.mark.unit
-def test_zero_copy_counts_every_wait_on_a_peer_the_step_edges_too(monkeypatch):
-    """Kvpp rank 0 of 2 over 4 layers (owns 0 and 1) in zero-copy, its peer's control segment a plain array
-    the peer sets while rank 0 waits (each poll's nap lets it act once and takes 5 ms). Rank 0 waits for
-    its peer's forward to begin before its first write, for the peer's write of layer 2 before reading
-    it, and at the next step's start for the peer to finish the step: three waits, all the forward's."""
-    nap = 0.005
-    clock = Clock()
-    peer_acts: list = []
-
-    def sleep(_seconds: float) -> None:
-        clock.now += nap
-        peer_acts.pop(0)()
-
-    monkeypatch.setattr(shm_broadcast, "time", SimpleNamespace(perf_counter=clock, monotonic=clock, sleep=sleep))
-    monkeypatch.setattr(zero_copy, "time", SimpleNamespace(perf_counter=clock))
-    layout = rank_layout(range(4), 2, 0, 0)
-    flags = [memoryview(bytearray(8 * shm_broadcast.layer_flag(4))).cast("q") for _ in range(2)]
-    zc = zero_copy.ZeroCopyLayers(layout, SimpleNamespace(flags=flags, pids=[None, None], kv=[None, None]), 5.0)
-    peer = flags[1]
-
-    def peer_sets(slot: int, value: int = 1):
-        return lambda: peer.__setitem__(slot, value)
-
-    written: list[int] = []
-    zc.begin_step(True)  # step 1: nothing to wait for at its start
-    peer_acts.append(peer_sets(shm_broadcast.STARTED))  # the peer's forward begins while rank 0 waits
-    for lid in layout.target_layers:
-        zc.write(lid, lambda lid=lid: written.append(lid))
-        if lid == 2:
-            peer_acts.append(peer_sets(shm_broadcast.layer_flag(2)))  # the peer writes it while rank 0 waits
-        if lid == 3:
-            peer[shm_broadcast.layer_flag(3)] = 1  # written before rank 0 reads it: no wait
-        if lid in layout.foreign:
-            zc.before_read(lid)
-    zc.end_step()
-    peer_acts.append(peer_sets(shm_broadcast.FINISHED))
-    zc.begin_step(True)  # step 2 waits for the peer to finish step 1
-    assert peer_acts == [] and written == [0, 1]
-    assert (zc.stats.reads, zc.stats.waits, zc.stats.step_waits) == (2, 1, 2)
-    assert zc.stats.wait_seconds == pytest.approx(nap) and zc.stats.step_wait_seconds == pytest.approx(2 * nap)
-    record = metrics.stats_values(zc.stats)
-    assert record["zero_copy_waits"] == 3 and record["zero_copy_wait_seconds"] == pytest.approx(3 * nap)
 
 
 @pytest.mark.unit

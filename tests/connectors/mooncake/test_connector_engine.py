@@ -252,7 +252,9 @@ def _assert_kvpp_capacity_metrics(engine, kvpp: dict, model: str, staging: int) 
 def test_kvpp_metrics_of_the_staged_prefill(pd):
     """KVPP's own metrics on the KVPP prefill's /metrics (the API server reads each worker's record): capacity
     against the plan, and a request with history (a plain completion decodes on the prefill, each decode step
-    broadcasting the foreign layers' history) grows the broadcast counters exactly as the workers count them."""
+    broadcasting the foreign layers' history) grows the broadcast counters exactly as the workers count them.
+    Its ranks share a host, so layers travel through shared memory, where every copy is made by a forward:
+    all flight is waited, nothing hidden (a copy made at its issue once counted as hidden: 0.93 and 0.99)."""
     prefill = pd["prefill"]
     before = _kvpp_metrics(prefill, pd["model"])
     _assert_kvpp_capacity_metrics(prefill, before, pd["model"], staging=2)
@@ -267,9 +269,8 @@ def test_kvpp_metrics_of_the_staged_prefill(pd):
         assert after["vllm:kvpp_broadcast_layers_total"][r] == counted["layers"]
         assert after["vllm:kvpp_broadcast_seconds_total"][r] == pytest.approx(counted["flight_seconds"])
         assert after["vllm:kvpp_broadcast_wait_seconds_total"][r] == pytest.approx(counted["wait_seconds"])
-        assert 0 <= counted["wait_seconds"] <= counted["flight_seconds"]
-        assert after["vllm:kvpp_prefetch_hidden_fraction"][r] == pytest.approx(
-            1 - counted["wait_seconds"] / counted["flight_seconds"])
+        assert counted["transport"] == "shm" and 0 < counted["wait_seconds"] == counted["flight_seconds"]
+        assert after["vllm:kvpp_prefetch_hidden_fraction"][r] == 0
         assert after["vllm:kvpp_zero_copy_reads_total"][r] == 0
     print("staged prefill /metrics:", {name.removeprefix("vllm:kvpp_"): after[name] for name in (
         "vllm:kvpp_broadcast_bytes_total", "vllm:kvpp_broadcast_layers_total", "vllm:kvpp_broadcast_steps_total",
