@@ -30,10 +30,13 @@ class BroadcastStats:
     layers: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
-    """Time the forward pass was blocked waiting for a layer: the part of the traffic not hidden."""
+    """Time the forward's thread spent on layers' broadcasts instead of computing: issuing them, copying them
+    (a copy on the forward's thread is waited for, whenever it runs) and waiting for them. The part not hidden."""
     flight_seconds: float = 0.0
-    """Per layer, from issuing its broadcast to its data being in place (a collective's: to its wait returning),
-    summed; 1 - wait_seconds / flight_seconds is the part prefetch hid."""
+    """Per layer, the time it was in flight until this rank saw it in place (at its wait: an upper bound),
+    summed: from its issue on where a backend moves it while the forward computes (a collective), only while
+    a forward moves it or waits for it otherwise (shared memory). 1 - wait_seconds / flight_seconds is at
+    most the part prefetch hid."""
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(vars(self))
@@ -98,7 +101,8 @@ class LayerBroadcaster:
         self._position = {lid: pos for pos, lid in enumerate(layout.target_layers)}
         self._pending: dict[int, list[dist.Work]] = {}
         self._issued: dict[int, float] = {}
-        """perf_counter() at each pending layer's issue, until its flight is counted."""
+        """perf_counter() at each pending layer's start of flight, until its flight is counted; a layer that
+        only the forward's own thread moves is not in it until the forward moves it."""
         self._delivered: set[int] = set()
         self._active = False
         self._ranges: list[range] | Callable[[], Sequence[range] | None] | None = None
@@ -137,11 +141,11 @@ class LayerBroadcaster:
             self._ranges = None if found is None else list(found)
         pos = self._position[layer_id]
         if layer_id not in self._pending:
-            self._issue(layer_id)
+            self._issue_counted(layer_id)
         ahead = self.layout.target_layers[pos + 1 : pos + 1 + self.layout.prefetch_depth]
         for nxt in ahead:
             if nxt not in self._pending and nxt not in self._delivered:
-                self._issue(nxt)
+                self._issue_counted(nxt)
         self._wait(layer_id)
 
     def end_step(self) -> None:
@@ -156,8 +160,23 @@ class LayerBroadcaster:
         if errors:
             raise errors[0]
 
-    def _issue(self, layer_id: int) -> None:
-        self._issued[layer_id] = time.perf_counter()
+    def _issue_counted(self, layer_id: int) -> None:
+        """Issue a layer. The forward's thread does that work, and whatever a transport does synchronously
+        there, instead of computing: its time is waited time. It is flight time too: inside the flight that
+        starts here (`_issued`), or else the forward's own work on the layer (a copy made right there)."""
+        started = time.perf_counter()
+        try:
+            self._issue(layer_id, started)
+        finally:
+            spent = time.perf_counter() - started
+            self.stats.wait_seconds += spent
+            if layer_id not in self._issued:
+                self.stats.flight_seconds += spent
+
+    def _issue(self, layer_id: int, started: float) -> None:
+        """Start a layer's transfer; a transfer that progresses without the forward from here on is in
+        flight from `started` (`_issued`)."""
+        self._issued[layer_id] = started
         src = self.group_ranks[self.layout.owner_of(layer_id)]
         works = []
         for blocks in self._blocks[layer_id]:
@@ -184,7 +203,7 @@ class LayerBroadcaster:
         self.stats.layers += 1
 
     def _landed(self, layer_id: int, wait_started: float) -> None:
-        """A layer's wait is over: count it, and the layer's flight unless that was counted at its issue."""
+        """A layer's wait is over: count it, and the layer's flight if one was started (see `_issued`)."""
         now = time.perf_counter()
         self.stats.wait_seconds += now - wait_started
         issued = self._issued.pop(layer_id, None)

@@ -10,6 +10,8 @@ Grafana dashboard's check (tests/deploy/deployment/test_dashboard.py) read it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
 import struct
@@ -21,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvpp_core.broadcast import BroadcastStats
 from kvpp_core.zero_copy import ZeroCopyStats
+
+logger = logging.getLogger("vllm.kvpp.metrics")  # the logger vLLM's init_logger hands out
 
 METRICS_DIR_ENV = "KVPP_METRICS_DIR"
 """The directory of this engine's records; set by the process that serves `/metrics`, inherited by its workers."""
@@ -64,11 +68,14 @@ COUNTERS = dict((
     _counter("broadcast_steps", "Steps whose batch had history a foreign layer needed (the others broadcast nothing)."),
     _counter("broadcast_layers", "Target layers delivered (received, or sent and read by every peer)."),
     _counter("broadcast_bytes", "KV bytes broadcast into this rank's staging buffers (received; 0 for zero-copy)."),
-    _counter("broadcast_seconds", "Per layer, seconds from issuing its broadcast to its data being in place, summed."),
-    _counter("broadcast_wait_seconds", "Seconds the forward blocked on a layer's broadcast (what prefetch did not hide)."),
+    _counter("broadcast_seconds", "Per layer, seconds it was in flight (moved by a backend from its issue on, or "
+                                  "by a forward) until this rank saw it in place, summed."),
+    _counter("broadcast_wait_seconds", "Seconds the forward spent on broadcasts instead of computing: issuing, "
+                                       "copying and waiting for layers (what prefetch did not hide)."),
     _counter("zero_copy_reads", "Zero-copy: foreign layers read in their owner's pages."),
-    _counter("zero_copy_waits", "Zero-copy: reads that had to wait for the owner's write of the step."),
-    _counter("zero_copy_wait_seconds", "Zero-copy: seconds those reads waited."),
+    _counter("zero_copy_waits", "Zero-copy: waits on a peer: reads for the owner's write of the step, a step's "
+                                "start for the peers' previous step, an owner's first write for their forward."),
+    _counter("zero_copy_wait_seconds", "Zero-copy: seconds the forward spent in those waits."),
 ))
 GAUGES = {
     "kv_blocks": Family("vllm:kvpp_kv_blocks", "gauge", "KV blocks this engine holds with KVPP (the engine's count)."),
@@ -77,18 +84,18 @@ GAUGES = {
     "capacity_gain": Family("vllm:kvpp_capacity_gain", "gauge", "kv_blocks / kv_blocks_kvpp_off."),
     "prefetch_hidden_fraction": Family(
         "vllm:kvpp_prefetch_hidden_fraction", "gauge",
-        "1 - broadcast_wait_seconds / broadcast_seconds since start: the part of the broadcasts' flight the "
-        "forward did not wait for (absent before any flight time, and for zero-copy)."),
+        "1 - broadcast_wait_seconds / broadcast_seconds since start: at most the part of the broadcasts' flight "
+        "the forward did not wait for (absent before any flight time, and for zero-copy)."),
 }
 FAMILIES: tuple[Family, ...] = (*COUNTERS.values(), *GAUGES.values())
 
 
 def stats_values(stats: BroadcastStats) -> dict[str, float]:
-    """The record's counter slots from a broadcaster's stats (zero-copy's waits are reads, not broadcasts)."""
+    """The record's counter slots from a broadcaster's stats (zero-copy's waits are on peers, not broadcasts)."""
     common = {"steps": stats.steps, "broadcast_steps": stats.broadcast_steps}
     if isinstance(stats, ZeroCopyStats):
-        return {**common, "zero_copy_reads": stats.reads, "zero_copy_waits": stats.waits,
-                "zero_copy_wait_seconds": stats.wait_seconds}
+        return {**common, "zero_copy_reads": stats.reads, "zero_copy_waits": stats.waits + stats.step_waits,
+                "zero_copy_wait_seconds": stats.wait_seconds + stats.step_wait_seconds}
     return {**common, "broadcast_layers": stats.layers, "broadcast_bytes": stats.bytes,
             "broadcast_seconds": stats.flight_seconds, "broadcast_wait_seconds": stats.wait_seconds}
 
@@ -98,11 +105,19 @@ class RecordWriter:
 
     def __init__(self, directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
                  kv_blocks_kvpp_off: int | None) -> None:
+        """Raises OSError when the record cannot be created, its page included: after that, every store
+        into it lands in memory that exists."""
         path = directory / f"rank-{engine}-{pp_stage}-{kvpp_rank}.rec"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, RECORD_BYTES)
+            # Reserve the page now. A file only ftruncate'd is sparse: on a full /dev/shm (a tight
+            # --shm-size or sizeLimit) the first store into its mapping is a SIGBUS that kills the worker.
+            os.posix_fallocate(fd, 0, RECORD_BYTES)
             self._map = mmap.mmap(fd, RECORD_BYTES, mmap.MAP_SHARED)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # an empty file is no record; the collector would skip it, but leave none
+            raise
         finally:
             os.close(fd)
         self._slots = memoryview(self._map).cast("d")
@@ -115,6 +130,21 @@ class RecordWriter:
     def update(self, stats: BroadcastStats) -> None:
         for name, value in stats_values(stats).items():
             self._slots[_INDEX[name]] = value
+
+
+def open_record(directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
+                kv_blocks_kvpp_off: int | None) -> RecordWriter | None:
+    """This rank's record, or None (warned once) where it cannot be made: the rank then serves without
+    metrics, since no failure of KVPP's metrics may stop or kill an engine."""
+    try:
+        return RecordWriter(directory, engine, pp_stage, kvpp_rank, kv_blocks, kv_blocks_kvpp_off)
+    except OSError as exc:
+        logger.warning(
+            "KVPP engine %d stage %d rank %d: its metrics are off, /metrics lacks its vllm:kvpp_* samples "
+            "(collective_rpc('kvpp_stats') still has them); its record cannot be created in %s=%s: %s. "
+            "Enlarge /dev/shm (docker run --shm-size, a Kubernetes emptyDir sizeLimit) or free it",
+            engine, pp_stage, kvpp_rank, METRICS_DIR_ENV, directory, exc.strerror or exc)
+        return None
 
 
 def read_records(directory: Path) -> list[dict[str, float]]:

@@ -344,7 +344,11 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     prefetched layer is in place before its turn), else when it is waited for. The copies run on
     the forward's own thread: a helper thread would fight the Python-heavy eager forward for the
     GIL, and each hand-over can cost milliseconds that the owner, waiting for the copy, pays too.
-    `stats.bytes` counts the bytes copied into this rank.
+    So every copy is waited for by the forward that makes it, wherever it runs; an owner moves
+    nothing, its readers do. A layer is in flight only while this rank's forward copies it or waits
+    for it (for its owner's publish or, as its owner, for its readers' copies): nothing is hidden
+    (`stats.flight_seconds` equals `stats.wait_seconds`), and what prefetch buys is a shorter wait,
+    an owner finding its layers already copied. `stats.bytes` counts the bytes copied into this rank.
     """
 
     def __init__(self, layout: RankLayout, regions: Mapping[int, Sequence[torch.Tensor]],
@@ -374,11 +378,9 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
 
     # -- the two transport primitives LayerBroadcaster.before_layer schedules ---------------------
 
-    def _issue(self, layer_id: int) -> None:
-        issued = time.perf_counter()
+    def _issue(self, layer_id: int, started: float) -> None:
         pos = self._position[layer_id]
         owner = self.layout.owner_of(layer_id)
-        self._issued[layer_id] = issued
         if owner == self.layout.kvpp_rank:
             if self._published < self._epoch:  # every owned layer's history is in place: see the module doc
                 for slot in self._ready_slots:
@@ -386,17 +388,16 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
                 self._published = self._epoch
             self._pending[layer_id] = []
         elif self._shm.flags[owner][2 * pos + _HEADER] >= self._epoch:
-            self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))
+            self._guarded(layer_id, lambda: self._copy(layer_id, pos, owner))  # by this forward: waited for
             self._pending[layer_id] = []
-            del self._issued[layer_id]  # in place now: its flight ends here, not at its wait
-            self.stats.flight_seconds += time.perf_counter() - issued
         else:
-            self._pending[layer_id] = [owner]  # copied when waited for
+            self._pending[layer_id] = [owner]  # copied, and so in flight, only once waited for
 
     def _wait(self, layer_id: int) -> None:
         due = self._pending.pop(layer_id)
         pos = self._position[layer_id]
         started = time.perf_counter()
+        self._issued[layer_id] = started  # in flight only while this forward copies it or waits for it
         try:
             if due:
                 self._guarded(layer_id, lambda: self._copy(layer_id, pos, due[0]))

@@ -367,25 +367,32 @@ def _metrics_record(worker, ctx: WorkerContext, num_blocks: int) -> metrics.Reco
     directory = os.environ.get(metrics.METRICS_DIR_ENV)
     if not directory:
         return None
-    try:
-        return metrics.RecordWriter(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
-                                    ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
-    except OSError as exc:  # the engine serves on; only its vllm:kvpp_* samples of this rank are missing
-        _logger().warning("KVPP rank %d: no metrics record in %s=%s (%s); /metrics lacks this rank's vllm:kvpp_* "
-                          "samples", ctx.layout.kvpp_rank, metrics.METRICS_DIR_ENV, directory, exc)
-        return None
+    return metrics.open_record(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
+                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
 
 
 _metrics_collector: metrics.RecordCollector | None = None
 
 
-def _serve_metrics(vllm_config) -> None:
+def _serve_metrics(vllm_config, headless: bool) -> None:
     """In the process that builds a KVPP engine's config (the API server): a record directory its workers
     inherit through the environment, read by a collector on the registry vLLM's /metrics serves. Once per
-    process; a later engine of the same process reuses both (its workers rewrite the records)."""
+    process; a later engine of the same process reuses both (its workers rewrite the records). Records
+    travel through this host's shared memory only: ranks on other nodes are not served, and say so."""
     global _metrics_collector
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+    if headless:  # `vllm serve --headless`: no /metrics here, and no record is written that nothing reads
+        os.environ.pop(metrics.METRICS_DIR_ENV, None)
+        _logger().warning("KVPP: this node runs headless (no API server): the vllm:kvpp_* samples of its ranks "
+                          "reach no /metrics; the head node's /metrics carries the head's ranks only, and "
+                          "collective_rpc('kvpp_stats') there reports every rank")
+        return
+    elsewhere = _ranks_on_other_nodes(vllm_config.parallel_config)
+    if elsewhere:
+        _logger().warning("KVPP: /metrics carries the vllm:kvpp_* samples of this node's ranks only, not those of "
+                          "%s (headless nodes serve no /metrics); collective_rpc('kvpp_stats') reports every rank",
+                          elsewhere)
     model_name = vllm_config.model_config.served_model_name
     if _metrics_collector is not None:
         _metrics_collector.model_name = model_name
@@ -395,11 +402,32 @@ def _serve_metrics(vllm_config) -> None:
                           "(--api-server-count > 1, a multiprocess Prometheus registry); collective_rpc('kvpp_stats') "
                           "still reports them")
         return
-    directory = Path(tempfile.mkdtemp(prefix="kvpp-metrics-", dir=metrics.RECORDS_PARENT))
+    try:
+        directory = Path(tempfile.mkdtemp(prefix="kvpp-metrics-", dir=metrics.RECORDS_PARENT))
+    except OSError as exc:  # metrics never stop an engine
+        _logger().warning("KVPP: its metrics (vllm:kvpp_*) are off for this engine, /metrics lacks them "
+                          "(collective_rpc('kvpp_stats') still reports them): cannot create their directory in %s "
+                          "(%s); make /dev/shm writable, or enlarge it (docker run --shm-size, a Kubernetes "
+                          "emptyDir sizeLimit)", metrics.RECORDS_PARENT or tempfile.gettempdir(), exc.strerror or exc)
+        os.environ.pop(metrics.METRICS_DIR_ENV, None)
+        return
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     os.environ[metrics.METRICS_DIR_ENV] = str(directory)
     _metrics_collector = metrics.RecordCollector(directory, model_name)
     get_prometheus_registry().register(_metrics_collector)
+
+
+def _ranks_on_other_nodes(parallel) -> str | None:
+    """Which of the engines' ranks this node's /metrics cannot carry, in words; None when all are here."""
+    parts = []
+    others = parallel.nnodes_within_dp - 1
+    if others:
+        parts.append(f"{parallel.world_size - parallel.local_world_size} of each engine's {parallel.world_size} "
+                     f"ranks (on its {others} other node{'s' if others > 1 else ''})")
+    remote_engines = parallel.data_parallel_size - parallel.data_parallel_size_local
+    if not parallel.local_engines_only and remote_engines > 0:
+        parts.append(f"the {remote_engines} data-parallel engine(s) on other nodes")
+    return " and ".join(parts) or None
 
 
 def _with_pp_receive_buffers(orig):
@@ -675,12 +703,12 @@ def install(connector_rules: ConnectorRules) -> None:
 
     def _validated(orig):
         @functools.wraps(orig)
-        def create_engine_config(self, *args, **kwargs):
+        def create_engine_config(self, usage_context=None, headless: bool = False):
             request = launch_request(self)  # before vLLM fills in its defaults on these very arguments
-            vllm_config = orig(self, *args, **kwargs)
+            vllm_config = orig(self, usage_context, headless)
             launch = check(vllm_config, request=request)  # refuses an unsupported launch with every problem at once
             if launch.kvpp.enabled and _patched_workers:  # this adapter's workers, which write the records
-                _serve_metrics(vllm_config)
+                _serve_metrics(vllm_config, headless)
             return vllm_config
 
         return create_engine_config

@@ -49,6 +49,10 @@ class ZeroCopyStats(ShmBroadcastStats):
     """Foreign layers read in place (each after its owner's written flag)."""
     waits: int = 0
     """Reads whose owner had not yet written the step's tokens: they waited (`wait_seconds` in all)."""
+    step_waits: int = 0
+    """The other waits on a peer that did wait, at a step's edges: its start for a peer to finish the
+    previous step, an owner's first write for a peer's forward to begin (`step_wait_seconds` in all)."""
+    step_wait_seconds: float = 0.0
     writes_skipped: int = 0
     """New-token writes a reader left to the owner."""
     forward_steps: int = 0
@@ -119,8 +123,26 @@ class ZeroCopyLayers(PeerWaits):
     def _step_barrier(self) -> None:
         for peer in range(self.layout.group_size):
             if peer != self.layout.kvpp_rank:
-                self._await(None, peer,
-                            lambda f=self._shm.flags[peer]: f[FINISHED] >= self._epoch, "end of the previous step")
+                self._wait_for(None, peer, lambda f=self._shm.flags[peer]: f[FINISHED] >= self._epoch,
+                               "end of the previous step")
+
+    def _wait_for(self, layer_id: int | None, peer: int, done: Callable[[], bool], what: str,
+                  read: bool = False) -> None:
+        """`_await` a peer's flag, counted when it was not set yet: a read's wait in `waits`, any other in
+        `step_waits`. Every such second is the forward's, spent on a peer."""
+        if done():
+            return
+        started = time.perf_counter()
+        try:
+            self._await(layer_id, peer, done, what)
+        finally:
+            elapsed = time.perf_counter() - started
+            if read:
+                self.stats.waits += 1
+                self.stats.wait_seconds += elapsed
+            else:
+                self.stats.step_waits += 1
+                self.stats.step_wait_seconds += elapsed
 
     def transport(self) -> tuple[str, int]:
         """How layers reach a reader (the start-up proof, kvpp_core.activation): in place, from every peer's
@@ -138,7 +160,7 @@ class ZeroCopyLayers(PeerWaits):
     def _peers_started(self, layer_id: int) -> None:
         for peer in range(self.layout.group_size):
             if peer != self.layout.kvpp_rank:
-                self._guarded(lambda peer=peer: self._await(
+                self._guarded(lambda peer=peer: self._wait_for(
                     layer_id, peer, lambda f=self._shm.flags[peer]: f[STARTED] >= self._epoch, "start of the forward"))
 
     def _guarded(self, wait: Callable[[], None]) -> None:
@@ -173,16 +195,7 @@ class ZeroCopyLayers(PeerWaits):
         slot = layer_flag(self._position[layer_id])
         flags = self._shm.flags[owner]
 
-        def written() -> bool:
-            return flags[slot] >= self._epoch
-
-        if not written():
-            self.stats.waits += 1
-            started = time.perf_counter()
-            try:
-                self._guarded(lambda: self._await(layer_id, owner, written, "write"))
-            finally:
-                self.stats.wait_seconds += time.perf_counter() - started
+        self._guarded(lambda: self._wait_for(layer_id, owner, lambda: flags[slot] >= self._epoch, "write", read=True))
         self._seen.add(layer_id)
         self.stats.reads += 1
         self.stats.layers += 1

@@ -24,8 +24,6 @@ from kvpp_core import runtime
 from kvpp_core.shm_broadcast import layer_flag
 from kvpp_core.zero_copy import ZeroCopyLayers
 
-WORKER_EXTENSION = "tests.helpers.early_reader.EarlyReader"
-
 
 class EarlyReader:
     """The worker extension vLLM mixes into the worker class: no methods; the patches below are the point."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 from testbed.staggered import assert_same_outputs, logprob_agreement
 from tests.helpers import mtp_tp2
-from tests.helpers.early_reader import WORKER_EXTENSION as EARLY_READER
 from tests.helpers.mtp_tp2 import mtp_tp2_run
 from tests.helpers.pp_pair import MAX_TOKENS as PP_MAX_TOKENS
 from tests.helpers.pp_pair import PROMPT_LENGTHS as PP_PROMPT_LENGTHS
@@ -21,6 +20,10 @@ from tests.helpers.zero_copy_checks import (assert_bit_identical, assert_blocks_
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
 from kvpp_core.topology import Topology
+
+EARLY_READER = "tests.helpers.early_reader.EarlyReader"
+"""The negative control's worker extension, named and not imported: importing it patches ZeroCopyLayers in the
+importing process, which would be this test session."""
 
 pytestmark = pytest.mark.engine
 
