@@ -66,7 +66,7 @@ def transport(tokens: int, repeat: int) -> dict:
     peer = start_peer(PeerJob(port=port, layers=LAYERS, blocks=blocks, seed=11, holds={"bench": TOKEN}))
     try:
         ready = json.loads(peer.stdout.readline())
-        te = MooncakeTransfer("127.0.0.1", timeout_s=30)
+        te = MooncakeTransfer("127.0.0.1")
         kv = torch.zeros((LAYERS, blocks, *BLOCK_SHAPE))
         te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
         puller = Puller(te, local_meta(kv, "bench-decode", 0, 1, te), mla=True, timeout_s=10,

@@ -89,7 +89,7 @@ def local_meta(kv: torch.Tensor, engine_id: str, tp_rank: int, tp_size: int, te:
 def main(job_json: str) -> int:
     job = msgspec.json.decode(job_json, type=PeerJob)
     kv = pages(job.layers, job.blocks, job.seed)
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    te = MooncakeTransfer("127.0.0.1")
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
     owned = None if job.owned is None else set(job.owned)
     meta = local_meta(kv, job.engine_id, job.tp_rank, job.tp_size, te, owned)

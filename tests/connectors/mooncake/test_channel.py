@@ -275,7 +275,7 @@ def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_por
         with pytest.raises(ChannelError, match="unauthorized"):
             call("127.0.0.1", free_port, message, 2.0, m.Released)
         assert peer.line(timeout=5) == {"refused": "unauthorized"}
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    te = MooncakeTransfer("127.0.0.1")
     try:
         kv, puller = make_puller(te, layers=2, blocks=8)
         h = handle(free_port, "r1", [1, 2, 3])
@@ -295,7 +295,7 @@ def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
     learns a prefill's first registered buffer from the engine's handshake (no side channel, no
     token) and reads and writes it. If this ever fails, Mooncake gained access control: update
     the threat model in docs/security.md."""
-    victim, stranger = MooncakeTransfer("127.0.0.1", timeout_s=5), MooncakeTransfer("127.0.0.1", timeout_s=5)
+    victim, stranger = MooncakeTransfer("127.0.0.1"), MooncakeTransfer("127.0.0.1")
     try:
         secret = torch.arange(1024, dtype=torch.float32)
         victim.register([(secret.data_ptr(), secret.numel() * 4)])
