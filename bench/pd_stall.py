@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.summary import host, interleaved, spread
+from connectors.common.hosts import join_host_port
 from connectors.mooncake.channel import call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MetaRequest, WorkerMeta
 from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
@@ -65,7 +66,7 @@ def reader(mode: str, host_address: str, peer_host: str, peer_port: int) -> int:
     layer_bytes = kv[0].numel() * kv.element_size()
     pieces = cut_entries([Desc(kv[i].data_ptr(), layer.base_addr, layer_bytes) for i, layer in enumerate(meta.layers)],
                          te.max_entry_bytes)
-    peer = f"{meta.te_host}:{meta.te_rpc_port}" if ":" not in meta.te_host else f"[{meta.te_host}]:{meta.te_rpc_port}"
+    peer = join_host_port(meta.te_host, meta.te_rpc_port)
     expected, snapshot = pages(LAYERS, BLOCKS, SEED), kv.clone()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -31,9 +31,10 @@ DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 DEFAULT_LANES = 4  # Mooncake's TCP lanes per peer by default; MC_TCP_LANES_PER_PEER sets 1-16
 MAX_LANES = 16
 PROGRESS_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
-MIN_NAP_S, MAX_NAP_S = 50e-6, 2e-3
-"""Polling pause while no piece ended: doubles from the first to the second (a stalled peer costs
-little CPU; a fast one is polled often)."""
+MIN_NAP_S, MAX_NAP_S = 50e-6, 250e-6
+"""Polling pause while no read ended: doubles from the first to the second. A lane whose read ended
+idles until the next poll, so the pause stays well under one 1 MiB read's time on a fast link
+(bench/pd_transfer.py measures the pull against raw reads)."""
 
 
 class TransferError(RuntimeError):
