@@ -261,6 +261,7 @@ class Calls:
         self._message = message
         self._expected = expected
         self._socks = []
+        self._results: list[Message | ChannelError] | None = None
         frame = encode(message)
         try:
             for host, port in targets:
@@ -279,7 +280,13 @@ class Calls:
 
     def results(self, until: float | None = None) -> list[Message | ChannelError]:
         """Per target, in order: its answer of the expected type, or the ChannelError why not; waits
-        until the call's deadline, or `until` (time.monotonic) if that comes first."""
+        until the call's deadline, or `until` (time.monotonic) if that comes first. Collected once:
+        later calls return the same list."""
+        if self._results is None:
+            self._results = self._collect(until)
+        return self._results
+
+    def _collect(self, until: float | None) -> list[Message | ChannelError]:
         out: dict[int, Message | ChannelError] = {}
         poller = zmq.Poller()
         index = {}

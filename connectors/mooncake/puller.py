@@ -155,12 +155,25 @@ class Puller:
         return progress
 
     def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-             watch: StallWatch | None = None) -> ReadResult:
+             watch: StallWatch | None = None, claim: Calls | None = None) -> ReadResult:
         """Pull the blocks of every local layer; with `watch`, give up once it finds the pull stalled
-        (Stalled, before any side-channel call if it is stalled already: queued behind a stalled pull)."""
+        (Stalled: before any side-channel call if it is stalled already, queued behind a stalled pull;
+        before any read if a pull from this prefill was given up since its last read landed and it has
+        not answered `claim`, this pull's lease renewal, by the deadline)."""
         if watch is not None and watch.expired(time.monotonic()):
             raise Stalled(f"prefill {handle.remote_engine_id} made no progress for {watch.bound_s:g} s before "
                           "this pull's turn")
+        if watch is not None and claim is not None and watch.progress.stalled and any(
+                isinstance(answer, ChannelError) for answer in claim.results(until=watch.deadline())):
+            raise Stalled(f"prefill {handle.remote_engine_id} has not answered since a pull from it was given up")
+        try:
+            return self._read(handle, local_blocks, remote_blocks, watch)
+        except Stalled:
+            watch.progress.gave_up()  # only a watch finds a pull stalled
+            raise
+
+    def _read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              watch: StallWatch | None) -> ReadResult:
         start = time.perf_counter()
         metas = self.peer_metas(handle)
         handshake_s = time.perf_counter() - start

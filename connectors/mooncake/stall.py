@@ -4,7 +4,9 @@ bytes the pull has in flight and shrinks with the link this decode has measured.
 Progress is per prefill: a read from it landed (any pull's). A pull's clock
 starts at the later of its submission and its prefill's last progress, so a pull queued behind
 others on a stalled prefill is given up as soon as it gets its turn, not one bound later, while a
-pull queued behind healthy ones keeps waiting as long as they move.
+pull queued behind healthy ones keeps waiting as long as they move. Once a pull from a prefill was
+given up, the next ones start no read on it before it answers again (their lease renewal), so they
+leave nothing in flight for Mooncake to end.
 """
 
 from __future__ import annotations
@@ -39,13 +41,19 @@ class LinkRate:
 
 
 class PrefillProgress:
-    """When one prefill last showed progress (time.monotonic)."""
+    """When one prefill last showed progress (time.monotonic), and whether a pull from it was given up
+    since: then the next pulls read nothing until it answers their lease renewal."""
 
     def __init__(self) -> None:
         self.last = -math.inf
+        self.stalled = False
 
     def saw(self, now: float) -> None:
         self.last = max(self.last, now)  # a float store: atomic under the GIL, and only ever raised
+        self.stalled = False
+
+    def gave_up(self) -> None:
+        self.stalled = True
 
 
 class StallWatch:

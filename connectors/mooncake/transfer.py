@@ -238,18 +238,20 @@ class MooncakeTransfer:
         return rc
 
     def read(self, peer_session: str, descs: Iterable[Desc], watch: StallWatch | None = None) -> Moved:
-        """Pull every copy from the peer. Reads that fail at once are issued once more (Mooncake opens
-        a fresh connection for them); a pull that `watch` finds stalled raises Stalled. Either error
-        carries the reads still in flight (`TransferError.drain`)."""
+        """Pull every copy from the peer. Reads that fail at once (within half the stall bound of their
+        start: a refused or reset connection) are issued once more, Mooncake opening a fresh connection
+        for them; a pull that `watch` finds stalled, or whose reads Mooncake dropped for making no
+        progress (they failed later than that), raises Stalled. Every error carries the reads still in
+        flight (`TransferError.drain`)."""
         pieces = deque(cut_entries(coalesce(descs), self.max_entry_bytes))
         count, total = len(pieces), sum(d.length for d in pieces)
-        flight: dict[int, Desc] = {}
+        flight: dict[int, tuple[Desc, float]] = {}  # batch id -> (the read, when it started)
         retried, nap = 0, MIN_NAP_S
         try:
             while pieces or flight:
                 while pieces and self._take(peer_session):
                     d = pieces.popleft()
-                    flight[self._submit(peer_session, d)] = d
+                    flight[self._submit(peer_session, d)] = (d, time.monotonic())
                 done, failed = [], []
                 for batch_id in list(flight):
                     rc = self._status(peer_session, batch_id)
@@ -258,17 +260,19 @@ class MooncakeTransfer:
                 now = time.monotonic()
                 if done and watch is not None:
                     watch.progressed(now)
-                in_flight = sum(d.length for d in flight.values())
-                if watch is not None and watch.expired(now, in_flight):
-                    raise Stalled(f"no read from {peer_session} ended within the pull's stall bound "
-                                  f"({watch.bound_s:g} s plus {in_flight} bytes in flight at the measured rate); "
-                                  f"{count - len(pieces) - len(flight) - len(failed)} of {count} reads done")
+                in_flight = sum(d.length for d, _ in flight.values())
+                dropped = watch is not None and any(now - started >= watch.bound_s / 2 for _, started in failed)
+                if dropped or (watch is not None and watch.expired(now, in_flight)):
+                    raise Stalled(f"no read from {peer_session} landed within the pull's stall bound "
+                                  f"({watch.bound_s:g} s plus {in_flight} bytes in flight at the measured rate)"
+                                  + (f", {len(failed)} dropped by Mooncake for no progress" if dropped else "")
+                                  + f"; {count - len(pieces) - len(flight) - len(failed)} of {count} reads done")
                 if failed and retried:
                     raise TransferError(f"{len(failed)} reads from {peer_session} failed again after a retry "
                                         f"of {retried} (of {count} reads)")
                 if failed:
                     retried = len(failed)
-                    pieces.extendleft(reversed(failed))
+                    pieces.extendleft(d for d, _ in reversed(failed))
                 if done or failed:
                     nap = MIN_NAP_S
                 else:

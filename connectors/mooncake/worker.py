@@ -192,7 +192,7 @@ class MooncakeV2Worker:
         claim = None
         try:
             claim = self._puller.claim(handle)
-            done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids, watch)
+            done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids, watch, claim)
             lease_end = self._puller.lease_end(claim, until=time.monotonic() + bound)
         except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
             if claim is not None:

@@ -349,6 +349,28 @@ def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
 
 
 @pytest.mark.integration
+def test_answers_of_a_stalled_peer_are_waited_for_until_the_caller_s_deadline_and_collected_once(free_port):
+    """A decode waits for a stalled prefill's lease grant only until its pull's stall deadline, not the
+    handshake timeout; a second look at the same answers does not wait again."""
+    from connectors.mooncake.channel import Calls
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the request, never answers: a stopped prefill
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"tcp://127.0.0.1:{free_port}")
+    try:
+        renewal = m.LeaseRenewal(version=m.PROTOCOL_VERSION, claims=[m.LeaseClaim(request_id="r", token=TOKEN)])
+        calls = Calls([("127.0.0.1", free_port)], renewal, 30.0, m.LeaseGrant)
+        start = time.monotonic()
+        (first,) = calls.results(until=start + 0.3)
+        waited = time.monotonic() - start
+        assert isinstance(first, NoAnswer) and "within 0.3s" in str(first)
+        assert calls.results() is calls.results() and calls.results() == [first]  # collected once, not waited for again
+        assert waited < 5  # 0.3 s asked for; never the 30 s call timeout
+    finally:
+        silent.close()
+
+
+@pytest.mark.integration
 def test_the_side_channel_over_ipv6():
     """A prefill on an IPv6 host binds tcp://[::1]:port and a decode dials it from the bare host a
     handle carries (remote_host "::1")."""

@@ -26,3 +26,33 @@ def test_read_is_trusted_only_within_the_granted_lease():
     assert Puller.lease_end(claim(5.0, 0.0)) is None  # one worker had freed the blocks
     assert Puller.lease_end(claim(5.0, ChannelError("no answer")), until=51.5) is None
     assert waited_until == [None, None, 51.5]  # a stalled prefill's grant is waited for until then only
+
+
+def test_after_a_given_up_pull_the_next_reads_nothing_until_the_prefill_answers_its_renewal():
+    from connectors.mooncake.channel import NoAnswer
+    from connectors.mooncake.puller import Puller
+    from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+    from connectors.mooncake.transfer import Stalled
+    from tests.helpers.mooncake_wire import handle_params, worker_meta
+
+    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    handle = m.parse_handle(handle_params())
+    progress = PrefillProgress()
+    progress.saw(100.0)
+    progress.gave_up()  # a pull from this prefill found it stalled after its last read landed
+    asked = []
+
+    class Claim:
+        def results(self, until=None):
+            asked.append(until)
+            return [NoAnswer("no answer")]
+
+    watch = StallWatch(2.0, LinkRate(), progress, since=1e12)  # far from expired
+    with pytest.raises(Stalled, match="has not answered since a pull from it was given up") as stalled:
+        puller.read(handle, [0], [3], watch, Claim())  # neither metadata nor a read is asked for
+    assert stalled.value.drain is None and asked == [watch.deadline()]
+    expired = StallWatch(2.0, LinkRate(), progress, since=0.0)
+    with pytest.raises(Stalled, match="made no progress for 2 s before this pull's turn"):
+        puller.read(handle, [0], [3], expired, Claim())
+    progress.saw(200.0)  # a read from it landed: no longer suspect
+    assert not progress.stalled

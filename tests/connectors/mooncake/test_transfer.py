@@ -436,3 +436,14 @@ def test_a_stalled_pull_is_given_up_with_its_reads_in_flight_and_abandoning_free
     assert len(drain) == 4 and not drain.ended()
     drain.abandon()
     assert te._in_flight == {} and len(drain) == 0
+
+
+@pytest.mark.unit
+def test_reads_mooncake_dropped_for_no_progress_stall_the_pull_instead_of_being_retried(fake_engine):
+    started = time.monotonic()
+    # Every read fails once it has gone without progress for 30 ms: Mooncake's progress timeout, not a refusal.
+    te, engine = fake_engine(lambda i, polls: -1 if time.monotonic() - started > 0.03 else 0)
+    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=started)
+    with pytest.raises(Stalled, match="4 dropped by Mooncake for no progress") as stalled:
+        te.read("peer:1", _pieces(6), watch)
+    assert len(engine.started) == 4 and stalled.value.drain is None  # none issued again, none left in flight
