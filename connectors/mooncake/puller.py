@@ -163,9 +163,10 @@ class Puller:
         if watch is not None and watch.expired(time.monotonic()):
             raise Stalled(f"prefill {handle.remote_engine_id} made no progress for {watch.bound_s:g} s before "
                           "this pull's turn")
-        if watch is not None and claim is not None and watch.progress.stalled and any(
-                isinstance(answer, ChannelError) for answer in claim.results(until=watch.deadline())):
-            raise Stalled(f"prefill {handle.remote_engine_id} has not answered since a pull from it was given up")
+        if watch is not None and claim is not None and watch.progress.stalled:
+            if any(isinstance(answer, ChannelError) for answer in claim.results(until=watch.deadline())):
+                raise Stalled(f"prefill {handle.remote_engine_id} has not answered since a pull from it was given up")
+            watch.progressed(time.monotonic())  # it answers again: read
         try:
             return self._read(handle, local_blocks, remote_blocks, watch)
         except Stalled:

@@ -41,8 +41,9 @@ class LinkRate:
 
 
 class PrefillProgress:
-    """When one prefill last showed progress (time.monotonic), and whether a pull from it was given up
-    since: then the next pulls read nothing until it answers their lease renewal."""
+    """When one prefill last showed progress (time.monotonic): a read from it landed, or it answered a
+    lease renewal after being found stalled; and whether a pull from it was given up since: then every
+    pull from it stops starting reads, and the next ones start none until it answers their renewal."""
 
     def __init__(self) -> None:
         self.last = -math.inf

@@ -240,15 +240,18 @@ class MooncakeTransfer:
     def read(self, peer_session: str, descs: Iterable[Desc], watch: StallWatch | None = None) -> Moved:
         """Pull every copy from the peer. Reads that fail at once (within half the stall bound of their
         start: a refused or reset connection) are issued once more, Mooncake opening a fresh connection
-        for them; a pull that `watch` finds stalled, or whose reads Mooncake dropped for making no
-        progress (they failed later than that), raises Stalled. Every error carries the reads still in
-        flight (`TransferError.drain`)."""
+        for them; a pull that `watch` finds stalled, whose reads Mooncake dropped for making no progress
+        (they failed later than that), or whose prefill another pull found stalled, raises Stalled and
+        starts no further read. Every error carries the reads still in flight (`TransferError.drain`)."""
         pieces = deque(cut_entries(coalesce(descs), self.max_entry_bytes))
         count, total = len(pieces), sum(d.length for d in pieces)
         flight: dict[int, tuple[Desc, float]] = {}  # batch id -> (the read, when it started)
         retried, nap = 0, MIN_NAP_S
         try:
             while pieces or flight:
+                if watch is not None and watch.progress.stalled:
+                    raise Stalled(f"another pull from the prefill at {peer_session} found it stalled; "
+                                  f"{count - len(pieces) - len(flight)} of {count} reads done")
                 while pieces and self._take(peer_session):
                     d = pieces.popleft()
                     flight[self._submit(peer_session, d)] = (d, time.monotonic())

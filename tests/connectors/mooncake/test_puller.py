@@ -56,3 +56,25 @@ def test_after_a_given_up_pull_the_next_reads_nothing_until_the_prefill_answers_
         puller.read(handle, [0], [3], expired, Claim())
     progress.saw(200.0)  # a read from it landed: no longer suspect
     assert not progress.stalled
+
+
+def test_a_prefill_found_stalled_that_answers_the_next_pull_s_renewal_is_read_from_again():
+    from connectors.mooncake.puller import Puller
+    from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+    from tests.helpers.mooncake_wire import handle_params, worker_meta
+
+    class Reached(Exception):
+        pass
+
+    class Claim:
+        def results(self, until=None):
+            return [m.LeaseGrant(version=V, seconds=[5.0])]
+
+    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    puller.peer_metas = lambda handle: (_ for _ in ()).throw(Reached())  # the pull went on to ask for metadata
+    progress = PrefillProgress()
+    progress.gave_up()
+    with pytest.raises(Reached):
+        puller.read(m.parse_handle(handle_params()), [0], [3], StallWatch(2.0, LinkRate(), progress, since=1e12),
+                    Claim())
+    assert not progress.stalled and progress.last > 0  # the answer counts as progress

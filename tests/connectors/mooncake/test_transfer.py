@@ -447,3 +447,13 @@ def test_reads_mooncake_dropped_for_no_progress_stall_the_pull_instead_of_being_
     with pytest.raises(Stalled, match="4 dropped by Mooncake for no progress") as stalled:
         te.read("peer:1", _pieces(6), watch)
     assert len(engine.started) == 4 and stalled.value.drain is None  # none issued again, none left in flight
+
+
+@pytest.mark.unit
+def test_once_another_pull_found_the_prefill_stalled_a_pull_starts_no_further_read(fake_engine):
+    progress = PrefillProgress()
+    te, engine = fake_engine(lambda i, polls: 1 if polls >= 2 else (progress.gave_up() or 0))  # found stalled mid-pull
+    watch = StallWatch(60.0, LinkRate(), progress, since=time.monotonic())
+    with pytest.raises(Stalled, match="another pull from the prefill at peer:1 found it stalled") as stalled:
+        te.read("peer:1", _pieces(9), watch)
+    assert len(engine.started) == 4 and len(stalled.value.drain) == 4  # the first reads only, left to end
