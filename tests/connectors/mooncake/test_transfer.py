@@ -457,3 +457,26 @@ def test_once_another_pull_found_the_prefill_stalled_a_pull_starts_no_further_re
     with pytest.raises(Stalled, match="another pull from the prefill at peer:1 found it stalled") as stalled:
         te.read("peer:1", _pieces(9), watch)
     assert len(engine.started) == 4 and len(stalled.value.drain) == 4  # the first reads only, left to end
+
+
+@pytest.mark.unit
+def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
+    from connectors.mooncake.transfer import lanes_per_peer, progress_timeout_s
+
+    assert [lanes_per_peer(env) for env in ({}, {"MC_TCP_LANES_PER_PEER": "8"}, {"MC_TCP_LANES_PER_PEER": "99"},
+                                            {"MC_TCP_LANES_PER_PEER": "0"}, {"MC_TCP_LANES_PER_PEER": "x"})] == [4, 8, 16, 1, 4]
+    assert [progress_timeout_s(env) for env in ({}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "2"},
+                                                {"MC_TCP_PROGRESS_TIMEOUT_SEC": "0"})] == [30, 2, 30]
+
+
+@pytest.mark.unit
+def test_a_puller_s_bound_becomes_mooncake_s_progress_timeout_unless_one_is_set(fake_engine, monkeypatch):
+    from connectors.mooncake.transfer import PROGRESS_ENV
+
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    fake_engine(lambda i, polls: 1)
+    MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
+    assert os.environ[PROGRESS_ENV] == "2"  # whole seconds, rounded up
+    monkeypatch.setenv(PROGRESS_ENV, "7")
+    MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
+    assert os.environ[PROGRESS_ENV] == "7"  # the operator's setting wins
