@@ -12,7 +12,9 @@ modes interleaved, each fault repeated:
 
 Faults: `stop` (SIGSTOP of the prefill just before the read; SIGCONT --resume-after seconds, default 1,
 after the read returned; loopback), `link` (the prefill's host cut off, its veth set down, across two
-network-namespace hosts; up again as long after the read returned) and `idle` (reads after 6 s and 12 s without traffic, loopback and across hosts).
+network-namespace hosts; up again as long after the read returned), `first` (on request only: the
+connector's first read ever from a prefill stopped just before, Mooncake's handshake with it included;
+a fresh prefill and reader each round) and `idle` (reads after 6 s and 12 s without traffic, loopback and across hosts).
 Per read: seconds until it returned, for the connector also until the reads it had in flight ended,
 and the bytes of the destination that changed after that (checked 3 s after the fault was lifted): bytes
 landing late; then whether the next read is whole, and after how many seconds (re-tried every 0.5 s).
@@ -135,7 +137,7 @@ class Pair:
         return json.loads(proc.stdout.readline())
 
     def fault(self, kind: str, on: bool) -> None:
-        if kind == "stop":
+        if kind in ("stop", "first"):
             os.kill(self.peer.pid, signal.SIGSTOP if on else signal.SIGCONT)
         else:
             self.bed.set_link("prefill", up=not on)
@@ -160,7 +162,10 @@ def recovered(pair: Pair, mode: str) -> dict:
 
 
 def fault_round(pair: Pair, kind: str, mode: str, resume_after_s: float) -> dict:
-    assert pair.ask(mode, "read")["whole"], "a read before the fault was not whole"
+    """`stop` and `link` after a whole read; `first`: the reader's first read ever from the prefill, which
+    was stopped first (Mooncake's handshake with it is part of that read)."""
+    if kind != "first":
+        assert pair.ask(mode, "read")["whole"], "a read before the fault was not whole"
     pair.fault(kind, True)
     try:
         out = pair.ask(mode, "read")
@@ -186,22 +191,26 @@ def idle_round(pair: Pair, mode: str) -> dict:
 def run(faults: list[str], repeat: int, resume_after_s: float) -> dict:
     results: dict = {}
     for kind in faults:
-        where = ["loopback"] if kind == "stop" else ["hosts"] if kind == "link" else ["loopback", "hosts"]
+        where = ["hosts"] if kind == "link" else ["loopback", "hosts"] if kind == "idle" else ["loopback"]
+        modes = ["connector"] if kind == "first" else list(MODES)  # one handshake, whichever read follows
         for place in where:
             if place == "hosts" and unavailable_reason():
                 results[f"{kind}@{place}"] = {"skipped": unavailable_reason()}
                 continue
-            rows: dict[str, list] = {m: [] for m in MODES}
-            with Testbed(["prefill", "decode"]) if place == "hosts" else contextlib.nullcontext() as bed:
-                pair = Pair(bed)
-                try:
-                    for r, mode in interleaved(list(MODES), repeat):
-                        row = idle_round(pair, mode) if kind == "idle" else fault_round(pair, kind, mode, resume_after_s)
-                        print(f"[pd_stall] {kind}@{place} round {r + 1} {mode}: {row}", file=sys.stderr, flush=True)
-                        rows[mode].append(row)
-                finally:
-                    pair.close()
-            results[f"{kind}@{place}"] = {mode: _summary(kind, rows[mode]) for mode in MODES}
+            rows: dict[str, list] = {m: [] for m in modes}
+            # A first contact happens once per reader: a fresh prefill and readers for each round.
+            for pairing in ([[r] for r in range(repeat)] if kind == "first" else [list(range(repeat))]):
+                with Testbed(["prefill", "decode"]) if place == "hosts" else contextlib.nullcontext() as bed:
+                    pair = Pair(bed)
+                    try:
+                        for r, mode in interleaved(modes, len(pairing)):
+                            row = idle_round(pair, mode) if kind == "idle" else fault_round(pair, kind, mode,
+                                                                                             resume_after_s)
+                            print(f"[pd_stall] {kind}@{place} {mode}: {row}", file=sys.stderr, flush=True)
+                            rows[mode].append(row)
+                    finally:
+                        pair.close()
+            results[f"{kind}@{place}"] = {mode: _summary(kind, rows[mode]) for mode in modes}
     return results
 
 
@@ -231,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         mode, address, peer_host, peer_port = args.reader
         return reader(mode, address, peer_host, int(peer_port))
     faults = [f for f in args.faults.split(",") if f]
-    bad = set(faults) - {"stop", "link", "idle"}
+    bad = set(faults) - {"stop", "link", "idle", "first"}
     if bad or args.repeat < 1:
-        p.error(f"--faults takes stop, link, idle (got {sorted(bad)}); --repeat >= 1")
+        p.error(f"--faults takes stop, link, idle, first (got {sorted(bad)}); --repeat >= 1")
     started = time.monotonic()
     results = run(faults, args.repeat, args.resume_after)
     report = {"bench": "pd_stall", "host": host("shared 2-core host; other sessions' tests ran beside it"),
