@@ -46,7 +46,7 @@ from connectors.mooncake.messages import PrefillHandle
 from connectors.mooncake.puller import Puller
 from connectors.mooncake.transfer import Desc, MooncakeTransfer, cut_entries
 from deploy.services.ports import free_port
-from testbed.mooncake_peer import BLOCK_SHAPE, TOKEN, PeerJob, local_meta, pages, start as start_peer
+from testbed.mooncake_peer import BLOCK_SHAPE, TOKEN, PeerJob, local_meta, pages, start as start_peer, stop as stop_peer
 
 LAYERS = 16
 BLOCK_TOKENS = BLOCK_SHAPE[0]
@@ -66,7 +66,7 @@ def transport(tokens: int, repeat: int) -> dict:
     peer = start_peer(PeerJob(port=port, layers=LAYERS, blocks=blocks, seed=11, holds={"bench": TOKEN}))
     try:
         ready = json.loads(peer.stdout.readline())
-        te = MooncakeTransfer("127.0.0.1", timeout_s=30)
+        te = MooncakeTransfer("127.0.0.1")
         kv = torch.zeros((LAYERS, blocks, *BLOCK_SHAPE))
         te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
         puller = Puller(te, local_meta(kv, "bench-decode", 0, 1, te), mla=True, timeout_s=10,
@@ -126,11 +126,7 @@ def transport(tokens: int, repeat: int) -> dict:
             "target_ratio": TARGET_RATIO, "meets_target": ratio["median"] >= TARGET_RATIO,
         }
     finally:
-        peer.stdin.close()
-        try:
-            peer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
+        stop_peer(peer)
 
 
 def _metric(url: str, name: str) -> float:

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -40,6 +41,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 class PeerJob(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """Side-channel (handshake) port."""
+    host: str = "127.0.0.1"
+    """Where its side channel and transfer engine listen (a test-bed host's address across namespaces)."""
     layers: Count = 4
     blocks: Count = 64
     seed: int = 0
@@ -55,11 +58,22 @@ class PeerJob(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """What a renewal grants (default: hold_timeout)."""
 
 
-def start(job: PeerJob, stderr=None) -> subprocess.Popen:
+def start(job: PeerJob, stderr=None, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """The peer in a process of its own, stdin and stdout piped (it lives until stdin closes), Mooncake's
-    log quiet."""
-    return subprocess.Popen(script_argv("mooncake_peer", msgspec.json.encode(job).decode()), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=script_env({"MC_LOG_LEVEL": "ERROR"}))
+    log quiet; `prefix` runs it elsewhere (a test-bed host: `Testbed.command(name, [])`)."""
+    return subprocess.Popen([*prefix, *script_argv("mooncake_peer", msgspec.json.encode(job).decode())],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=script_env({"MC_LOG_LEVEL": "ERROR"}))
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """End a process started like `start`: close its stdin (it exits), kill it if it has not within `timeout`."""
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def layer_name(i: int) -> str:
@@ -89,7 +103,7 @@ def local_meta(kv: torch.Tensor, engine_id: str, tp_rank: int, tp_size: int, te:
 def main(job_json: str) -> int:
     job = msgspec.json.decode(job_json, type=PeerJob)
     kv = pages(job.layers, job.blocks, job.seed)
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    te = MooncakeTransfer(job.host)
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
     owned = None if job.owned is None else set(job.owned)
     meta = local_meta(kv, job.engine_id, job.tp_rank, job.tp_size, te, owned)
@@ -98,7 +112,7 @@ def main(job_json: str) -> int:
         holds.hold(request_id, job.hold_timeout, token)
     responder = PrefillResponder(holds)
     responder.meta = meta
-    server = SideChannelServer("127.0.0.1", job.port, responder, what="mooncake peer",
+    server = SideChannelServer(job.host, job.port, responder, what="mooncake peer",
                                on_refused=lambda code: print(json.dumps({"refused": code}), flush=True))
     print(json.dumps({"ready": True, "port": job.port, "te": te.session}), flush=True)
     stop = threading.Event()

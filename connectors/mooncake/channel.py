@@ -261,6 +261,7 @@ class Calls:
         self._message = message
         self._expected = expected
         self._socks = []
+        self._results: list[Message | ChannelError] | None = None
         frame = encode(message)
         try:
             for host, port in targets:
@@ -277,8 +278,15 @@ class Calls:
         for _, sock in self._socks:
             sock.close()
 
-    def results(self) -> list[Message | ChannelError]:
-        """Per target, in order: its answer of the expected type, or the ChannelError why not."""
+    def results(self, until: float | None = None) -> list[Message | ChannelError]:
+        """Per target, in order: its answer of the expected type, or the ChannelError why not; waits
+        until the call's deadline, or `until` (time.monotonic) if that comes first. Collected once:
+        later calls return the same list."""
+        if self._results is None:
+            self._results = self._collect(until)
+        return self._results
+
+    def _collect(self, until: float | None) -> list[Message | ChannelError]:
         out: dict[int, Message | ChannelError] = {}
         poller = zmq.Poller()
         index = {}
@@ -286,6 +294,8 @@ class Calls:
             poller.register(sock, zmq.POLLIN)
             index[id(sock)] = i
         deadline = self.sent_at + self._timeout_s
+        if until is not None:
+            deadline = min(deadline, until)
         try:
             while len(out) < len(self._socks):
                 left_ms = int((deadline - time.monotonic()) * 1000)
@@ -297,7 +307,8 @@ class Calls:
                     poller.unregister(sock)
         finally:
             self.close()
-        return [out[i] if i in out else NoAnswer(f"no answer from {where} within {self._timeout_s}s")
+        waited = round(deadline - self.sent_at, 2)
+        return [out[i] if i in out else NoAnswer(f"no answer from {where} within {waited}s")
                 for i, (where, _) in enumerate(self._socks)]
 
     def _check(self, where: str, sock: zmq.Socket) -> Message | ChannelError:

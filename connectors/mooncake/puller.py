@@ -28,13 +28,14 @@ from connectors.mooncake.messages import (
     WorkerMeta,
 )
 from connectors.mooncake.plan import build_descs, check_compatible, choose_sources
-from connectors.mooncake.transfer import MooncakeTransfer
+from connectors.mooncake.stall import PrefillProgress, StallWatch
+from connectors.mooncake.transfer import MooncakeTransfer, Stalled
 from connectors.common.hosts import join_host_port
 
 
 MAX_PEERS = 64
-"""Prefill engines whose metadata a puller keeps (least recently used dropped first): engine ids
-change with every restart, so an unbounded cache would grow for the decode's whole life."""
+"""Prefill engines whose metadata and progress a puller keeps (least recently used dropped first):
+engine ids change with every restart, so an unbounded cache would grow for the decode's whole life."""
 
 
 def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
@@ -54,11 +55,13 @@ def prefill_ports(handle: PrefillHandle) -> list[tuple[int, int, int]]:
 class ReadResult(NamedTuple):
     nbytes: int
     entries: int
-    """Batch entries issued after coalescing."""
+    """Reads issued after coalescing and cutting."""
     seconds: float
     """In the transfer engine."""
     handshake_s: float
     """Fetching the prefill workers' metadata (0 when cached)."""
+    retried: int
+    """Reads that failed at once and were issued again."""
 
 
 class Puller:
@@ -73,6 +76,7 @@ class Puller:
         self.num_consumers = num_consumers
         self.curve = curve
         self._peers: OrderedDict[tuple[str, str, int], list[WorkerMeta]] = OrderedDict()
+        self._progress: OrderedDict[tuple[str, str, int], PrefillProgress] = OrderedDict()
 
     @staticmethod
     def _key(handle: PrefillHandle) -> tuple[str, str, int]:
@@ -112,43 +116,78 @@ class Puller:
                 f"but kv_transfer_params claim {handle.remote_tp_size} x {handle.remote_pp_size}"
             )
 
-    def _calls(self, handle: PrefillHandle, ports: list[tuple[int, int, int]], message, expected: type) -> Calls:
-        return Calls([(handle.remote_host, port) for _, _, port in ports], message, self.timeout_s, expected,
+    def _calls(self, handle: PrefillHandle, ports: list[tuple[int, int, int]], message, expected: type,
+               timeout_s: float | None = None) -> Calls:
+        return Calls([(handle.remote_host, port) for _, _, port in ports], message,
+                     self.timeout_s if timeout_s is None else timeout_s, expected,
                      client_setup(self.curve, handle.remote_curve_key))
 
     def _ask(self, handle: PrefillHandle, message, expected: type,
-             check_first: Callable[[WorkerMeta], None] | None = None) -> list:
+             check_first: Callable[[WorkerMeta], None] | None = None, timeout_s: float | None = None) -> list:
         """Every prefill worker's answer (or ChannelError), asked in parallel. Until peer_metas verified
         the handle, the first worker is asked alone and the others (None: not asked) only once it
         answered, so a forged handle cannot make a decode contact many ports."""
         ports = prefill_ports(handle)
         if self._key(handle) in self._peers:
-            return self._calls(handle, ports, message, expected).results()
-        (first,) = self._calls(handle, ports[:1], message, expected).results()
+            return self._calls(handle, ports, message, expected, timeout_s).results()
+        (first,) = self._calls(handle, ports[:1], message, expected, timeout_s).results()
         if isinstance(first, ChannelError):
             return [first] + [None] * (len(ports) - 1)
         if check_first is not None:
             check_first(first)
-        return [first] + (self._calls(handle, ports[1:], message, expected).results() if len(ports) > 1 else [])
+        return [first] + (self._calls(handle, ports[1:], message, expected, timeout_s).results()
+                          if len(ports) > 1 else [])
 
     def forget(self, handle: PrefillHandle) -> None:
         """Drop cached metadata after a failure, so a restarted prefill is asked afresh."""
         self._peers.pop(self._key(handle), None)
 
-    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> ReadResult:
-        """Pull the blocks of every local layer."""
+    def progress(self, handle: PrefillHandle) -> PrefillProgress:
+        """When the handle's prefill last showed progress, shared by every pull from it."""
+        key = self._key(handle)
+        progress = self._progress.get(key)
+        if progress is None:
+            progress = self._progress[key] = PrefillProgress()
+            while len(self._progress) > MAX_PEERS:
+                self._progress.popitem(last=False)
+        else:
+            self._progress.move_to_end(key)
+        return progress
+
+    def read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+             watch: StallWatch | None = None, claim: Calls | None = None) -> ReadResult:
+        """Pull the blocks of every local layer; with `watch`, give up once it finds the pull stalled
+        (Stalled: before any side-channel call if it is stalled already, queued behind a stalled pull;
+        before any read if a pull from this prefill was given up since its last read landed and it has
+        not answered `claim`, this pull's lease renewal, by the deadline)."""
+        if watch is not None and watch.expired(time.monotonic()):
+            raise Stalled(f"prefill {handle.remote_engine_id} made no progress for {watch.bound_s:g} s before "
+                          "this pull's turn")
+        if watch is not None and claim is not None and watch.progress.stalled:
+            if any(isinstance(answer, ChannelError) for answer in claim.results(until=watch.deadline())):
+                raise Stalled(f"prefill {handle.remote_engine_id} has not answered since a pull from it was given up")
+            watch.progressed(time.monotonic())  # it answers again: read
+        try:
+            return self._read(handle, local_blocks, remote_blocks, watch)
+        except Stalled:
+            watch.progress.gave_up()  # only a watch finds a pull stalled
+            raise
+
+    def _read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              watch: StallWatch | None) -> ReadResult:
         start = time.perf_counter()
         metas = self.peer_metas(handle)
         handshake_s = time.perf_counter() - start
         sources = choose_sources(self.local, metas, self.mla)
         per_peer = build_descs(self.local_layers, sources, local_blocks, remote_blocks)
         start = time.perf_counter()
-        nbytes = entries = 0
+        nbytes = entries = retried = 0
         for session, descs in per_peer.items():
-            b, e = self.transfer.read(session, descs)
-            nbytes += b
-            entries += e
-        return ReadResult(nbytes, entries, time.perf_counter() - start, handshake_s)
+            moved = self.transfer.read(session, descs, watch)
+            nbytes += moved.nbytes
+            entries += moved.entries
+            retried += moved.retried
+        return ReadResult(nbytes, entries, time.perf_counter() - start, handshake_s, retried)
 
     def claim(self, handle: PrefillHandle) -> Calls:
         """Renew the request's lease on every prefill worker; collect the grants with `lease_end`
@@ -158,27 +197,28 @@ class Puller:
         return self._calls(handle, prefill_ports(handle), renewal, LeaseGrant)
 
     @staticmethod
-    def lease_end(claim: Calls) -> float | None:
+    def lease_end(claim: Calls, until: float | None = None) -> float | None:
         """Monotonic time until which every prefill worker keeps the blocks, or None if one did
-        not answer or had freed them already. A worker that granted the lease held the blocks when
-        it read the renewal (after `claim.sent_at`), and a hold never restarts once ended, so the
-        blocks stayed the request's from before the read until at least this time."""
-        grants = claim.results()
+        not answer (by `until`, if given) or had freed them already. A worker that granted the lease
+        held the blocks when it read the renewal (after `claim.sent_at`), and a hold never restarts
+        once ended, so the blocks stayed the request's from before the read until at least this time."""
+        grants = claim.results(until)
         if any(isinstance(grant, ChannelError) or grant.seconds[0] <= 0 for grant in grants):
             return None
         return claim.sent_at + min(grant.seconds[0] for grant in grants)
 
-    def notify(self, handle: PrefillHandle, ok: bool) -> tuple[bool | None, list[str]]:
+    def notify(self, handle: PrefillHandle, ok: bool, timeout_s: float | None = None) -> tuple[bool | None, list[str]]:
         """Tell every prefill worker (in parallel) to free the request's blocks.
 
         Returns (held, errors): held is False if any worker had already freed them (lease lapsed),
-        True if every worker confirmed it still held them, None if some did not answer; errors name
-        the workers that did not answer (they free when the lease lapses). However many workers a
-        handle names, a round costs at most two timeouts.
+        True if every worker confirmed it still held them, None if some did not answer within
+        `timeout_s` (default: the handshake timeout); errors name the workers that did not answer
+        (they free when the lease lapses). However many workers a handle names, a round costs at
+        most two timeouts.
         """
         notice = DoneNotice(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token,
                             consumer=self.consumer_id, num_consumers=self.num_consumers, success=ok)
-        answers = self._ask(handle, notice, Released)
+        answers = self._ask(handle, notice, Released, timeout_s=timeout_s)
         errors = [str(a) for a in answers if isinstance(a, ChannelError)]
         if None in answers:
             errors[-1] += f"; {answers.count(None)} more workers not notified"

@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+import math
+
 import msgspec
 
 from kvpp_core.config import Parsed, parse_struct
 
 from connectors.common.names import EXTRA_CONFIG
-from connectors.mooncake.transfer import DEFAULT_MAX_BATCH_ENTRIES, DEFAULT_MAX_ENTRY_BYTES, MIN_TRANSFER_TIMEOUT_S
+from connectors.mooncake.transfer import DEFAULT_MAX_ENTRY_BYTES
+
+MIN_STALL_TIMEOUT_S = 1.0  # Mooncake's TCP progress timeout counts whole seconds, at least 1
 
 
 class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -21,8 +25,13 @@ class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     protocol: str = "tcp"
     """Mooncake transport: 'tcp' runs anywhere; 'rdma' needs an RDMA NIC and device_name."""
     device_name: str = ""
-    transfer_timeout_s: Annotated[int, msgspec.Meta(ge=MIN_TRANSFER_TIMEOUT_S)] = 30
-    """Bound on one batch read from a hung peer (Mooncake's MC_TRANSFER_TIMEOUT)."""
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=MIN_STALL_TIMEOUT_S)] = 2.0
+    """A pull none of whose reads ends for this long (plus its in-flight bytes' time at the measured
+    link rate) is given up and its blocks recomputed; also Mooncake's TCP progress timeout for this
+    process (MC_TCP_PROGRESS_TIMEOUT_SEC, rounded up), so the given-up reads end that soon after."""
+    transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Backstop: a given-up pull whose reads still have not ended this long after is reported failed
+    anyway (logged). Must exceed stall_timeout_s rounded up."""
     handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     """Bound on one side-channel request (metadata fetch, done-notice)."""
     hold_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
@@ -35,8 +44,6 @@ class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Pull threads per decode worker: pulls from different prefills run in parallel."""
     max_pulls_per_prefill: Annotated[int, msgspec.Meta(ge=1)] = 2
     """Of those, at most this many pull from one prefill at a time (a dead one cannot take all)."""
-    max_batch_entries: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BATCH_ENTRIES
-    """Entries per batch_transfer_sync_read; over ~1024 the tcp transport fails half-written."""
     max_entry_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_MAX_ENTRY_BYTES
     """Longest single copy; coalesced runs are cut to this so the engine spreads them over threads."""
     curve_secret_key_file: str = ""
@@ -45,18 +52,26 @@ class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Directory of the public certificates of the peers this node trusts (CURVE)."""
 
 
-_HINTS = {"transfer_timeout_s": f"Mooncake ignores a transfer timeout under {MIN_TRANSFER_TIMEOUT_S} s"}
+_DEFAULTS = MooncakeV2Settings()
+_HINTS = {"stall_timeout_s": "Mooncake's TCP progress timeout counts whole seconds, at least 1"}
 
 
 def read_mooncake_v2_settings(extra: Mapping[str, Any] | None) -> Parsed[MooncakeV2Settings]:
-    """The struct and every problem of `extra`: each field's, then whether the initial lease covers one
-    renewal."""
+    """The struct and every problem of `extra`: each field's, then (over the fields that converted, the
+    others at their defaults) whether the initial lease covers one renewal and whether the backstop
+    leaves a given-up pull's reads the time Mooncake needs to end them."""
     parsed = parse_struct(extra, MooncakeV2Settings, EXTRA_CONFIG, _HINTS)
-    settings = parsed.value
-    if settings is not None and settings.lease_s > settings.hold_timeout_s:
+    value = {**msgspec.structs.asdict(_DEFAULTS), **parsed.given}
+    if value["lease_s"] > value["hold_timeout_s"]:
         parsed.problems.append((f"{EXTRA_CONFIG}.lease_s", (
-            f"{settings.lease_s} exceeds hold_timeout_s {settings.hold_timeout_s}: the initial lease must cover "
+            f"{value['lease_s']} exceeds hold_timeout_s {value['hold_timeout_s']}: the initial lease must cover "
             "one renewal; lower lease_s or raise hold_timeout_s")))
+    if value["transfer_timeout_s"] <= math.ceil(value["stall_timeout_s"]):
+        parsed.problems.append((f"{EXTRA_CONFIG}.transfer_timeout_s", (
+            f"{value['transfer_timeout_s']:g} does not exceed stall_timeout_s {value['stall_timeout_s']:g} rounded "
+            "up: a given-up pull's reads need that long to end (Mooncake's TCP progress timeout); raise "
+            "transfer_timeout_s or lower stall_timeout_s")))
+    if parsed.problems:
         parsed.value = None
     return parsed
 

@@ -11,7 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connectors.common.metrics import CounterPromMetrics
 
-_FIELDS = ("bytes", "transfers", "failures", "seconds", "entries", "refused", "malformed", "renewed", "lapsed")
+_FIELDS = ("bytes", "transfers", "failures", "stalled", "retried", "seconds", "entries", "refused", "malformed",
+           "renewed", "lapsed")
 _HOSTILE = {"unauthorized": "refused", "unknown_request": "refused", "malformed": "malformed"}
 
 # Where a pulled request's time to first token goes on the decode, phase by phase (seconds summed
@@ -28,8 +29,9 @@ PHASES = {
 
 @dataclass
 class MooncakeV2Stats(KVConnectorStats):
-    """Sums since the last report: bytes pulled, requests pulled, failed pulls, seconds spent in
-    the transfer engine and batch entries issued (after coalescing).
+    """Sums since the last report: bytes pulled, requests pulled, failed pulls (of which `stalled`:
+    given up for making no progress within the stall bound), reads issued again after failing at once
+    (`retried`), seconds spent in the transfer engine and reads issued (after coalescing).
 
     A prefill worker also counts side-channel requests it refused: `refused` (no live hold for the
     request, a wrong token, or a CURVE key it does not trust) and `malformed` (undecodable frames, requests without a token),
@@ -64,16 +66,18 @@ class MooncakeV2Stats(KVConnectorStats):
             self.data[f"{phase}_s"] += max(0.0, seconds)
             self.data[f"{phase}_n"] += 1
 
-    def record_transfer(self, nbytes: int, seconds: float, entries: int) -> None:
+    def record_transfer(self, nbytes: int, seconds: float, entries: int, retried: int = 0) -> None:
         with self._lock:
             self.data["bytes"] += nbytes
             self.data["transfers"] += 1
             self.data["seconds"] += seconds
             self.data["entries"] += entries
+            self.data["retried"] += retried
 
-    def record_failure(self) -> None:
+    def record_failure(self, stalled: bool = False) -> None:
         with self._lock:
             self.data["failures"] += 1
+            self.data["stalled"] += stalled
 
     def record_refusal(self, code: str) -> None:
         """Count a side-channel refusal by its peer-facing code (benign ones, e.g. "expired", are not)."""
@@ -104,6 +108,8 @@ class MooncakeV2Stats(KVConnectorStats):
             "pulled_bytes": self.data["bytes"],
             "pulled_requests": self.data["transfers"],
             "failed_pulls": self.data["failures"],
+            "stalled_pulls": self.data.get("stalled", 0),
+            "retried_reads": self.data.get("retried", 0),
             "transfer_seconds": round(seconds, 4),
             "batch_entries": self.data["entries"],
             "refused_requests": self.data.get("refused", 0),
@@ -125,7 +131,10 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "bytes": ("vllm:mooncake_v2_pulled_bytes", "KV bytes pulled from prefill workers."),
         "transfers": ("vllm:mooncake_v2_pulls", "Requests whose prompt KV was pulled."),
         "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
-        "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent in batch_transfer_sync_read."),
+        "stalled": ("vllm:mooncake_v2_stalled_pulls",
+                    "Failed pulls given up because their prefill made no progress within the stall bound."),
+        "retried": ("vllm:mooncake_v2_retried_reads", "Reads that failed at once and were issued again (once per pull)."),
+        "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent reading in the transfer engine."),
         **{f"{phase}_s": (f"vllm:mooncake_v2_{phase}_seconds", f"Pulled requests' time in phase: {doc}.")
            for phase, doc in PHASES.items()},
         **{f"{phase}_n": (f"vllm:mooncake_v2_{phase}_requests", f"Requests timed in phase {phase}.")

@@ -1,29 +1,54 @@
-"""Thin wrapper over the Mooncake TransferEngine for pulling KV blocks.
+"""Thin wrapper over the Mooncake TransferEngine for pulling KV blocks, bounded by progress.
 
-Measured transport facts shape it (bench/pd_transfer.py measures them): every batch entry
-costs ~75 us, so contiguous block runs are coalesced; one huge entry is moved by too few engine
-threads (a 300 MB read took 0.26 s as one entry, 0.13 s as 256 entries of ~1.2 MB), so merged
-runs are cut into pieces of at most `max_entry_bytes`; and a batch over ~1024 entries can fail
-half-written on tcp, so batches are split. A hung peer is bounded by MC_TRANSFER_TIMEOUT.
+Measured transport facts shape it (bench/pd_transfer.py and bench/pd_stall.py measure them): every
+copy costs ~75 us, so contiguous block runs are coalesced; one huge copy is moved by too few engine
+threads (a 300 MB read took 0.26 s as one entry, 0.13 s as 256 entries of ~1.2 MB), so merged runs
+are cut into pieces of at most `max_entry_bytes`. Each piece is its own asynchronous read, and at
+most one per Mooncake TCP lane of a peer is in flight (MC_TCP_LANES_PER_PEER), so no piece waits in
+Mooncake's queue: a read Mooncake abandoned at its timeout still ran its queued pieces later, into
+the same memory, once the peer woke. A pull whose pieces stop completing is given up at its
+`StallWatch` bound; the pieces still in flight then end within Mooncake's TCP progress timeout
+(MC_TCP_PROGRESS_TIMEOUT_SEC, set from the same bound), and until they have ended (`Drain`) their
+destinations must not be handed back.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from connectors.common.hosts import join_host_port, mooncake_family
 
 from connectors.mooncake.affinity import run_unpinned
+from connectors.mooncake.stall import StallWatch
 
-DEFAULT_MAX_BATCH_ENTRIES = 1024
 DEFAULT_MAX_ENTRY_BYTES = 1 << 20
-MIN_TRANSFER_TIMEOUT_S = 5  # Mooncake ignores smaller MC_TRANSFER_TIMEOUT values
+DEFAULT_LANES = 4  # Mooncake's TCP lanes per peer by default; MC_TCP_LANES_PER_PEER sets 1-16
+MAX_LANES = 16
+PROGRESS_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+MIN_NAP_S, MAX_NAP_S = 50e-6, 250e-6
+"""Polling pause while no read ended: doubles from the first to the second. A lane whose read ended
+idles until the next poll, so the pause stays well under one 1 MiB read's time on a fast link
+(bench/pd_transfer.py measures the pull against raw reads)."""
 
 
 class TransferError(RuntimeError):
-    """A transfer-engine call failed; the caller turns it into a load failure, never a crash."""
+    """A transfer-engine call failed; the caller turns it into a load failure, never a crash.
+    `drain` holds the pull's reads still in flight (None: none), whose destinations the engine may
+    still write into."""
+
+    def __init__(self, message: str, drain: Drain | None = None) -> None:
+        super().__init__(message)
+        self.drain = drain
+
+
+class Stalled(TransferError):
+    """The pull made no progress within its bound and was given up."""
 
 
 class Desc(NamedTuple):
@@ -32,6 +57,32 @@ class Desc(NamedTuple):
     local: int
     remote: int
     length: int
+
+
+class Moved(NamedTuple):
+    nbytes: int
+    entries: int
+    """Reads issued after coalescing and cutting."""
+    retried: int
+    """Reads that failed at once and were issued again (once per pull)."""
+
+
+def lanes_per_peer(env: Mapping[str, str] = os.environ) -> int:
+    """Mooncake's TCP lanes per peer as it reads them (an unparsable value falls back to its default)."""
+    try:
+        lanes = int(env.get("MC_TCP_LANES_PER_PEER", DEFAULT_LANES))
+    except ValueError:
+        return DEFAULT_LANES
+    return min(max(lanes, 1), MAX_LANES)
+
+
+def progress_timeout_s(env: Mapping[str, str] = os.environ) -> int:
+    """Seconds without progress after which Mooncake's TCP transport drops a read (its default 30)."""
+    try:
+        value = int(env.get(PROGRESS_ENV, "30"))
+    except ValueError:
+        return 30
+    return value if value > 0 else 30
 
 
 def coalesce(descs: Iterable[Desc]) -> list[Desc]:
@@ -61,13 +112,6 @@ def cut_entries(descs: Iterable[Desc], max_bytes: int) -> list[Desc]:
     return out
 
 
-def split_batches(descs: Sequence[Desc], limit: int) -> list[Sequence[Desc]]:
-    """Cut a copy list into batches of at most `limit` entries (the transport's queue bound)."""
-    if limit < 1:
-        raise ValueError(f"batch limit must be >= 1, got {limit}")
-    return [descs[i : i + limit] for i in range(0, len(descs), limit)]
-
-
 def _import_engine():
     try:
         from mooncake.engine import TransferEngine
@@ -80,26 +124,45 @@ def _import_engine():
     return TransferEngine
 
 
+class Drain:
+    """The reads of a given-up pull still in flight: the engine may still write into their
+    destinations until each has ended (completed or failed). Poll `ended()` from one thread."""
+
+    def __init__(self, transfer: MooncakeTransfer, peer_session: str, batch_ids: list[int]) -> None:
+        self._transfer = transfer
+        self._peer = peer_session
+        self._ids = batch_ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ended(self) -> bool:
+        self._ids = [i for i in self._ids if self._transfer._status(self._peer, i) not in (1, -1)]
+        return not self._ids
+
+    def abandon(self) -> None:
+        """Stop watching the reads left (they keep their engine batches): frees their lanes for new reads."""
+        for _ in self._ids:
+            self._transfer._release(self._peer)
+        self._ids = []
+
+
 class MooncakeTransfer:
-    """One TransferEngine in P2P-handshake mode, with registered regions and batched reads."""
+    """One TransferEngine in P2P-handshake mode, with registered regions and reads bounded by progress.
+
+    `progress_timeout_s` (a puller's stall bound) sets Mooncake's TCP progress timeout for this
+    process, whole seconds rounded up, unless MC_TCP_PROGRESS_TIMEOUT_SEC is set already."""
 
     def __init__(
         self,
         host: str,
         protocol: str = "tcp",
         device_name: str = "",
-        timeout_s: int | None = None,
-        max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+        progress_timeout_s: float | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
     ) -> None:
-        if timeout_s is not None:
-            if timeout_s < MIN_TRANSFER_TIMEOUT_S:
-                raise ValueError(
-                    f"transfer timeout {timeout_s}s is below Mooncake's minimum of "
-                    f"{MIN_TRANSFER_TIMEOUT_S}s; raise kv_connector_extra_config.transfer_timeout_s"
-                )
-            # Read by the engine at init; an explicit user setting wins.
-            os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(int(timeout_s)))
+        if progress_timeout_s is not None:
+            os.environ.setdefault(PROGRESS_ENV, str(math.ceil(progress_timeout_s)))
         try:
             mooncake_family(host, os.environ)
         except ValueError as exc:
@@ -107,8 +170,10 @@ class MooncakeTransfer:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         self.host = host
         self.protocol = protocol
-        self.max_batch_entries = max_batch_entries
         self.max_entry_bytes = max_entry_bytes
+        self.lanes = lanes_per_peer()
+        self._in_flight: dict[str, int] = {}  # peer session -> reads in flight on it, at most `lanes`
+        self._lock = threading.Lock()
         self._engine = _import_engine()()
         # The engine starts its I/O threads here; they inherit this thread's CPU mask.
         rc = run_unpinned(lambda: self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name))
@@ -128,7 +193,7 @@ class MooncakeTransfer:
     def session(self) -> str:
         return join_host_port(self.host, self.rpc_port)
 
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+    def register(self, regions: list[tuple[int, int]]) -> None:
         """Register (address, length) regions so peers may read them."""
         if not regions:
             return
@@ -139,24 +204,87 @@ class MooncakeTransfer:
             raise TransferError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
         self._registered.extend(regions)
 
-    def read(self, peer_session: str, descs: Iterable[Desc]) -> tuple[int, int]:
-        """Pull every copy from the peer; returns (bytes, batch entries). Raises TransferError."""
-        merged = cut_entries(coalesce(descs), self.max_entry_bytes)
-        total = 0
-        for batch in split_batches(merged, self.max_batch_entries):
-            rc = self._engine.batch_transfer_sync_read(
-                peer_session,
-                [d.local for d in batch],
-                [d.remote for d in batch],
-                [d.length for d in batch],
-            )
-            if rc != 0:
-                raise TransferError(
-                    f"batch_transfer_sync_read from {peer_session} of {len(batch)} entries "
-                    f"returned {rc}"
-                )
-            total += sum(d.length for d in batch)
-        return total, len(merged)
+    # ---- reads in flight, at most one per lane of a peer ----------------------------------------
+    def _take(self, peer: str) -> bool:
+        with self._lock:
+            if self._in_flight.get(peer, 0) >= self.lanes:
+                return False
+            self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
+            return True
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            left = self._in_flight[peer] - 1
+            if left:
+                self._in_flight[peer] = left
+            else:
+                del self._in_flight[peer]
+
+    def _submit(self, peer: str, d: Desc) -> int:
+        """Start one read on a lane `_take` reserved; its engine batch id."""
+        batch_id = self._engine.batch_transfer_async_read(peer, [d.local], [d.remote], [d.length])
+        if not batch_id:
+            self._release(peer)
+            raise TransferError(f"Mooncake could not start a read from {peer} (batch_transfer_async_read "
+                                "returned 0: the peer's transfer engine is unknown or unreachable)")
+        return batch_id
+
+    def _status(self, peer: str, batch_id: int) -> int:
+        """1 completed, -1 failed (both final: the engine freed the batch, which is never asked again),
+        0 (or -2, timed out) still in flight."""
+        rc = self._engine.transfer_check_status(batch_id)
+        if rc in (1, -1):
+            self._release(peer)
+        return rc
+
+    def read(self, peer_session: str, descs: Iterable[Desc], watch: StallWatch | None = None) -> Moved:
+        """Pull every copy from the peer. Reads that fail at once (within half the stall bound of their
+        start: a refused or reset connection) are issued once more, Mooncake opening a fresh connection
+        for them; a pull that `watch` finds stalled, whose reads Mooncake dropped for making no progress
+        (they failed later than that), or whose prefill another pull found stalled, raises Stalled and
+        starts no further read. Every error carries the reads still in flight (`TransferError.drain`)."""
+        pieces = deque(cut_entries(coalesce(descs), self.max_entry_bytes))
+        count, total = len(pieces), sum(d.length for d in pieces)
+        flight: dict[int, tuple[Desc, float]] = {}  # batch id -> (the read, when it started)
+        retried, nap = 0, MIN_NAP_S
+        try:
+            while pieces or flight:
+                if watch is not None and watch.progress.stalled:
+                    raise Stalled(f"another pull from the prefill at {peer_session} found it stalled; "
+                                  f"{count - len(pieces) - len(flight)} of {count} reads done")
+                while pieces and self._take(peer_session):
+                    d = pieces.popleft()
+                    flight[self._submit(peer_session, d)] = (d, time.monotonic())
+                done, failed = [], []
+                for batch_id in list(flight):
+                    rc = self._status(peer_session, batch_id)
+                    if rc in (1, -1):
+                        (done if rc == 1 else failed).append(flight.pop(batch_id))
+                now = time.monotonic()
+                if done and watch is not None:
+                    watch.progressed(now)
+                in_flight = sum(d.length for d, _ in flight.values())
+                dropped = watch is not None and any(now - started >= watch.bound_s / 2 for _, started in failed)
+                if dropped or (watch is not None and watch.expired(now, in_flight)):
+                    raise Stalled(f"no read from {peer_session} landed within the pull's stall bound "
+                                  f"({watch.bound_s:g} s plus {in_flight} bytes in flight at the measured rate)"
+                                  + (f", {len(failed)} dropped by Mooncake for no progress" if dropped else "")
+                                  + f"; {count - len(pieces) - len(flight) - len(failed)} of {count} reads done")
+                if failed and retried:
+                    raise TransferError(f"{len(failed)} reads from {peer_session} failed again after a retry "
+                                        f"of {retried} (of {count} reads)")
+                if failed:
+                    retried = len(failed)
+                    pieces.extendleft(d for d, _ in reversed(failed))
+                if done or failed:
+                    nap = MIN_NAP_S
+                else:
+                    time.sleep(nap)
+                    nap = min(2 * nap, MAX_NAP_S)
+        except TransferError as exc:
+            exc.drain = Drain(self, peer_session, list(flight)) if flight else None
+            raise
+        return Moved(total, count, retried)
 
     def close(self) -> None:
         if self._registered:

@@ -4,7 +4,9 @@ Prefill workers answer metadata requests, done-notices and lease renewals on the
 and keep a finished request's blocks until every decode worker said done, or the lease lapses.
 Decode workers pull on a few background threads (the engine keeps stepping), report the request
 as soon as its read is known good, then notify the prefill; any failure becomes failed block ids
-so vLLM's kv_load_failure_policy decides (fail or recompute).
+so vLLM's kv_load_failure_policy decides (fail or recompute). A pull whose prefill makes no progress
+is given up at its stall bound (connectors/mooncake/stall.py); its blocks are reported only once
+the transfer engine can no longer write into them (transfer.Drain).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from connectors.mooncake.puller import Puller
 from connectors.mooncake.pulls import PullPool
 from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.settings import MooncakeV2Settings
+from connectors.mooncake.stall import LinkRate, StallWatch
 from connectors.mooncake.stats import MooncakeV2Stats
-from connectors.mooncake.transfer import MooncakeTransfer, TransferError
+from connectors.mooncake.transfer import PROGRESS_ENV, Drain, MooncakeTransfer, Stalled, TransferError, \
+    progress_timeout_s
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,8 +77,10 @@ class _Pulled(NamedTuple):
     ok: bool
     finished: float
     """perf_counter() when the pull ended."""
-    ready_at: float = 0.0
-    """monotonic() before which the request must not be reported (quarantine of a timed-out read)."""
+    drain: Drain | None = None
+    """Reads of a given-up pull still in flight: the request is reported once they ended."""
+    given_up: float = 0.0
+    """monotonic() when a pull with a drain was given up (its drain's backstop counts from it)."""
 
 
 class MooncakeV2Worker:
@@ -92,9 +98,13 @@ class MooncakeV2Worker:
                            pcp=parallel.prefill_context_parallel_size, dp=parallel.data_parallel_size)
         self.port = ports.handshake_port(dp_rank=parallel.data_parallel_rank, pp_rank=self.pp_rank, tp_rank=self.tp_rank)
         self.transfer = MooncakeTransfer(self.host, protocol=settings.protocol, device_name=settings.device_name,
-                                         timeout_s=settings.transfer_timeout_s,
-                                         max_batch_entries=settings.max_batch_entries,
+                                         progress_timeout_s=settings.stall_timeout_s,
                                          max_entry_bytes=settings.max_entry_bytes)
+        if progress_timeout_s() > settings.stall_timeout_s + 1:
+            logger.warning("%s=%d is set: a given-up pull's reads may keep its blocks that long after its stall "
+                           "bound (stall_timeout_s=%g); unset it to let the connector set it", PROGRESS_ENV,
+                           progress_timeout_s(), settings.stall_timeout_s)
+        self._rate = LinkRate()
         self.stats = MooncakeV2Stats()
         self.holds = HoldTable(settings.hold_timeout_s, settings.lease_s)
         self.curve = load_curve(settings.curve_secret_key_file, settings.curve_public_keys_dir)
@@ -168,33 +178,36 @@ class MooncakeV2Worker:
                 self._notices.submit(self._notify, spec, False)
                 continue
             prefill = (spec.handle.remote_engine_id, spec.handle.remote_host, spec.handle.remote_kv_port)
-            self._pulls[spec.request_id] = (self._pool.submit(prefill, self._pull, spec), spec)
+            self._pulls[spec.request_id] = (self._pool.submit(prefill, self._pull, spec, time.monotonic()), spec)
 
-    def _pull(self, spec: LoadSpec) -> _Pulled:
+    def _pull(self, spec: LoadSpec, submitted: float) -> _Pulled:
         """Pull thread: read one request's blocks while renewing its lease, and keep the result only
         if the lease covered the whole read (else only if the prefill confirms it still held them).
         The done-notice that frees the blocks on the prefill goes out after the request is reported,
-        off its path to the first token."""
-        handle = spec.handle
+        off its path to the first token. A stalled prefill costs the pull its stall bound, and its
+        side channel (the lease grant, the confirmation) at most that bound again."""
+        handle, bound = spec.handle, self.settings.stall_timeout_s
         self.stats.record_phase("dispatch", time.time() - spec.scheduled_at)
+        watch = StallWatch(bound, self._rate, self._puller.progress(handle), since=submitted)
         claim = None
         try:
             claim = self._puller.claim(handle)
-            done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids)
-            lease_end = self._puller.lease_end(claim)
+            done = self._puller.read(handle, spec.local_block_ids, spec.remote_block_ids, watch, claim)
+            lease_end = self._puller.lease_end(claim, until=time.monotonic() + bound)
         except Exception as exc:  # any failure is a load error for vLLM's policy, never a crash
             if claim is not None:
                 claim.close()
-            self._puller.forget(handle)
+            if not isinstance(exc, Stalled):  # a stalled prefill keeps its metadata: asking it again would wait
+                self._puller.forget(handle)
             logger.error("request %s: pulling KV from prefill %s failed: %s", spec.request_id,
                          handle.remote_engine_id, exc)
-            self.stats.record_failure()
+            self.stats.record_failure(stalled=isinstance(exc, Stalled))
             self._notices.submit(self._notify, spec, False)
-            # A timed-out read may still have pieces in flight into these blocks; keep them out of
-            # vLLM's hands (the request stays waiting) until such pieces have landed, so they cannot
-            # overwrite what a recompute writes there. Only the report waits, no thread does.
-            quarantine = self.settings.transfer_timeout_s if isinstance(exc, TransferError) else 0.0
-            return _Pulled(False, time.perf_counter(), time.monotonic() + quarantine)
+            # Reads still in flight may yet write into these blocks; keep them out of vLLM's hands (the
+            # request stays waiting) until the engine says each ended, so nothing lands after a
+            # recompute wrote there. Only the report waits, no thread does.
+            drain = exc.drain if isinstance(exc, TransferError) else None
+            return _Pulled(False, time.perf_counter(), drain, time.monotonic())
         if lease_end is not None and time.monotonic() < lease_end - LEASE_MARGIN_S:
             ok = True
             self._notices.submit(self._notify, spec, True)
@@ -202,24 +215,25 @@ class MooncakeV2Worker:
             # Renewal unanswered or the read outlived the lease: trust the read only if every
             # prefill worker confirms it still held the blocks.
             start = time.perf_counter()
-            ok = self._notify(spec, True) is True
+            ok = self._notify(spec, True, timeout_s=bound) is True
             self.stats.record_phase("notify", time.perf_counter() - start)
             if not ok:
                 logger.error("request %s: prefill %s may have freed the blocks before the pull finished; "
                              "discarding what was read", spec.request_id, handle.remote_engine_id)
         if ok:
-            self.stats.record_transfer(done.nbytes, done.seconds, done.entries)
+            self._rate.record(done.nbytes, done.seconds)
+            self.stats.record_transfer(done.nbytes, done.seconds, done.entries, done.retried)
             self.stats.record_phase("handshake", done.handshake_s)
         else:
             self.stats.record_failure()
         return _Pulled(ok, time.perf_counter())
 
-    def _notify(self, spec: LoadSpec, ok: bool) -> bool | None:
+    def _notify(self, spec: LoadSpec, ok: bool, timeout_s: float | None = None) -> bool | None:
         """Tell the prefill to free the request's blocks. Never raises: whatever the prefill (or a peer
         posing as one) answers, or a socket error, becomes "not confirmed" (None), so nothing a peer
         sends reaches the engine step through a pull's result."""
         try:
-            held, errors = self._puller.notify(spec.handle, ok)
+            held, errors = self._puller.notify(spec.handle, ok, timeout_s)
         except Exception as exc:
             logger.warning("request %s: done-notice failed (%s); the prefill frees when the lease lapses",
                            spec.request_id, exc)
@@ -240,7 +254,7 @@ class MooncakeV2Worker:
             if running:
                 wait(running, timeout=IDLE_POLL_S, return_when=FIRST_COMPLETED)
             elif self._pulls:
-                time.sleep(IDLE_POLL_S)  # only quarantined pulls left
+                time.sleep(IDLE_POLL_S)  # only drains left
             elif len(self.holds):
                 self.holds.wait_for_notice(IDLE_POLL_S)
         released, lapsed = self.holds.pop_finished()
@@ -255,7 +269,7 @@ class MooncakeV2Worker:
             if not future.done():
                 continue
             pulled = future.result()
-            if pulled.ready_at > now_mono:
+            if pulled.drain is not None and not self._drained(request_id, pulled, now_mono):
                 continue
             del self._pulls[request_id]
             recved.add(request_id)
@@ -264,6 +278,19 @@ class MooncakeV2Worker:
             else:
                 self._failed_blocks.update(spec.local_block_ids)
         return released | lapsed, recved
+
+    def _drained(self, request_id: str, pulled: _Pulled, now: float) -> bool:
+        """Whether a given-up pull's reads all ended; past the transfer_timeout_s backstop they are
+        abandoned (which the transfer engine's own progress timeout should never let happen)."""
+        if pulled.drain.ended():
+            return True
+        if now < pulled.given_up + self.settings.transfer_timeout_s:
+            return False
+        logger.error("request %s: %d reads of its given-up pull still had not ended %gs later "
+                     "(transfer_timeout_s); reporting its blocks failed anyway, late bytes may still land in them",
+                     request_id, len(pulled.drain), self.settings.transfer_timeout_s)
+        pulled.drain.abandon()
+        return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -131,6 +131,12 @@ def print_summary(report: dict) -> None:
     for p in report["cancel_probes"]:
         print(f"  {p['label']:<18} every engine idle {p['idle_after_s']:.1f} s after the client left "
               f"({p['tokens_generated']} of 600 tokens generated)")
+    for p in report.get("pull_probes", []):
+        answered = sum(r["outcome"] == "answered" for r in p["requests"])
+        c = p["counters"]
+        print(f"  {p['label']:<18} {answered} of {len(p['requests'])} answered, slowest {p['slowest_s']:.1f} s "
+              f"(limit {p['limit_s']:.1f} s, recompute {p['recompute_s']:.1f} s); pulls {c['pulls']}, failed "
+              f"{c['failed_pulls']} ({c['stalled_pulls']} stalled), reads retried {c['retried_reads']}")
     d, c = report["drain"], report["counters"]
     pulls = c.get("skipped") or (f"{c['pulls']} pulls for {c['proxy_pd']} P/D requests, {c['failed_pulls']} failed, "
                                  f"{c['pulled_bytes']:,} of {c['expected_bytes']:,} bytes")

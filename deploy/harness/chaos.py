@@ -5,7 +5,9 @@ It computes reference answers on a colocated engine (then stops it), starts the 
 decode TP=1, `kvpp proxy` or, with --front, vllm-router) or points at running instances, drives concurrent clients (plain,
 streaming and client-cancelled completions over prompts with shared prefixes) and injects faults on
 a schedule: SIGKILL + restart and SIGSTOP/SIGCONT of the prefill, the decode, the pool master and
-the segment holder, a proxy restart, and clients abandoning long generations. Every answer is
+the segment holder, a proxy restart, clients abandoning long generations, the prefill stopped while
+the decode pulls from it, and pulls after an idle gap longer than Mooncake's TCP lane timeout (those
+two must cost no request more than the decode's stall bound plus a recompute). Every answer is
 compared with the reference's tokens; after the run every engine's /metrics must show no request
 running or waiting, KV cache usage 0, and as many pulls as P/D requests. Prints a one-screen summary
 (or `--json`) and writes the whole report, every request included, to `--report`.
@@ -23,7 +25,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy.harness.chaos_load import Load, Prompt, cancel_probe, reference_prompts
+from deploy.harness.chaos_load import CLIENT_TIMEOUT_S, Load, Prompt, cancel_probe, reference_prompts
+from deploy.harness.chaos_pulls import IDLE_GAP_S, PROBE_PROMPTS, idle_probe, judge, recompute_seconds, stall_probe, \
+    stop_group
 from deploy.harness.chaos_stack import (Stack, StackSettings, inject, progress, reference_answers, restart, start_front,
                                         start_local_stack)
 from deploy.harness.engines import LAYERS, engine_metrics, metric_total
@@ -42,9 +46,11 @@ PROGRESS_EVERY_S = 5.0
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """kill (SIGKILL, then restart), stop (SIGSTOP, then SIGCONT) or cancel (a client abandons a long generation)."""
+    """kill (SIGKILL, then restart), stop (SIGSTOP, then SIGCONT), cancel (a client abandons a long generation),
+    stall (the prefill stopped while the decode pulls from it) or idle (no traffic for `down_s`, then pulls)."""
     target: str
-    """prefill, decode, pool_master, pool_holder, proxy; for cancel: stream or plain."""
+    """prefill, decode, pool_master, pool_holder, proxy; for cancel: stream or plain; for stall: prefill;
+    for idle: pd."""
     down_s: float = 0.0
 
     @property
@@ -60,7 +66,10 @@ SHORT_SCHEDULE = (
     Fault("kill", "pool_master", 1), Fault("stop", "pool_holder", 6),
     Fault("kill", "proxy", 0), Fault("stop", "proxy", 4),
     Fault("cancel", "plain"),
+    Fault("stall", "prefill"), Fault("idle", "pd", IDLE_GAP_S),
 )
+PROBES = ("cancel", "stall", "idle")
+"""Kinds run as probes with the load paused (their requests are timed alone), not as faults under load."""
 
 
 def soak_schedule(seed: int) -> Iterator[Fault]:
@@ -120,6 +129,7 @@ class Run:
         self.t0 = time.monotonic()
         self.faults: list[dict] = []
         self.probes: list[dict] = []
+        self.pull_probes: list[dict] = []
         self.current = "warm-up"
 
     async def run(self, schedule: Iterable[Fault], gap_s: float, seconds: float | None = None) -> dict:
@@ -137,6 +147,8 @@ class Run:
                 self.current = f"fault {i + 1} {fault.label}"
                 if fault.kind == "cancel":
                     await self._cancel_probe(fault)
+                elif fault.kind in PROBES:
+                    await self._pull_probe(fault)
                 else:
                     await self._fault(fault)
                 self.current = f"after fault {i + 1}"
@@ -197,6 +209,24 @@ class Run:
                             "tokens_generated": int(generated), "client_left_at": round(left - self.t0, 2)})
         self.load.resume()
 
+    async def _pull_probe(self, fault: Fault) -> None:
+        """Quiesce the load, time the decode computing a few prompts alone (the recompute), then the
+        same prompts P/D under the fault: the prefill stopped as their pulls start (stall), or after an
+        idle gap (idle)."""
+        await self.load.pause()
+        await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, False)
+        # Prompts without the shared prefix: the prefill computes each whole, the decode pulls each whole.
+        decode, prompts = self.stack.engines["decode"], self.prompts[-PROBE_PROMPTS:]
+        recompute = await recompute_seconds(decode, self.model, prompts, CLIENT_TIMEOUT_S)
+        if fault.kind == "stall":
+            stop, resume = stop_group(self.stack.members["prefill"])
+            probe = await stall_probe(self.stack.engines["prefill"], decode, self.model, prompts, stop, resume,
+                                      CLIENT_TIMEOUT_S)
+        else:
+            probe = await idle_probe(self.stack.proxy_url, decode, self.model, prompts, fault.down_s, CLIENT_TIMEOUT_S)
+        self.pull_probes.append(judge(fault.label, probe, recompute, self.settings.stall_timeout_s))
+        self.load.resume()
+
     async def _counters_check(self) -> dict:
         """With nothing else running: every P/D request is one pull of exactly its prompt's pages."""
         if "decode" not in self.stack.engines:
@@ -248,6 +278,8 @@ class Run:
         for p in self.probes:
             if not p["idle"] or p["idle_after_s"] > CANCEL_IDLE_LIMIT_S or p["tokens_generated"] >= 600:
                 problems.append(f"{p['label']}: engines still busy {p['idle_after_s']} s after the client left")
+        for p in self.pull_probes:
+            problems += p["problems"]
         if not drain["idle"]:
             problems.append(f"after the run engines not idle with KV usage 0 within {drain_s:.0f} s: {drain['engines']}")
         if not counters["consistent"]:
@@ -261,6 +293,7 @@ class Run:
             "fault_kinds": _by_kind(records, self.faults),
             "without_fault": baseline,
             "cancel_probes": self.probes,
+            "pull_probes": self.pull_probes,
             "drain": {"seconds": round(drain_s, 2), **drain},
             "counters": counters,
             "proxy_paths": proxy_paths,

@@ -31,8 +31,11 @@ class StackSettings:
     """Timers of the stack under test, short enough that a dead or stalled part costs seconds."""
     hold_timeout_s: float = 20.0
     """Prefill: how long blocks wait for a decode that never pulls (it died, or the request moved on)."""
-    transfer_timeout_s: int = 5
-    """Decode: a pull from a dead or stalled prefill gives up after this, and the prompt is recomputed."""
+    stall_timeout_s: float = 2.0
+    """Decode: a pull from a stalled prefill that lands nothing for this long is given up, and the prompt is
+    recomputed (the connector's default)."""
+    transfer_timeout_s: float = 5.0
+    """Decode: backstop for a given-up pull's reads, which Mooncake's progress timeout ends first."""
     prefill_timeout_s: float = 20.0
     """Proxy: a prefill silent this long is given up (the request goes to a decode alone)."""
     read_timeout_s: float = 20.0
@@ -187,7 +190,8 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings, front:
         servers: tuple[Engine, Engine] = pd_servers(
             model, workdir, stack.members["pool_master"].pool_extra,
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
-            consumer_extra={"transfer_timeout_s": settings.transfer_timeout_s},
+            consumer_extra={"stall_timeout_s": settings.stall_timeout_s,
+                            "transfer_timeout_s": settings.transfer_timeout_s},
             env=settings.engine_env(), kv_events=settings.cache_aware)
         stack.events = [servers[0].kv_events] if settings.cache_aware else []
         started: list[ManagedProcess] = []

@@ -277,7 +277,7 @@ def test_forged_done_notice_does_not_free_a_real_prefills_blocks(peers, free_por
         with pytest.raises(ChannelError, match="unauthorized"):
             call("127.0.0.1", free_port, message, 2.0, m.Released)
         assert peer.line(timeout=5) == {"refused": "unauthorized"}
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    te = MooncakeTransfer("127.0.0.1")
     try:
         kv, puller = make_puller(te, layers=2, blocks=8)
         h = handle(free_port, "r1", [1, 2, 3])
@@ -297,7 +297,7 @@ def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
     learns a prefill's first registered buffer from the engine's handshake (no side channel, no
     token) and reads and writes it. If this ever fails, Mooncake gained access control: update
     the threat model in docs/security.md."""
-    victim, stranger = MooncakeTransfer("127.0.0.1", timeout_s=5), MooncakeTransfer("127.0.0.1", timeout_s=5)
+    victim, stranger = MooncakeTransfer("127.0.0.1"), MooncakeTransfer("127.0.0.1")
     try:
         secret = torch.arange(1024, dtype=torch.float32)
         victim.register([(secret.data_ptr(), secret.numel() * 4)])
@@ -347,6 +347,28 @@ def test_done_notices_to_unreachable_workers_cost_one_timeout(free_port):
     held, errors = puller.notify(h, ok=False)
     # One timeout, counted: the first unreachable worker's error, and the other 31 never tried (not 32 x 0.5 s).
     assert held is None and len(errors) == 1 and "31 more workers not notified" in errors[0]
+
+
+@pytest.mark.integration
+def test_answers_of_a_stalled_peer_are_waited_for_until_the_caller_s_deadline_and_collected_once(free_port):
+    """A decode waits for a stalled prefill's lease grant only until its pull's stall deadline, not the
+    handshake timeout; a second look at the same answers does not wait again."""
+    from connectors.mooncake.channel import Calls
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the request, never answers: a stopped prefill
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"tcp://127.0.0.1:{free_port}")
+    try:
+        renewal = m.LeaseRenewal(version=m.PROTOCOL_VERSION, claims=[m.LeaseClaim(request_id="r", token=TOKEN)])
+        calls = Calls([("127.0.0.1", free_port)], renewal, 30.0, m.LeaseGrant)
+        start = time.monotonic()
+        (first,) = calls.results(until=start + 0.3)
+        waited = time.monotonic() - start
+        assert isinstance(first, NoAnswer) and "within 0.3s" in str(first)
+        assert calls.results() is calls.results() and calls.results() == [first]  # collected once, not waited for again
+        assert waited < 5  # 0.3 s asked for; never the 30 s call timeout
+    finally:
+        silent.close()
 
 
 @pytest.mark.integration

@@ -5,8 +5,9 @@ keeps the MTP cache on both ranks, and a decode reads it from one of them and ea
 its owner.
 
 One pair of servers serves every assertion, `kvpp chaos` attached to them and the vLLM project's
-router (`vllm-router`) in front of them included; the lease test adds a decode it kills, and the fault
-test kills the prefill, so they run last. The prefill's KV budget (PREFILL_KV_BYTES) is one KVPP off
+router (`vllm-router`) in front of them included; one test SIGSTOPs the prefill for a few seconds as the
+decode pulls from it; the lease test adds a decode it kills, and the fault test kills the prefill, so
+they run last. The prefill's KV budget (PREFILL_KV_BYTES) is one KVPP off
 could not fill with the full-capacity test's held prompts. The prefill runs vLLM's dev-mode routes and a
 worker extension that zeroes KV blocks on request, which only the full-capacity test's negative control
 calls. The zero-copy test starts a second prefill (KVPP zero-copy) feeding the same decode, for itself only.
@@ -19,6 +20,7 @@ import collections
 import http.server
 import itertools
 import json
+import math
 import signal
 import statistics
 import sys
@@ -55,6 +57,7 @@ MTP = ("--speculative-config", json.dumps(REFERENCE.mtp_config(1)))
 PAGE_BYTES = 16 * 576 * 4  # block size 16 x MLA head 576 x fp32
 HOLD_TIMEOUT_S = 20  # initial lease: a request no decode claims is freed after this
 LEASE_S = 4  # a claimed request's blocks are freed this long after its decode stops renewing
+STALL_TIMEOUT_S = 2.0  # the decode's stall bound: MooncakeConnectorV2's default, which the decodes here keep
 PROMPT_WORDS = (300, 45, 170)
 DECODE_KV_BYTES = 3 << 29  # ~2600 blocks: the load test's whole crowd decodes at once, unpreempted
 LOAD_CLIENTS = 240  # half of them streaming
@@ -529,6 +532,41 @@ def test_full_capacity_check_fails_when_the_blocks_past_kvpp_off_are_zeroed(pd):
     assert post(f"{prefill.url}/reset_prefix_cache", {}) == {"success": True}
     print(f"blocks >= {off_blocks} zeroed: {sum(hit)} of {len(hit)} requests held such blocks and answered "
           "otherwise; the rest answered alike")
+
+
+def test_a_prefill_stopped_as_the_decode_pulls_costs_the_stall_bound_plus_a_recompute(pd, colocated):
+    """The prefill SIGSTOPped as soon as the decode leg is on its way: the decode's pull meets a prefill that
+    stopped answering, is given up at its stall bound (the connector's default, 2 s) once its reads ended, and
+    the decode recomputes the prompt: the colocated engine's answer, in about the bound plus the recompute
+    (asserted: under twice that). The decode counts one stalled pull; the next request pulls again."""
+    prefill, decode, model, n = pd["prefill"], pd["decode"], pd["model"], 300
+    prompt = sample_prompt(n, seed=n)
+    start = time.monotonic()
+    _same(tokens_and_logprobs(completion(decode.url, model, prompt)), colocated[n], "recompute")
+    recompute_s = time.monotonic() - start
+    warm = completion(decode.url, model, prompt, kv_transfer_params=_prefill_leg(pd, prompt))  # this prefill's metadata known
+    _same(tokens_and_logprobs(warm), colocated[n], "warm-up pull")
+    failed, stalled = (metric(decode.url, f"vllm:mooncake_v2_{what}_total") for what in ("failed_pulls", "stalled_pulls"))
+    thread, out = _in_thread(completion, decode.url, model, prompt, kv_transfer_params=_prefill_leg(pd, prompt))
+    prefill._signal_group(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        thread.join(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        prefill._signal_group(signal.SIGCONT)
+    assert "value" in out, out.get("error")
+    _same(tokens_and_logprobs(out["value"]), colocated[n], "after the stalled pull")
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_stalled_pulls_total") >= stalled + 1, 30, "stall counted")
+    assert metric(decode.url, "vllm:mooncake_v2_failed_pulls_total") == failed + 1
+    bound = STALL_TIMEOUT_S + math.ceil(STALL_TIMEOUT_S)  # given up, then its reads end (Mooncake's progress timeout)
+    assert took < 2 * (bound + recompute_s), f"{took:.1f} s with the prefill stopped (recompute {recompute_s:.1f} s)"
+    print(f"a pull from a stopped prefill cost the request {took:.2f} s (stall bound {STALL_TIMEOUT_S:g} s, "
+          f"the decode's own recompute {recompute_s:.2f} s)")
+    pulls = metric(decode.url, "vllm:mooncake_v2_pulls_total")
+    again = completion(decode.url, model, prompt, kv_transfer_params=_prefill_leg(pd, prompt))
+    _same(tokens_and_logprobs(again), colocated[n], "P/D after the stall")
+    wait_for(lambda: metric(decode.url, "vllm:mooncake_v2_pulls_total") >= pulls + 1, 30, "the next pull counted")
 
 
 def test_no_blocks_leak_after_pulls(pd):

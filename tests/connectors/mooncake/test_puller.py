@@ -16,10 +16,65 @@ def test_read_is_trusted_only_within_the_granted_lease():
     from connectors.mooncake.channel import ChannelError
     from connectors.mooncake.puller import Puller
 
+    waited_until = []
+
     def claim(*grants):
         answers = [g if isinstance(g, ChannelError) else m.LeaseGrant(version=V, seconds=[g]) for g in grants]
-        return SimpleNamespace(sent_at=50.0, results=lambda: answers)
+        return SimpleNamespace(sent_at=50.0, results=lambda until=None: waited_until.append(until) or answers)
 
     assert Puller.lease_end(claim(5.0, 3.0)) == 53.0  # the shortest grant of all prefill workers
     assert Puller.lease_end(claim(5.0, 0.0)) is None  # one worker had freed the blocks
-    assert Puller.lease_end(claim(5.0, ChannelError("no answer"))) is None
+    assert Puller.lease_end(claim(5.0, ChannelError("no answer")), until=51.5) is None
+    assert waited_until == [None, None, 51.5]  # a stalled prefill's grant is waited for until then only
+
+
+def test_after_a_given_up_pull_the_next_reads_nothing_until_the_prefill_answers_its_renewal():
+    from connectors.mooncake.channel import NoAnswer
+    from connectors.mooncake.puller import Puller
+    from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+    from connectors.mooncake.transfer import Stalled
+    from tests.helpers.mooncake_wire import handle_params, worker_meta
+
+    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    handle = m.parse_handle(handle_params())
+    progress = PrefillProgress()
+    progress.saw(100.0)
+    progress.gave_up()  # a pull from this prefill found it stalled after its last read landed
+    asked = []
+
+    class Claim:
+        def results(self, until=None):
+            asked.append(until)
+            return [NoAnswer("no answer")]
+
+    watch = StallWatch(2.0, LinkRate(), progress, since=1e12)  # far from expired
+    with pytest.raises(Stalled, match="has not answered since a pull from it was given up") as stalled:
+        puller.read(handle, [0], [3], watch, Claim())  # neither metadata nor a read is asked for
+    assert stalled.value.drain is None and asked == [watch.deadline()]
+    expired = StallWatch(2.0, LinkRate(), progress, since=0.0)
+    with pytest.raises(Stalled, match="made no progress for 2 s before this pull's turn"):
+        puller.read(handle, [0], [3], expired, Claim())
+    progress.saw(200.0)  # a read from it landed: no longer suspect
+    assert not progress.stalled
+
+
+def test_a_prefill_found_stalled_that_answers_the_next_pull_s_renewal_is_read_from_again():
+    from connectors.mooncake.puller import Puller
+    from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+    from tests.helpers.mooncake_wire import handle_params, worker_meta
+
+    class Reached(Exception):
+        pass
+
+    class Claim:
+        def results(self, until=None):
+            return [m.LeaseGrant(version=V, seconds=[5.0])]
+
+    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    puller.peer_metas = lambda handle: (_ for _ in ()).throw(Reached())  # the pull went on to ask for metadata
+    progress = PrefillProgress()
+    progress.gave_up()
+    with pytest.raises(Reached):
+        puller.read(m.parse_handle(handle_params()), [0], [3], StallWatch(2.0, LinkRate(), progress, since=1e12),
+                    Claim())
+    assert not progress.stalled and progress.last > 0  # the answer counts as progress

@@ -13,14 +13,19 @@ pytestmark = pytest.mark.unit
 
 def test_settings_defaults_and_errors():
     s = parse_mooncake_v2_settings(None)
-    assert (s.protocol, s.transfer_timeout_s, s.hold_timeout_s, s.lease_s, s.max_batch_entries) == ("tcp", 30, 30.0, 5.0, 1024)
+    assert (s.protocol, s.stall_timeout_s, s.transfer_timeout_s, s.hold_timeout_s, s.lease_s) == ("tcp", 2.0, 30.0, 30.0, 5.0)
     assert (s.max_parallel_pulls, s.max_pulls_per_prefill) == (4, 2)
     with pytest.raises(KvppConfigError, match="lease_s: 40.0 exceeds hold_timeout_s 30.0"):
         parse_mooncake_v2_settings({"lease_s": 40})
     with pytest.raises(KvppConfigError, match="valid options: protocol"):
         parse_mooncake_v2_settings({"protocl": "tcp"})
-    with pytest.raises(KvppConfigError, match="transfer_timeout_s"):
+    with pytest.raises(KvppConfigError, match="transfer_timeout_s: 2 does not exceed stall_timeout_s 2 rounded up"):
         parse_mooncake_v2_settings({"transfer_timeout_s": 2})
+    with pytest.raises(KvppConfigError, match="transfer_timeout_s: 4 does not exceed stall_timeout_s 3.5 rounded up"):
+        parse_mooncake_v2_settings({"stall_timeout_s": 3.5, "transfer_timeout_s": 4})
+    with pytest.raises(KvppConfigError, match="stall_timeout_s: .*>= 1.0.*whole seconds, at least 1"):
+        parse_mooncake_v2_settings({"stall_timeout_s": 0.5})
+    assert parse_mooncake_v2_settings({"stall_timeout_s": 1, "transfer_timeout_s": 5}).stall_timeout_s == 1.0
 
 
 def test_settings_report_every_problem_at_once():

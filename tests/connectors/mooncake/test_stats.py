@@ -38,3 +38,16 @@ def test_refusals_and_leases_are_counted_in_stats_and_prometheus_keys():
     assert (out["refused_requests"], out["malformed_frames"]) == (2, 2)
     assert (out["lease_renewals"], out["lapsed_holds"]) == (3, 1)
     assert {"refused", "malformed", "renewed", "lapsed"} <= set(MooncakeV2PromMetrics.COUNTERS)
+
+
+def test_given_up_pulls_and_reissued_reads_are_counted_in_stats_and_prometheus_keys():
+    from connectors.mooncake.stats import MooncakeV2PromMetrics
+
+    stats = MooncakeV2Stats()
+    stats.record_failure(stalled=True)
+    stats.record_failure()  # a refused or reset connection: failed, not stalled
+    stats.record_transfer(4096, 0.01, 2, retried=1)
+    out = stats.clone_and_reset().reduce()
+    assert (out["failed_pulls"], out["stalled_pulls"], out["retried_reads"], out["pulled_requests"]) == (2, 1, 1, 1)
+    counters = MooncakeV2PromMetrics.COUNTERS
+    assert counters["stalled"][0] == "vllm:mooncake_v2_stalled_pulls" and counters["retried"][0] == "vllm:mooncake_v2_retried_reads"

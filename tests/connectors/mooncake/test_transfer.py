@@ -1,10 +1,12 @@
 """MooncakeConnectorV2's pull path between two processes with real Mooncake transfer engines and
-ZeroMQ side channels on loopback: bytes intact, batches split, KVPP owners, dead peers bounded."""
+ZeroMQ side channels on loopback: bytes intact through the lane window, KVPP owners, dead and stopped
+peers bounded, nothing landing after a given-up pull's reads ended, reads after an idle gap."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,16 +17,20 @@ import zmq
 
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
-from connectors.mooncake.transfer import Desc, MooncakeTransfer, TransferError, coalesce, cut_entries, split_batches
+from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+from connectors.mooncake.transfer import Desc, MooncakeTransfer, Stalled, TransferError, coalesce, cut_entries
 from deploy.services.ports import free_port_range
 from testbed.mooncake_peer import TOKEN, layer_name, pages
 from tests.helpers.mooncake_peers import handle, make_puller
 from tests.helpers.paths import REPO
 
+SENTINEL = -7.0
+IDLE_GAP_S = 6.0  # longer than the ~5 s after which Mooncake #4209's lanes rejected transfers
+
 
 @pytest.fixture
 def decode_side():
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5)
+    te = MooncakeTransfer("127.0.0.1")
     yield te
     te.close()
 
@@ -35,7 +41,7 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
     kv, puller = make_puller(decode_side, layers=4, blocks=16)
     remote, local = [5, 6, 7, 20, 21, 3], [0, 1, 2, 3, 4, 5]
     h = handle(peer.port, "r1", remote)
-    nbytes, entries, _, _ = puller.read(h, local, remote)
+    nbytes, entries, _, _, _ = puller.read(h, local, remote)
     expected = pages(4, 32, 7)
     assert torch.equal(kv[:, local], expected[:, remote])
     assert not kv[:, 6:].any()  # nothing written outside the requested blocks
@@ -46,20 +52,17 @@ def test_pull_moves_scattered_blocks_intact_and_releases_hold(peers, decode_side
 
 
 @pytest.mark.integration
-def test_batches_beyond_transport_limit_are_split(peers, free_port):
-    # 2100 entries in one tcp batch fail (rc -1, pages half-written) in some runs and not in others
-    # here; split into batches of <= 1024 they always arrive intact.
+def test_thousands_of_reads_arrive_intact_through_the_lane_window(peers, decode_side, free_port):
+    # 2100 entries in one tcp batch failed (rc -1, pages half-written) in some runs here; one read per
+    # piece, at most one per lane in flight, never queue in Mooncake and always arrive intact.
     peer = peers(free_port, layers=1, blocks=4200, seed=3, holds={"r": TOKEN})
-    te = MooncakeTransfer("127.0.0.1", timeout_s=5, max_batch_entries=1024)
-    try:
-        kv, puller = make_puller(te, layers=1, blocks=2100)
-        remote = list(range(0, 4200, 2))  # every other page: 2100 entries that cannot coalesce
-        _, entries, _, _ = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
-        expected = pages(1, 4200, 3)[0, remote]
-        wrong = [i for i in range(2100) if not torch.equal(kv[0, i], expected[i])]
-        assert entries == 2100 and not wrong, f"{entries} entries; {len(wrong)} pages differ, first {wrong[:8]}"
-    finally:
-        te.close()
+    kv, puller = make_puller(decode_side, layers=1, blocks=2100)
+    remote = list(range(0, 4200, 2))  # every other page: 2100 entries that cannot coalesce
+    done = puller.read(handle(peer.port, "r", remote), list(range(2100)), remote)
+    expected = pages(1, 4200, 3)[0, remote]
+    wrong = [i for i in range(2100) if not torch.equal(kv[0, i], expected[i])]
+    assert done.entries == 2100 and not wrong, f"{done.entries} entries; {len(wrong)} pages differ, first {wrong[:8]}"
+    assert decode_side._in_flight == {}  # every lane given back
 
 
 @pytest.mark.integration
@@ -85,9 +88,10 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     puller.read(h, [0, 1], [1, 2])  # metadata now cached, TE connected
     peer.kill()
     start = time.monotonic()
-    with pytest.raises(TransferError):
-        puller.read(h, [0, 1], [1, 2])
-    assert time.monotonic() - start < 20  # liveness: MC_TRANSFER_TIMEOUT=5 with room for a loaded host; not 30 s
+    with pytest.raises(TransferError, match="failed again after a retry") as failed:
+        puller.read(h, [0, 1], [1, 2])  # refused at once, and again on a fresh connection
+    _drained(failed.value.drain, 12)  # what was still in flight ends too: nothing left that could write
+    assert time.monotonic() - start < 20  # liveness, with room for a loaded host: never Mooncake's own 30 s
     puller.forget(h)
     start = time.monotonic()
     with pytest.raises(ChannelError, match="no answer"):
@@ -95,6 +99,83 @@ def test_dead_prefill_fails_within_bounded_time(peers, decode_side, free_port):
     held, errors = puller.notify(h, ok=False)
     assert held is None and len(errors) == 1
     assert time.monotonic() - start < 15  # liveness: two 1 s call bounds, with room for a loaded host
+
+
+class _StopAfterFirstRead(StallWatch):
+    """A pull's stall watch that SIGSTOPs the prefill as soon as the pull's first read landed: the
+    prefill stalls mid-pull, with reads in flight."""
+
+    def __init__(self, pid: int, bound_s: float) -> None:
+        super().__init__(bound_s, LinkRate(), PrefillProgress(), since=time.monotonic())
+        self.pid, self.stopped_at = pid, None
+
+    def progressed(self, now: float) -> None:
+        super().progressed(now)
+        if self.stopped_at is None:
+            os.kill(self.pid, signal.SIGSTOP)
+            self.stopped_at = time.monotonic()
+
+
+def _drained(drain, timeout_s: float) -> float:
+    """Seconds until every read of `drain` ended (the engine can no longer write into their memory)."""
+    start = time.monotonic()
+    while drain is not None and not drain.ended():
+        assert time.monotonic() - start < timeout_s, f"{len(drain)} reads still in flight after {timeout_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.mark.integration
+def test_a_prefill_stopped_mid_pull_is_given_up_and_nothing_lands_after_its_reads_ended(peers, free_port):
+    """SIGSTOP of the prefill once the pull's first read landed: the pull is given up at its stall bound
+    with reads in flight; once those ended, the memory the pull did not fill stays as it was after the
+    prefill resumes (Mooncake's abandoned sync reads wrote it late, bench/pd_stall.py), and the next pull
+    from the resumed prefill is whole."""
+    bound = 2.0
+    te = MooncakeTransfer("127.0.0.1", progress_timeout_s=bound)
+    peer = peers(free_port, layers=4, blocks=1024, seed=5, holds={"r": TOKEN})
+    try:
+        kv, puller = make_puller(te, layers=4, blocks=1024)
+        h, blocks = handle(peer.port, "r", list(range(1024))), list(range(1024))
+        puller.read(h, [0], [0])  # metadata cached, lanes connected
+        kv.fill_(SENTINEL)
+        watch = _StopAfterFirstRead(peer.proc.pid, bound)
+        with pytest.raises(Stalled) as stalled:
+            puller.read(h, blocks, blocks, watch)
+        gave_up = time.monotonic() - watch.stopped_at
+        in_flight = len(stalled.value.drain or ())
+        ended = _drained(stalled.value.drain, 30)
+        after_drain = kv.clone()
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        time.sleep(2 * bound)
+        untouched = (after_drain == SENTINEL).all(dim=(2, 3))
+        assert torch.equal(kv, after_drain), "bytes landed after every read of the given-up pull had ended"
+        assert 0 < int(untouched.sum()) < untouched.numel(), "the prefill stopped mid-pull"
+        assert te._in_flight == {}  # the drained reads gave their lanes back
+        assert gave_up < bound + 10
+        print(f"prefill stopped mid-pull: given up {gave_up:.2f} s after the stop with {in_flight} reads in flight, "
+              f"which ended {ended:.2f} s later; {int(untouched.sum())} of {untouched.numel()} pages never written")
+        kv.fill_(SENTINEL)
+        puller.read(h, blocks, blocks)
+        assert torch.equal(kv, pages(4, 1024, 5))
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        te.close()
+
+
+@pytest.mark.integration
+def test_a_pull_after_an_idle_gap_longer_than_mooncake_s_lane_timeout_is_whole(peers, decode_side, free_port):
+    """Mooncake #4209: after about 5 s idle a TCP lane rejected transfers for about 90 s. Here a pull
+    6 s after the one before is whole at its first try (no read issued again), twice."""
+    peer = peers(free_port, layers=2, blocks=64, seed=8, holds={"r": TOKEN})
+    kv, puller = make_puller(decode_side, layers=2, blocks=64)
+    h, blocks = handle(peer.port, "r", list(range(64))), list(range(64))
+    puller.read(h, blocks, blocks)
+    for gap in (IDLE_GAP_S, IDLE_GAP_S):
+        time.sleep(gap)
+        kv.zero_()
+        done = puller.read(h, blocks, blocks, StallWatch(2.0, LinkRate(), PrefillProgress(), since=time.monotonic()))
+        assert torch.equal(kv, pages(2, 64, 8)) and done.retried == 0
 
 
 @pytest.mark.integration
@@ -217,7 +298,7 @@ def test_blocks_given_in_descending_order_are_read_as_one_range(peers, decode_si
     peer = peers(free_port, layers=3, blocks=16, seed=9, holds={"r": TOKEN})
     kv, puller = make_puller(decode_side, layers=3, blocks=8)
     remote, local = [12, 11, 10, 9], [7, 6, 5, 4]  # how vLLM hands out blocks it freed in reverse
-    _, entries, _, _ = puller.read(handle(peer.port, "r", remote), local, remote)
+    entries = puller.read(handle(peer.port, "r", remote), local, remote).entries
     assert entries == 3  # one copy per layer, not one per page
     assert torch.equal(kv[:, local], pages(3, 16, 9)[:, remote]) and not kv[:, :4].any()
 
@@ -260,18 +341,145 @@ def test_coalesce_keeps_order_and_rejects_empty_copies():
 
 
 @pytest.mark.unit
-def test_split_batches_respects_limit():
-    descs = [Desc(i * 20, i * 20, 10) for i in range(2500)]
-    batches = split_batches(descs, 1024)
-    assert [len(b) for b in batches] == [1024, 1024, 452]
-    assert [d for b in batches for d in b] == descs
-    with pytest.raises(ValueError):
-        split_batches(descs, 0)
-
-
-@pytest.mark.unit
 def test_cut_entries_bounds_each_copy():
     cut = cut_entries([Desc(0, 1000, 25), Desc(100, 2000, 10)], max_bytes=10)
     assert cut == [Desc(0, 1000, 10), Desc(10, 1010, 10), Desc(20, 1020, 5), Desc(100, 2000, 10)]
     with pytest.raises(ValueError):
         cut_entries([], 0)
+
+
+class _Engine:
+    """A stand-in transfer engine for the read loop's bookkeeping: read `i` (numbered from 1 as started)
+    ends as `outcome(i, polls)` says (1 completed, -1 failed, 0 in flight)."""
+
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+        self.started: list[int] = []
+        self.polls: dict[int, int] = {}
+        self.live: set[int] = set()
+        self.ended: set[int] = set()
+        self.peak = 0
+
+    def initialize(self, *args) -> int:
+        return 0
+
+    def batch_transfer_async_read(self, peer, local, remote, lengths) -> int:
+        assert len(local) == len(remote) == len(lengths) == 1
+        self.started.append(local[0])
+        batch_id = len(self.started)
+        self.live.add(batch_id)
+        self.peak = max(self.peak, len(self.live))
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        assert batch_id not in self.ended, "a read the engine freed was asked again"
+        self.polls[batch_id] = self.polls.get(batch_id, 0) + 1
+        rc = self.outcome(batch_id, self.polls[batch_id])
+        if rc in (1, -1):
+            self.live.discard(batch_id)
+            self.ended.add(batch_id)
+        return rc
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """`fake_engine(outcome)`: a MooncakeTransfer on an _Engine, and that engine."""
+    from connectors.mooncake import transfer as transfer_module
+
+    def make(outcome):
+        engine = _Engine(outcome)
+        monkeypatch.setattr(transfer_module, "_import_engine", lambda: lambda: engine)
+        return MooncakeTransfer("127.0.0.1"), engine
+
+    return make
+
+
+def _pieces(n: int) -> list[Desc]:
+    return [Desc(i << 21, i << 21, 1 << 20) for i in range(n)]  # n reads that cannot coalesce
+
+
+@pytest.mark.unit
+def test_at_most_one_read_per_lane_is_in_flight_and_every_lane_comes_back(fake_engine):
+    te, engine = fake_engine(lambda i, polls: 1 if polls >= 2 else 0)
+    moved = te.read("peer:1", _pieces(10))
+    assert moved == (10 << 20, 10, 0)
+    assert engine.peak == te.lanes == 4 and len(engine.started) == 10
+    assert te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_a_read_failing_at_once_is_issued_once_more(fake_engine):
+    te, engine = fake_engine(lambda i, polls: -1 if i == 2 else 1)  # the second read fails, its reissue lands
+    moved = te.read("peer:1", _pieces(5))
+    assert moved.retried == 1 and len(engine.started) == 6 and engine.started.count(engine.started[1]) == 2
+    assert te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_failing_again_fails_the_pull_with_the_reads_still_in_flight_to_drain(fake_engine):
+    state = {"ended": False}
+    te, engine = fake_engine(lambda i, polls: -1 if i in (1, 5) else (1 if state["ended"] else 0))
+    with pytest.raises(TransferError, match="failed again after a retry") as failed:
+        te.read("peer:1", _pieces(8))
+    drain = failed.value.drain
+    assert len(drain) == 3 and te._in_flight == {"peer:1": 3}  # reads 2-4 still hold their lanes
+    assert not drain.ended() and not drain.ended()
+    state["ended"] = True
+    assert drain.ended() and te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_a_stalled_pull_is_given_up_with_its_reads_in_flight_and_abandoning_frees_their_lanes(fake_engine):
+    te, engine = fake_engine(lambda i, polls: 0)  # the peer never answers
+    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=time.monotonic())
+    with pytest.raises(Stalled, match="0 of 9 reads done") as stalled:
+        te.read("peer:1", _pieces(9), watch)
+    assert len(engine.started) == 4  # nothing beyond the lanes was ever started
+    drain = stalled.value.drain
+    assert len(drain) == 4 and not drain.ended()
+    drain.abandon()
+    assert te._in_flight == {} and len(drain) == 0
+
+
+@pytest.mark.unit
+def test_reads_mooncake_dropped_for_no_progress_stall_the_pull_instead_of_being_retried(fake_engine):
+    started = time.monotonic()
+    # Every read fails once it has gone without progress for 30 ms: Mooncake's progress timeout, not a refusal.
+    te, engine = fake_engine(lambda i, polls: -1 if time.monotonic() - started > 0.03 else 0)
+    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=started)
+    with pytest.raises(Stalled, match="4 dropped by Mooncake for no progress") as stalled:
+        te.read("peer:1", _pieces(6), watch)
+    assert len(engine.started) == 4 and stalled.value.drain is None  # none issued again, none left in flight
+
+
+@pytest.mark.unit
+def test_once_another_pull_found_the_prefill_stalled_a_pull_starts_no_further_read(fake_engine):
+    progress = PrefillProgress()
+    te, engine = fake_engine(lambda i, polls: 1 if polls >= 2 else (progress.gave_up() or 0))  # found stalled mid-pull
+    watch = StallWatch(60.0, LinkRate(), progress, since=time.monotonic())
+    with pytest.raises(Stalled, match="another pull from the prefill at peer:1 found it stalled") as stalled:
+        te.read("peer:1", _pieces(9), watch)
+    assert len(engine.started) == 4 and len(stalled.value.drain) == 4  # the first reads only, left to end
+
+
+@pytest.mark.unit
+def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
+    from connectors.mooncake.transfer import lanes_per_peer, progress_timeout_s
+
+    assert [lanes_per_peer(env) for env in ({}, {"MC_TCP_LANES_PER_PEER": "8"}, {"MC_TCP_LANES_PER_PEER": "99"},
+                                            {"MC_TCP_LANES_PER_PEER": "0"}, {"MC_TCP_LANES_PER_PEER": "x"})] == [4, 8, 16, 1, 4]
+    assert [progress_timeout_s(env) for env in ({}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "2"},
+                                                {"MC_TCP_PROGRESS_TIMEOUT_SEC": "0"})] == [30, 2, 30]
+
+
+@pytest.mark.unit
+def test_a_puller_s_bound_becomes_mooncake_s_progress_timeout_unless_one_is_set(fake_engine, monkeypatch):
+    from connectors.mooncake.transfer import PROGRESS_ENV
+
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    fake_engine(lambda i, polls: 1)
+    MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
+    assert os.environ[PROGRESS_ENV] == "2"  # whole seconds, rounded up
+    monkeypatch.setenv(PROGRESS_ENV, "7")
+    MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
+    assert os.environ[PROGRESS_ENV] == "7"  # the operator's setting wins

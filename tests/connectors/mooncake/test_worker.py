@@ -5,7 +5,9 @@ Mooncake transfer engine and side channel on loopback; only vLLM's process group
 from __future__ import annotations
 
 import collections
+import os
 import secrets
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -237,3 +239,54 @@ def test_a_stranger_flooding_every_side_channel_table_starves_no_real_pull(start
           f"renewals of {m.MAX_CLAIMS} claims, {sent['parts']} messages of 1000 parts; "
           f"{counted['refused_requests']} refused, {counted['malformed_frames']} malformed; 4 early P/D pulls intact")
 
+
+
+def test_a_pull_from_a_stopped_prefill_is_given_up_and_reported_once_nothing_can_land(start_worker, peers, monkeypatch):
+    """The decode's state machine with a stand-in prefill in its own process: a pull from it while it is
+    SIGSTOPped is given up at the stall bound and reported as load errors of its blocks only once none
+    of its reads can still write (the transfer engine gave every lane back); after SIGCONT nothing lands
+    in those blocks, the next pull from the resumed prefill is whole, and the give-up is counted."""
+    from testbed.mooncake_peer import MODEL_KEY, TOKEN as PEER_TOKEN, layer_name, pages
+
+    monkeypatch.setattr(worker_module, "model_key", lambda config: MODEL_KEY)  # the stand-in's model
+    decode = start_worker("decode", stall_timeout_s=2.0, transfer_timeout_s=10.0)
+    peer = peers(free_port(), layers=2, blocks=64, seed=4, holds={"w": PEER_TOKEN, "r": PEER_TOKEN, "r2": PEER_TOKEN})
+    target = {layer_name(i): torch.zeros((64, *BLOCK_SHAPE)) for i in range(2)}
+    decode.register_kv_caches(target)
+    blocks = tuple(range(16))
+
+    def load(request_id: str) -> None:
+        h = PrefillHandle(remote_engine_id="peer", remote_request_id=request_id, remote_token=PEER_TOKEN,
+                          remote_host="127.0.0.1", remote_kv_port=peer.port, remote_tp_size=1,
+                          remote_block_ids=list(blocks), remote_num_tokens=16 * len(blocks))
+        decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec(f"d-{request_id}", h, blocks, blocks, time.time())]))
+
+    load("w")  # metadata cached and lanes connected, as for a prefill this decode pulled from before
+    assert finished_until(decode, lambda s, r: "d-w" in r) == (set(), {"d-w"})
+    assert decode.get_block_ids_with_load_errors() == set()
+    decode.get_stats()
+    for t in target.values():
+        t.fill_(-7.0)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        load("r")
+        assert finished_until(decode, lambda s, r: "d-r" in r, timeout_s=30) == (set(), {"d-r"})
+        reported = time.monotonic() - stopped
+        assert decode.transfer._in_flight == {}  # reported only once no read of the pull was in flight
+        assert decode.get_block_ids_with_load_errors() == set(blocks)
+        at_report = {name: t.clone() for name, t in target.items()}
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    time.sleep(4.0)
+    assert all(torch.equal(target[name], at_report[name]) for name in target), "bytes landed after the report"
+    counted = decode.get_stats().reduce()
+    assert (counted["failed_pulls"], counted["stalled_pulls"], counted["pulled_requests"]) == (1, 1, 0)
+    assert reported < 2.0 + 10, f"reported {reported:.1f} s after the prefill stopped"
+
+    load("r2")
+    assert finished_until(decode, lambda s, r: "d-r2" in r) == (set(), {"d-r2"})
+    assert decode.get_block_ids_with_load_errors() == set()
+    expected = pages(2, 64, 4)
+    assert all(torch.equal(target[layer_name(i)][:16], expected[i, :16]) for i in range(2))
+    print(f"a pull from a stopped prefill was reported failed {reported:.2f} s after the stop")

@@ -268,3 +268,36 @@ def test_the_front_is_swapped_between_kvpp_proxy_and_vllm_router_and_counted_by_
     assert counts["vllm-router"] == {"requests": 1, "prefill_errors": 0, "decode_errors": 0, "stream_errors": 0}
     assert counts["kvpp-proxy"]["pd"] == 1
     assert len(stubs[0].requests) == len(stubs[1].requests) == 2  # each front: prefill leg, then decode leg
+
+
+@pytest.mark.unit
+def test_a_pull_probe_fails_on_a_wrong_answer_a_request_past_the_bound_plus_a_recompute_or_no_stalled_pull():
+    from deploy.harness.chaos_pulls import PROBE_SLACK_S, judge, pull_limit_s
+
+    assert pull_limit_s(2.0, 0.8) == 2.0 + 2 + 0.8 + PROBE_SLACK_S
+    assert pull_limit_s(1.5, 0.8) == 1.5 + 2 + 0.8 + PROBE_SLACK_S  # Mooncake's progress timeout: whole seconds
+    recompute = [{"outcome": "answered", "seconds": 0.5}, {"outcome": "answered", "seconds": 0.8}]
+    answered = {"outcome": "answered", "seconds": 2.3}
+    stalled = {"stalled_pulls": 2, "failed_pulls": 2, "pulls": 0, "retried_reads": 0}
+    probe = {"requests": [answered] * 3, "warm_up": answered, "stopped_s": 2.5, "counters": stalled}
+    ok = judge("stall prefill", probe, recompute, 2.0)
+    assert ok["problems"] == [] and (ok["recompute_s"], ok["limit_s"], ok["slowest_s"]) == (0.8, 5.8, 2.3)
+    slow = judge("stall prefill", {**probe, "requests": [answered, {"outcome": "answered", "seconds": 6.0}]},
+                 recompute, 2.0)
+    assert slow["problems"] == ["stall prefill: a request took 6.0 s, over the limit 5.8 s (stall bound 2 s + its "
+                                "reads ending + recompute 0.8 s + 1 s)"]
+    wrong = judge("idle pd", {"requests": [answered, {"outcome": "wrong", "seconds": 1.0}], "gap_s": 8,
+                              "counters": stalled}, recompute, 2.0)
+    assert wrong["problems"] == ["idle pd: a request wrong"]
+    untested = judge("stall prefill", {**probe, "counters": {**stalled, "stalled_pulls": 0}}, recompute, 2.0)
+    assert untested["problems"] == ["stall prefill: no pull met the stopped prefill (the decode counted no stalled pull)"]
+
+
+@pytest.mark.unit
+def test_the_short_schedule_stalls_the_prefill_s_pulls_and_idles_past_mooncake_s_lane_timeout():
+    from deploy.harness.chaos import PROBES
+    from deploy.harness.chaos_pulls import IDLE_GAP_S
+
+    probes = [(f.kind, f.target) for f in SHORT_SCHEDULE if f.kind in PROBES]
+    assert probes == [("cancel", "stream"), ("cancel", "plain"), ("stall", "prefill"), ("idle", "pd")]
+    assert IDLE_GAP_S > 5  # Mooncake #4209: lanes rejected transfers after about 5 s idle

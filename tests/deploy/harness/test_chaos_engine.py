@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from deploy.harness.chaos import SHORT_SCHEDULE
+from deploy.harness.chaos import PROBES, SHORT_SCHEDULE
 from deploy.services.processes import run_in_group
 
 pytestmark = pytest.mark.engine
@@ -35,7 +35,7 @@ def report(run) -> dict:
 
 def test_every_fault_of_the_short_schedule_was_injected(run):
     report, proc = run
-    assert [f["fault"] for f in report["faults"]] == [f.label for f in SHORT_SCHEDULE if f.kind != "cancel"]
+    assert [f["fault"] for f in report["faults"]] == [f.label for f in SHORT_SCHEDULE if f.kind not in PROBES]
     assert all(f["affected"] > 0 for f in report["faults"]), "a fault no request overlapped tests nothing"
 
 
@@ -67,6 +67,20 @@ def test_clients_that_leave_end_their_request_on_every_engine(report):
         # Counted: fewer than the 600 tokens asked for. The 5 s is kvpp chaos's own liveness limit
         # (CANCEL_IDLE_LIMIT_S), 16x the 0.3 s the soak measured.
         assert p["idle"] and p["idle_after_s"] <= 5 and p["tokens_generated"] < 600, p
+
+
+def test_a_stalled_prefill_and_an_idle_gap_cost_no_request_more_than_the_stall_bound_plus_a_recompute(report):
+    """The prefill SIGSTOPped as the decode's pulls start: each of the three requests (two pulling, one queued
+    behind them) is answered with the reference's tokens within the decode's stall bound, its reads' end and a
+    recompute; after an idle gap longer than Mooncake's lane timeout the same holds through the front."""
+    probes = {p["label"]: p for p in report["pull_probes"]}
+    assert set(probes) == {"stall prefill", "idle pd"}
+    for probe in probes.values():
+        assert not probe["problems"], probe
+        assert [r["outcome"] for r in probe["requests"]] == ["answered"] * 3, probe
+        assert probe["slowest_s"] <= probe["limit_s"], probe
+    stall = probes["stall prefill"]
+    assert stall["warm_up"]["outcome"] == "answered" and stall["counters"]["stalled_pulls"] >= 1, stall
 
 
 def test_nothing_running_waiting_or_held_after_the_run(report):
