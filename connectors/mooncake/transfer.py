@@ -14,7 +14,6 @@ destinations must not be handed back.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from connectors.common.hosts import join_host_port, mooncake_family
+from connectors.common.mooncake_env import bound_progress
 
 from connectors.mooncake.affinity import run_unpinned
 from connectors.mooncake.stall import StallWatch
@@ -30,7 +30,6 @@ from connectors.mooncake.stall import StallWatch
 DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 DEFAULT_LANES = 4  # Mooncake's TCP lanes per peer by default; MC_TCP_LANES_PER_PEER sets 1-16
 MAX_LANES = 16
-PROGRESS_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 MIN_NAP_S, MAX_NAP_S = 50e-6, 250e-6
 """Polling pause while no read ended: doubles from the first to the second. A lane whose read ended
 idles until the next poll, so the pause stays well under one 1 MiB read's time on a fast link
@@ -74,15 +73,6 @@ def lanes_per_peer(env: Mapping[str, str] = os.environ) -> int:
     except ValueError:
         return DEFAULT_LANES
     return min(max(lanes, 1), MAX_LANES)
-
-
-def progress_timeout_s(env: Mapping[str, str] = os.environ) -> int:
-    """Seconds without progress after which Mooncake's TCP transport drops a read (its default 30)."""
-    try:
-        value = int(env.get(PROGRESS_ENV, "30"))
-    except ValueError:
-        return 30
-    return value if value > 0 else 30
 
 
 def coalesce(descs: Iterable[Desc]) -> list[Desc]:
@@ -150,8 +140,8 @@ class Drain:
 class MooncakeTransfer:
     """One TransferEngine in P2P-handshake mode, with registered regions and reads bounded by progress.
 
-    `progress_timeout_s` (a puller's stall bound) sets Mooncake's TCP progress timeout for this
-    process, whole seconds rounded up, unless MC_TCP_PROGRESS_TIMEOUT_SEC is set already."""
+    `progress_timeout_s` (a puller's stall bound) bounds Mooncake's TCP progress timeout for this
+    process (connectors.common.mooncake_env)."""
 
     def __init__(
         self,
@@ -162,7 +152,7 @@ class MooncakeTransfer:
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
     ) -> None:
         if progress_timeout_s is not None:
-            os.environ.setdefault(PROGRESS_ENV, str(math.ceil(progress_timeout_s)))
+            bound_progress(progress_timeout_s)
         try:
             mooncake_family(host, os.environ)
         except ValueError as exc:

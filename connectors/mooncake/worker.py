@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from kvpp_core.runtime import active_layout
 
 from connectors.common.hosts import local_host
+from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV, progress_timeout_s
 from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
 from connectors.mooncake.curve import load_curve
@@ -35,8 +36,7 @@ from connectors.mooncake.responder import PrefillResponder
 from connectors.mooncake.settings import MooncakeV2Settings
 from connectors.mooncake.stall import LinkRate, StallWatch
 from connectors.mooncake.stats import MooncakeV2Stats
-from connectors.mooncake.transfer import PROGRESS_ENV, Drain, MooncakeTransfer, Stalled, TransferError, \
-    progress_timeout_s
+from connectors.mooncake.transfer import Drain, MooncakeTransfer, Stalled, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,7 +102,7 @@ class MooncakeV2Worker:
                                          max_entry_bytes=settings.max_entry_bytes)
         if progress_timeout_s() > settings.stall_timeout_s + 1:
             logger.warning("%s=%d is set: a given-up pull's reads may keep its blocks that long after its stall "
-                           "bound (stall_timeout_s=%g); unset it to let the connector set it", PROGRESS_ENV,
+                           "bound (stall_timeout_s=%g); unset it to let the connector set it", PROGRESS_TIMEOUT_ENV,
                            progress_timeout_s(), settings.stall_timeout_s)
         self._rate = LinkRate()
         self.stats = MooncakeV2Stats()

@@ -18,6 +18,7 @@ import msgspec
 from kvpp_core.config import parse_struct
 
 from connectors.common.hosts import local_host, mooncake_family
+from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV, bound_progress
 from connectors.store.backends.base import BackendError, BoundedClient, Status
 from connectors.store.backends.bounds import CallPolicy
 from connectors.store.backends.settings import MooncakeSettings
@@ -68,8 +69,6 @@ def _read_file(path: str) -> MooncakeSettings:
 
 RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
 """Mooncake's bound on one master RPC (default 30 s), read when a client is set up."""
-PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
-"""Mooncake's bound on a TCP transfer that makes no progress (default 30 s), read when a transfer connects."""
 
 
 @contextlib.contextmanager
@@ -77,17 +76,14 @@ def native_bounds(ceiling_s: float) -> Iterator[dict[str, str]]:
     """Mooncake's own bounds, within which the client setup runs: a native call outlived by the connector keeps
     its blocks held until it returns, so a stalled master or segment holder must end it near the connector's
     ceiling rather than Mooncake's 30 s. Values set in the environment win. The RPC bound is read at setup and
-    put back after it; the progress bound is read at every transfer connection, so it stays set for the process
-    (other Mooncake clients in it, such as a P/D transfer engine, then share it). Yields the values in force."""
-    wanted = {RPC_TIMEOUT_ENV: str(math.ceil(ceiling_s * 1000)),
-              PROGRESS_TIMEOUT_ENV: str(max(1, math.ceil(ceiling_s)))}
-    given = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        os.environ.setdefault(name, value)
+    put back after it; the progress bound is read at every transfer connection, so it stays set for the process,
+    the shortest any connector of it asks for (connectors.common.mooncake_env). Yields the values in force."""
+    given = os.environ.get(RPC_TIMEOUT_ENV)
+    os.environ.setdefault(RPC_TIMEOUT_ENV, str(math.ceil(ceiling_s * 1000)))
     try:
-        yield {name: os.environ[name] for name in wanted}
+        yield {RPC_TIMEOUT_ENV: os.environ[RPC_TIMEOUT_ENV], PROGRESS_TIMEOUT_ENV: bound_progress(ceiling_s)}
     finally:
-        if given[RPC_TIMEOUT_ENV] is None:
+        if given is None:
             os.environ.pop(RPC_TIMEOUT_ENV, None)
 
 

@@ -464,7 +464,8 @@ def test_once_another_pull_found_the_prefill_stalled_a_pull_starts_no_further_re
 
 @pytest.mark.unit
 def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
-    from connectors.mooncake.transfer import lanes_per_peer, progress_timeout_s
+    from connectors.common.mooncake_env import progress_timeout_s
+    from connectors.mooncake.transfer import lanes_per_peer
 
     assert [lanes_per_peer(env) for env in ({}, {"MC_TCP_LANES_PER_PEER": "8"}, {"MC_TCP_LANES_PER_PEER": "99"},
                                             {"MC_TCP_LANES_PER_PEER": "0"}, {"MC_TCP_LANES_PER_PEER": "x"})] == [4, 8, 16, 1, 4]
@@ -474,7 +475,7 @@ def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
 
 @pytest.mark.unit
 def test_a_puller_s_bound_becomes_mooncake_s_progress_timeout_unless_one_is_set(fake_engine, monkeypatch):
-    from connectors.mooncake.transfer import PROGRESS_ENV
+    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV as PROGRESS_ENV
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     fake_engine(lambda i, polls: 1)

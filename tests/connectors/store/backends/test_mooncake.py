@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from connectors.store.backends import Status, open_backend
-from connectors.store.backends.mooncake import PROGRESS_TIMEOUT_ENV, RPC_TIMEOUT_ENV
+from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV
+from connectors.store.backends.mooncake import RPC_TIMEOUT_ENV
 from connectors.store.settings import parse_store_settings
 from connectors.store.keys import CacheLayout, ShardKey, block_hashes
 from connectors.store.metadata import BlockJob, StoreMetadata
