@@ -28,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class StackSettings:
-    """Timers of the stack under test, short enough that a dead or stalled part costs seconds."""
+    """Timers of the stack under test, short enough that a dead or stalled part costs seconds (the pool's calls
+    keep the connector's own short bounds: the run checks what a user gets)."""
     hold_timeout_s: float = 20.0
     """Prefill: how long blocks wait for a decode that never pulls (it died, or the request moved on)."""
     stall_timeout_s: float = 2.0
@@ -40,17 +41,9 @@ class StackSettings:
     """Proxy: a prefill silent this long is given up (the request goes to a decode alone)."""
     read_timeout_s: float = 20.0
     """Proxy: longest silence of an answer; longer than a stall, so stalled streams resume."""
-    store_rpc_timeout_ms: int = 2000
-    """Engines' Mooncake store client: a stalled or dead pool master costs this per call."""
-    store_transfer_timeout_s: int = 5
-    """Engines' Mooncake transfers (pool reads and writes): a stalled segment holder costs this (min 5)."""
     cache_aware: bool = False
     """The prefill publishes its KV cache events and `kvpp proxy` picks prefills by them (--kv-events): its event
     stream dies and comes back with every prefill kill, stall and restart."""
-
-    def engine_env(self) -> dict[str, str]:
-        return {"MC_RPC_TIMEOUT_MS": str(self.store_rpc_timeout_ms),
-                "MC_TRANSFER_TIMEOUT": str(self.store_transfer_timeout_s)}
 
     def proxy_args(self, events: list[tuple[str, str]]) -> list[str]:
         """`kvpp proxy`'s timers, and the prefills' (live, replay) event endpoints if they publish any (cache_aware)."""
@@ -192,7 +185,7 @@ def start_local_stack(model: str, workdir: Path, settings: StackSettings, front:
             producer_extra={"hold_timeout_s": settings.hold_timeout_s},
             consumer_extra={"stall_timeout_s": settings.stall_timeout_s,
                             "transfer_timeout_s": settings.transfer_timeout_s},
-            env=settings.engine_env(), kv_events=settings.cache_aware)
+            kv_events=settings.cache_aware)
         stack.events = [servers[0].kv_events] if settings.cache_aware else []
         started: list[ManagedProcess] = []
         try:
