@@ -2,9 +2,10 @@
 
 gloo moves a layer owner -> receiver through TCP loopback: serialised by the kernel, one copy into the
 socket and one out. Here every rank's whole KV backing lives in a POSIX shared-memory segment that its
-peers map, so a receiver copies the owner's persistent pages straight into its staging slot (one
-`copy_`, the physical limit on one host). Only a few flags travel, in a small control segment per
-rank that only its rank writes:
+peers map, so a receiver copies the owner's persistent pages straight into its staging slot: exactly the
+blocks the step references, one `copy_` per run of contiguous block ids, or the whole layer in one `copy_`
+where that copies fewer bytes (kvpp_core.packing.choose). Only a few flags travel, in a small control
+segment per rank that only its rank writes:
 
 - `ready[layer]`: the owner's epoch (broadcast step) whose history of that layer is in place. The owner
   publishes it for all its layers when the step's first one is issued: the previous step's writes,
@@ -366,8 +367,11 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
     def transport(self) -> tuple[str, int]:
         return "shared memory", len(self._shm.kv)
 
-    def begin_step(self, active: bool, block_ranges=None) -> None:
-        super().begin_step(active, block_ranges)
+    def _pack_buffers(self, bound: int) -> list[torch.Tensor]:
+        return []  # a receiver copies the referenced blocks straight from its owner's pages
+
+    def begin_step(self, active: bool, block_ids=None) -> None:
+        super().begin_step(active, block_ids)
         if self._active:
             self._epoch += 1
 
@@ -422,10 +426,14 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
             raise
 
     def _copy(self, layer_id: int, pos: int, owner: int) -> None:
+        """Copy the layer's referenced blocks from its owner's pages, one copy per run of contiguous block ids,
+        or the whole layer where that copies fewer bytes (kvpp_core.packing.choose)."""
         ready = 2 * pos + _HEADER
         self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[ready] >= self._epoch, "publish")
+        exact = self._exact(layer_id, packed=False)
+        runs = self._step.runs if exact else (range(0, self.num_blocks),)
         for dst, src in zip(self._blocks[layer_id], self._sources[layer_id]):
-            for r in [range(0, dst.shape[0])] if self._ranges is None else self._ranges:
+            for r in runs:
                 dst[r.start:r.stop].copy_(src[r.start:r.stop])
-                self.stats.bytes += (r.stop - r.start) * dst.shape[1]
+        self._count_received(layer_id, len(self._step) if exact else None)
         self._own_flags[ready + 1] = self._epoch

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kvpp_core import activation, ascend, metrics, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
-from kvpp_core.broadcast import LayerBroadcaster, coalesce
+from kvpp_core.broadcast import LayerBroadcaster
 from kvpp_core.config import KvppConfig
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.setup import LaunchRequest
@@ -229,9 +229,10 @@ class RequestBlocks:
             elif req_id not in self._blocks:
                 self._blocks[req_id] = None
 
-    def history(self, scheduler_output, block_size: int) -> list[range] | None:
-        """Blocks holding KV computed before this step for the requests it runs: the only blocks a
-        foreign layer needs (this step's tokens are computed by every rank). None: send every block."""
+    def history(self, scheduler_output, block_size: int) -> list[int] | None:
+        """Blocks holding KV computed before this step for the requests it runs, sorted and unique (requests
+        sharing a prefix share its blocks): the only blocks a foreign layer needs (this step's tokens are
+        computed by every rank). None: send every block."""
         cached = scheduler_output.scheduled_cached_reqs
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -241,7 +242,7 @@ class RequestBlocks:
             if blocks is None:
                 return None
             ids.extend(blocks[: -(-tokens // block_size)])
-        return coalesce(ids)
+        return sorted(set(ids))
 
 
 # --- patches ---------------------------------------------------------------------------------
@@ -352,11 +353,12 @@ def _patch_initialize_from_config(orig):
                 layout, regions, placement.num_blocks, ctx.group, ctx.group_ranks, ctx.broadcast_timeout_s
             )
         runtime.install(runtime.KvppRuntime(active, broadcaster, _metrics_record(self, ctx, placement.num_blocks)))
+        packs = broadcaster.pack_buffer_bytes if isinstance(broadcaster, LayerBroadcaster) else 0
         _logger().info(
             "KVPP stage %d rank %d/%d: %d blocks (its own budget holds %s; the engine keeps the smallest), "
-            "%d KV bytes allocated (persistent %s, %d staging slot(s))",
+            "%d KV bytes allocated (persistent %s, %d staging slot(s)), %d bytes of packed-broadcast buffers beside them",
             ctx.pp_rank, layout.kvpp_rank, layout.group_size, placement.num_blocks, ctx.stage_blocks,
-            placement.total_bytes, list(placement.persistent), layout.staging_slots,
+            placement.total_bytes, list(placement.persistent), layout.staging_slots, packs,
         )
 
     return initialize_from_config
@@ -465,7 +467,7 @@ def _patch_execute_model(orig):
         ctx = worker_context(self)
         ctx.blocks.update(scheduler_output)
 
-        def history() -> list[range] | None:
+        def history() -> list[int] | None:
             return ctx.blocks.history(scheduler_output, self.vllm_config.cache_config.block_size)
 
         rt.broadcaster.begin_step(step_needs_broadcast(scheduler_output), None if ctx.whole_cache else history)

@@ -108,7 +108,7 @@ class ZeroCopyLayers(PeerWaits):
         self._position = {lid: pos for pos, lid in enumerate(layout.target_layers)}
         self.stats = ZeroCopyStats()
 
-    def begin_step(self, active: bool, block_ranges: Sequence[range] | Callable | None = None) -> None:
+    def begin_step(self, active: bool, block_ids: Sequence[int] | Callable | None = None) -> None:
         """Wait until every peer has finished the previous step, then open this one. Every rank opens every
         step (empty ones too), so the group's epochs advance together. `active` (a step with history)
         changes nothing here: a reader waits on every step, fresh prefills included."""

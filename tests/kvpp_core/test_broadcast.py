@@ -1,7 +1,10 @@
-"""LayerBroadcaster over real torch.distributed gloo process groups, 2-4 ranks in separate processes."""
+"""LayerBroadcaster over real torch.distributed gloo process groups, 2-4 ranks in separate processes: every
+layer byte-identical on every rank, a step's referenced blocks packed (in chunks past the buffer's bound) or,
+when it references too many, the whole layer; a dead rank fails the step."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -11,22 +14,26 @@ import pytest
 import torch
 
 from deploy.services.ports import free_port
-from kvpp_core.broadcast import KvppBroadcastError, LayerBroadcaster, coalesce
+from kvpp_core.broadcast import KvppBroadcastError, LayerBroadcaster
 from kvpp_core.ownership import rank_layout
 
 pytestmark = pytest.mark.integration
 
-NUM_BLOCKS = 6
-PAGE = 64  # bytes per block and layer
+NUM_BLOCKS = 24
+PAGE = 16 << 10  # bytes per block and layer: an MLA block's order of size (16 tokens x 576 bf16 values: 18 KiB)
+REFERENCED = {"narrow": [20, 1, 2, 1], "wide": list(range(0, 24, 2)), "chunked": [20, 1, 2, 1]}
+"""A step's block ids per scenario (unsorted, one repeated, as requests sharing a prefix give them): narrow and
+chunked reference 3 of 24 blocks (packed), wide 12 (whole: a pack would pass three times over half the layer)."""
 
 
+@functools.cache
 def _pattern(layer: int, step: int) -> torch.Tensor:
     """What the owner's persistent cache of `layer` holds at `step`: distinct per layer, block, step."""
     base = torch.arange(NUM_BLOCKS * PAGE, dtype=torch.int64).reshape(NUM_BLOCKS, PAGE)
     return ((base * 7 + layer * 31 + step * 101) % 251).to(torch.uint8)
 
 
-def _worker(rank, world, port, num_layers, staging, scenario, results):
+def _worker(rank, world, port, num_layers, staging, scenario, results):  # noqa: C901 (one rank's scenario)
     try:
         import torch.distributed as dist
 
@@ -40,18 +47,19 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):
             return persistent[layer] if layer in persistent else slots[layout.slot_of(layer)]
 
         regions = {l: [bound(l)] for l in layout.target_layers}
-        bc = LayerBroadcaster(layout, regions, NUM_BLOCKS, None, list(range(world)), timeout=5.0)
+        pack_bound = 2 * PAGE if scenario == "chunked" else NUM_BLOCKS * PAGE  # chunked: 2 blocks a collective
+        bc = LayerBroadcaster(layout, regions, NUM_BLOCKS, None, list(range(world)), timeout=5.0, pack_bound=pack_bound)
         report = {"checked": 0, "owned": list(layout.owned)}
         steps = 3
         for step in range(steps):
             for l, buf in persistent.items():
                 buf.copy_(_pattern(l, step))
-            ranges = [range(1, 3), range(4, 5)] if scenario == "narrow" else None
-            if scenario == "narrow":
+            ids = REFERENCED.get(scenario)
+            if ids:
                 for s in slots:
                     s.zero_()
-            # Odd steps pass the ranges the way the engine does: asked for at the first broadcast.
-            bc.begin_step(True, ranges if step % 2 == 0 or ranges is None else (lambda: ranges))
+            # Odd steps pass the block ids the way the engine does: asked for at the first broadcast.
+            bc.begin_step(True, ids if step % 2 == 0 or ids is None else (lambda: ids))
             for l in layout.target_layers:
                 if scenario == "die" and step == 1 and rank == world - 1 and l == layout.target_layers[-1]:
                     os._exit(3)  # a rank vanishes mid-step, in the middle of a layer sequence
@@ -59,19 +67,17 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):
                 # Let any prefetch of the next layer land, then check it did not clobber this one.
                 time.sleep(0.01)
                 got, want = bound(l), _pattern(l, step)
-                if scenario == "narrow":
+                if ids and scenario != "wide" and l not in persistent:
                     sent = torch.zeros(NUM_BLOCKS, dtype=torch.bool)
-                    for r in ranges:
-                        sent[r.start : r.stop] = True
+                    sent[ids] = True
                     want = torch.where(sent[:, None], want, torch.zeros_like(want))
-                    if l in persistent:
-                        want = _pattern(l, step)
                 assert torch.equal(got, want), f"rank {rank} step {step} layer {l} differs"
                 report["checked"] += 1
                 # The attention then writes this step's new tokens into the bound cache.
                 got[1, 0] = 255  # block 1 is sent in every scenario, so the next delivery must restore it
             bc.end_step()
         report["stats"] = bc.stats.as_dict()
+        report["pack_buffer_bytes"] = bc.pack_buffer_bytes
         results.put((rank, "ok", report))
         dist.destroy_process_group()
     except KvppBroadcastError as exc:
@@ -116,8 +122,10 @@ def test_every_layer_arrives_byte_identical_on_every_rank(world, num_layers, sta
     for rank, (status, report) in out.items():
         assert status == "ok", report
         assert report["checked"] == 3 * num_layers
-        # Every layer, every step, whole layer: bytes = steps * layers * blocks * page.
-        assert report["stats"]["bytes"] == 3 * num_layers * NUM_BLOCKS * PAGE
+        # Every foreign layer, every step, whole (no block ids given): bytes = steps * layers * blocks * page.
+        foreign = num_layers - len(report["owned"])
+        assert report["stats"]["bytes"] == 3 * foreign * NUM_BLOCKS * PAGE
+        assert report["stats"]["whole_layers"] == 3 * foreign
         assert report["stats"]["broadcast_steps"] == 3
         # Each layer's flight (issue to delivered) includes the time the forward waited for it.
         assert 0 < report["stats"]["wait_seconds"] <= report["stats"]["flight_seconds"]
@@ -130,11 +138,28 @@ def test_rank_owning_nothing_still_receives_every_layer():
     assert out[3][1]["checked"] == 9
 
 
-def test_narrowed_block_ranges_send_only_those_blocks():
-    out = _run(world=3, num_layers=5, scenario="narrow")
+@pytest.mark.parametrize("scenario", ["narrow", "chunked"])
+def test_a_step_moves_exactly_its_referenced_blocks_packed(scenario):
+    """3 of 24 blocks referenced: each foreign layer moves those 3 blocks and no other (the staging slot is zeroed
+    before every step, and every block left out must stay zero); chunked, two blocks per collective."""
+    out = _run(world=3, num_layers=5, scenario=scenario)
     for rank, (status, report) in out.items():
         assert status == "ok", report
-        assert report["stats"]["bytes"] == 3 * 5 * 3 * PAGE  # 3 of 6 blocks per layer
+        foreign = 5 - len(report["owned"])
+        assert report["stats"]["bytes"] == 3 * foreign * 3 * PAGE
+        assert report["stats"]["whole_layers"] == 0
+        # One buffer per layer in flight (2 staging slots: the current layer and the next), each the most a pack
+        # moves (a third of the layer: 8 blocks), or the bound of 2 blocks.
+        assert report["pack_buffer_bytes"] == 2 * (2 if scenario == "chunked" else 8) * PAGE
+
+
+def test_a_step_referencing_half_the_layer_moves_it_whole():
+    out = _run(world=3, num_layers=5, scenario="wide")
+    for rank, (status, report) in out.items():
+        assert status == "ok", report
+        foreign = 5 - len(report["owned"])
+        assert report["stats"]["bytes"] == 3 * foreign * NUM_BLOCKS * PAGE
+        assert report["stats"]["whole_layers"] == 3 * foreign
 
 
 def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time():
@@ -145,17 +170,3 @@ def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time():
     for rank, (status, payload) in out.items():
         assert status == "broadcast_error", payload
         assert "KVPP broadcast of layer" in payload
-
-
-@pytest.mark.unit
-def test_coalesce_merges_contiguous_blocks():
-    assert coalesce([5, 1, 2, 3, 9, 2]) == [range(1, 4), range(5, 6), range(9, 10)]
-    assert coalesce([]) == []
-
-
-@pytest.mark.unit
-def test_coalesce_bridges_the_smallest_gaps_past_the_range_limit():
-    ids = [0, 1, 3, 10, 11, 30, 32]  # gaps of 1 (1->3), 6 (3->10), 18 (11->30), 1 (30->32)
-    assert coalesce(ids, max_ranges=3) == [range(0, 4), range(10, 12), range(30, 33)]
-    assert coalesce(ids, max_ranges=1) == [range(0, 33)]
-    assert len(coalesce(list(range(0, 100, 2)))) == 16, "the default limit"

@@ -8,6 +8,7 @@ receiver catches an owner that writes new tokens over a layer still being copied
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -21,12 +22,16 @@ from tests.helpers.rank_procs import join_group, report_outcome, run_ranks, vllm
 
 pytestmark = pytest.mark.integration
 
-BLOCKS = 6
-PAGE = 64  # bytes per block and cache
+BLOCKS = 24
+PAGE = 16 << 10  # bytes per block and cache: an MLA block's order of size (16 tokens x 576 bf16 values: 18 KiB)
+REFERENCED = {"narrow": [20, 1, 2, 1], "scattered": list(range(0, 24, 2))}
+"""A step's block ids (unsorted, one repeated): narrow, 3 blocks in 2 runs, copied run by run; scattered, 12 runs of
+one block each, where 12 copies cost more than copying the whole layer once."""
 STEPS = 3
 NEW_TOKEN = 255
 
 
+@functools.cache
 def _expected(layer: int, step: int) -> torch.Tensor:
     """The owner's history of `layer` at `step`: distinct per layer, block and step."""
     base = torch.arange(BLOCKS * PAGE, dtype=torch.int64).reshape(BLOCKS, PAGE)
@@ -53,11 +58,11 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
                 time.sleep(0.1)  # the first layers' owner is late with its writes; its peers are not
             for lid in layout.owned:
                 bound[lid].copy_(_expected(lid, step))  # the previous step's and the pool's writes
-            narrow = [range(1, 3), range(4, 5)] if scenario == "narrow" else None
-            if narrow:
+            ids = REFERENCED.get(scenario)
+            if ids:
                 for lid in layout.foreign:
                     bound[lid].zero_()
-            bc.begin_step(True, narrow if step % 2 == 0 or narrow is None else (lambda: narrow))
+            bc.begin_step(True, ids if step % 2 == 0 or ids is None else (lambda: ids))
             for lid in layout.target_layers:
                 if scenario == "die" and step == 1 and rank == world - 1 and lid == layout.target_layers[-1]:
                     os._exit(3)
@@ -67,10 +72,9 @@ def _rank(rank, world, port, num_layers, staging, scenario, env, results):
                     time.sleep(0.03)
                 bc.before_layer(lid)
                 want = _expected(lid, step)
-                if narrow and lid not in layout.owned:
+                if scenario == "narrow" and lid not in layout.owned:
                     sent = torch.zeros(BLOCKS, dtype=torch.bool)
-                    for r in narrow:
-                        sent[r.start:r.stop] = True
+                    sent[ids] = True
                     want = torch.where(sent[:, None], want, torch.zeros_like(want))
                 assert torch.equal(bound[lid], want), f"rank {rank} step {step} layer {lid} differs"
                 checked += 1
@@ -95,6 +99,7 @@ def _assert_delivered(out, world, num_layers, blocks_per_layer=BLOCKS):
         assert report["checked"] == STEPS * num_layers
         foreign = num_layers - len(report["owned"])
         assert report["stats"]["bytes"] == STEPS * foreign * blocks_per_layer * PAGE
+        assert report["stats"]["whole_layers"] == (STEPS * foreign if blocks_per_layer == BLOCKS else 0)
         assert report["stats"]["layers"] == STEPS * num_layers
         assert 0 < report["stats"]["flight_seconds"] and report["stats"]["wait_seconds"] <= report["stats"]["flight_seconds"]
         assert report["leftovers"] == [], "segments must be unlinked once every rank mapped them"
@@ -113,9 +118,16 @@ def test_no_read_before_the_owner_is_ready_and_no_write_while_a_peer_copies(scen
     _assert_delivered(out, 3, 6)
 
 
-def test_narrowed_block_ranges_copy_only_those_blocks():
+def test_a_step_copies_exactly_its_referenced_blocks():
+    """3 of 24 blocks referenced: each foreign layer copies those 3 and no other (the staging slot is zeroed before
+    every step, and every block left out must stay zero)."""
     out, _ = _run(3, 5, scenario="narrow")
     _assert_delivered(out, 3, 5, blocks_per_layer=3)
+
+
+def test_a_step_whose_blocks_lie_in_many_runs_copies_the_whole_layer():
+    out, _ = _run(3, 5, scenario="scattered")
+    _assert_delivered(out, 3, 5)
 
 
 def test_dead_rank_fails_the_step_on_every_survivor_at_once():

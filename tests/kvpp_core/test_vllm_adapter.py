@@ -50,13 +50,13 @@ def test_history_is_the_blocks_up_to_each_requests_computed_tokens():
     blocks = RequestBlocks()
     step = _output(new=[_new("a", [4, 5, 6], 33), _new("b", [7, 8], 16), _new("fresh", [10, 11], 0)])
     blocks.update(step)  # 33 tokens: blocks 4, 5 and the partial 6; b: exactly one block; fresh: none
-    assert blocks.history(step, BLOCK) == [range(4, 8)]
+    assert blocks.history(step, BLOCK) == [4, 5, 6, 7]
     step = _output(cached=[("a", [9], 49, False), ("b", None, 17, False)])  # a grew a block, b did not
     blocks.update(step)
-    assert blocks.history(step, BLOCK) == [range(4, 10)]
+    assert blocks.history(step, BLOCK) == [4, 5, 6, 7, 8, 9]
     step = _output(cached=[("b", None, 18, False)], finished=["a", "fresh"])
     blocks.update(step)
-    assert blocks.history(step, BLOCK) == [range(7, 9)]
+    assert blocks.history(step, BLOCK) == [7, 8]
 
 
 @pytest.mark.unit
@@ -66,7 +66,7 @@ def test_a_resumed_request_takes_its_new_block_list_and_a_preempted_one_is_dropp
     blocks.update(_output(preempted={"a"}))  # Model Runner V2 is told; V1 only sees it resume
     step = _output(cached=[("a", [30, 31, 32], 40, True)])
     blocks.update(step)
-    assert blocks.history(step, BLOCK) == [range(30, 33)]
+    assert blocks.history(step, BLOCK) == [30, 31, 32]
 
 
 @pytest.mark.unit
@@ -255,7 +255,6 @@ def test_history_follows_vllms_scheduler_through_chunks_decodes_preemption_and_p
     prefills, decodes, a preemption and a resume; at every step the history kept from its outputs is
     exactly the scheduler's blocks of each scheduled request up to its computed tokens. Under both
     runners: the scheduler tells Model Runner V2 of preemptions, V1 only of resumes."""
-    from kvpp_core.broadcast import coalesce
     from tests.helpers import vllm_scheduler as vs
 
     config = vs.engine_config(tiny_model, None, max_num_batched_tokens=48)
@@ -281,7 +280,7 @@ def test_history_follows_vllms_scheduler_through_chunks_decodes_preemption_and_p
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         assert all(computed[r] == before[r] for r in cached.req_ids if r not in cached.resumed_req_ids)
-        expected = coalesce([b for r in out.num_scheduled_tokens for b in vs.block_ids(sched, r)[: -(-computed[r] // BLOCK)]])
+        expected = sorted({b for r in out.num_scheduled_tokens for b in vs.block_ids(sched, r)[: -(-computed[r] // BLOCK)]})
         assert blocks.history(out, BLOCK) == expected, index
         vs.report_step(sched, out)
         seen |= {"resumed"} if cached.resumed_req_ids or any(r.req_id in started for r in out.scheduled_new_reqs) else set()

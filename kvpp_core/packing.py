@@ -1,0 +1,122 @@
+"""Which of a layer's blocks a step moves, and how: exactly the blocks it references, or the whole layer.
+
+A step reads, per foreign layer, only the blocks holding its requests' history (`StepBlocks`); the rest of
+the cache may be full of idle histories. The broadcasters (kvpp_core.broadcast, kvpp_core.shm_broadcast)
+move exactly those blocks, or the whole layer when that moves and touches fewer bytes (`choose`):
+
+- over a collective, the owner gathers the blocks of every cache of the layer into one packed buffer
+  (`gather`), one collective moves it (one per chunk past `PACK_BOUND_BYTES`), and each receiver places the
+  rows at the owner's block ids in its staging slot (`place`): three passes over the referenced bytes
+  against one over the whole layer;
+- through shared memory a receiver copies the blocks straight from its owner's pages, one copy per run of
+  contiguous block ids: one pass over the referenced bytes, plus each copy's fixed cost.
+
+Rows are moved as int64 where a page allows (index kernels are several times slower on byte rows: on an
+H200 `index_copy_` of a 128K-token layer's rows took 93 µs as int64, 420 µs as bytes; BRIEF section 11).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+PACK_PASSES = 3
+"""Passes a packed layer makes over its referenced bytes: the owner's gather, the collective, the placement."""
+PACK_BOUND_BYTES = 256 << 20
+"""The largest packed buffer of one layer in flight (vLLM's GPU KVPP bounds its own at 256 MiB); a layer
+whose referenced blocks take more moves as several chunks, one collective each."""
+CALL_BYTES = {"cpu": 64 << 10}
+"""A copy or collective call's fixed cost, in bytes it could have copied instead. On this project's CPU hosts a
+torch copy call costs about 3.5 µs, 12-53 KiB at the copy's bandwidth (bench/results/packing.json, `calls`),
+rounded up: in doubt, a layer moves whole."""
+DEVICE_CALL_BYTES = 16 << 20
+"""The same on device memory (a kernel launch, or a collective's latency, of ~8 µs at ~2 TB/s), from the H200
+figures of issue 37 (16 range copies of a 128K-token layer: 203 µs, one whole-layer copy: 79 µs); the GPU
+check's packing part measures it."""
+
+
+def call_bytes(device: torch.device) -> int:
+    return CALL_BYTES.get(device.type, DEVICE_CALL_BYTES)
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """The blocks a step references: sorted, unique block ids, and their runs of contiguous ids."""
+
+    ids: tuple[int, ...]
+    runs: tuple[range, ...]
+
+    @classmethod
+    def of(cls, block_ids: Iterable[int]) -> StepBlocks:
+        ids = tuple(sorted(set(block_ids)))
+        runs: list[range] = []
+        for b in ids:
+            if runs and runs[-1].stop == b:
+                runs[-1] = range(runs[-1].start, b + 1)
+            else:
+                runs.append(range(b, b + 1))
+        return cls(ids, tuple(runs))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def choose(step: StepBlocks | None, num_blocks: int, layer_page_bytes: int, device: torch.device,
+           packed: bool) -> bool:
+    """Whether a layer moves only `step`'s blocks (True) or whole (False): whichever moves and touches fewer
+    bytes, a call's fixed cost counted as `call_bytes`. `packed`: over a collective (gather, collective,
+    placement: `PACK_PASSES` passes, one call each) or else run by run (one pass, a call per run).
+    `layer_page_bytes` is one block of every cache of the layer. None (blocks not known): whole."""
+    if step is None:
+        return False
+    call = call_bytes(device)
+    whole = num_blocks * layer_page_bytes + call
+    if packed:
+        return PACK_PASSES * (len(step) * layer_page_bytes + call) < whole
+    return len(step) * layer_page_bytes + len(step.runs) * call < whole
+
+
+def chunk_blocks(layer_page_bytes: int, bound: int = PACK_BOUND_BYTES) -> int:
+    """Blocks of a layer one packed chunk holds (at least one, whatever the bound)."""
+    return max(1, bound // layer_page_bytes)
+
+
+def pack_buffer_bytes(num_blocks: int, layer_page_bytes: int, bound: int = PACK_BOUND_BYTES) -> int:
+    """One packed buffer: the most blocks `choose` packs (fewer than a third of the layer, since packing
+    passes three times over them), capped at the bound; a layer's bigger pack goes in chunks."""
+    most = math.ceil(num_blocks / PACK_PASSES)
+    return min(most, chunk_blocks(layer_page_bytes, bound)) * layer_page_bytes
+
+
+class LayerPack:
+    """One layer's caches (`[num_blocks, page_bytes]` byte views) and where a chunk of blocks sits in a packed
+    buffer: each cache's rows one after the other."""
+
+    def __init__(self, pages: Sequence[torch.Tensor]) -> None:
+        self.page_bytes = [p.shape[1] for p in pages]
+        self.layer_page_bytes = sum(self.page_bytes)
+        words = all(p.shape[1] % 8 == 0 and p.data_ptr() % 8 == 0 for p in pages)
+        self.rows = [p.view(torch.int64) if words else p for p in pages]
+        """Each cache's pages as int64 rows where every page's size and address allow, else as bytes."""
+
+    def _views(self, buffer: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """The packed buffer as each cache's `count` rows, typed like that cache's rows."""
+        views, offset = [], 0
+        for r, page in zip(self.rows, self.page_bytes):
+            views.append(buffer[offset:offset + count * page].view(r.dtype).view(count, -1))
+            offset += count * page
+        return views
+
+    def gather(self, index: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        """The owner: the rows at `index` of every cache into `buffer`; returns the bytes to send."""
+        for src, dst in zip(self.rows, self._views(buffer, len(index))):
+            torch.index_select(src, 0, index, out=dst)
+        return buffer[:len(index) * self.layer_page_bytes]
+
+    def place(self, index: torch.Tensor, buffer: torch.Tensor) -> None:
+        """A receiver: the packed rows back at their block ids."""
+        for dst, src in zip(self.rows, self._views(buffer, len(index))):
+            dst.index_copy_(0, index, src)
