@@ -11,14 +11,21 @@ figures, or "skipped"/"failed" with the reason, and the next part runs anyway:
 - mooncake_pool: mooncake_master on loopback and the pool client (connectors.store.backends.mooncake),
   put from and get into device memory, bytes compared;
 - broadcast: two ranks (gloo: NCCL refuses two ranks on one GPU) run kvpp_core.broadcast over device
-  tensors; every staging slot must hold its owner's bytes after each layer;
+  tensors, steps that reference 10% of the blocks (packed where kvpp_core.packing.choose packs them) and
+  steps that move every block; every staging slot must hold its owner's bytes after each layer;
 - copy: one MLA layer's pages (16-token blocks of 576 bf16 values) at 4K/32K/128K tokens of history:
   one device copy of the whole layer, the scattered history blocks as coalesced ranges against one
   copy per block, and a CUDA-IPC copy out of another process's memory; each >= 3 repeats, interleaved,
-  min/median/max.
+  min/median/max;
+- packing: issue 37's kernels at 32K/128K tokens, 100/50/10% of the blocks referenced, contiguous,
+  scattered or in runs (bench/packing.py's layouts): the ranges sent before it, one gather of exactly the
+  referenced blocks and its placement (kvpp_core.packing.LayerPack: int64 rows; placement as bytes for
+  comparison), one copy of the packed bytes standing in for the collective, and the whole layer; what
+  `choose` picks and whether that met the issue's targets (never above the whole layer, at most half of it
+  at 10%); a copy call's fixed cost against kvpp_core.packing.DEVICE_CALL_BYTES; bytes compared.
 
 `--dry-run` runs every part on CPU tensors with small sizes (a test runs it), so the code paths are
-exercised where no GPU exists; its report says so and is no GPU figure.
+exercised where no GPU exists; its report says so, and none of its figures (targets included) is a GPU's.
 
     python -m bench.gpu_check [--dry-run] [--out bench/results/gpu_check.json] [--skip part,...]
 """
@@ -43,11 +50,13 @@ from pathlib import Path
 
 import torch
 
-PARTS = ("environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy")
+PARTS = ("environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing")
 BLOCK_TOKENS = 16
 PAGE_BYTES = BLOCK_TOKENS * (512 + 64) * 2  # one MLA block of one layer: kv_lora_rank + rope, bf16
 HISTORY_TOKENS = (4096, 32768, 131072)
 DRY_HISTORY_TOKENS = (256, 512, 1024)
+PACKING_TOKENS = (32768, 131072)
+DRY_PACKING_TOKENS = (2048, 4096)
 REPEATS = 5
 BUNDLE_ENV = "KVPP_GPU_BUNDLE"
 
@@ -209,6 +218,7 @@ def _expect(statuses, what: str, status_type) -> None:
 def _broadcast_rank(rank: int, port: int, device_name: str, layers: int, blocks: int, results) -> None:
     import torch.distributed as dist
 
+    from bench.packing import referenced
     from kvpp_core.allocation import CacheLayer, place
     from kvpp_core.broadcast import LayerBroadcaster
     from kvpp_core.ownership import rank_layout
@@ -225,18 +235,31 @@ def _broadcast_rank(rank: int, port: int, device_name: str, layers: int, blocks:
         broadcaster = LayerBroadcaster(layout, regions, blocks, dist.group.WORLD, [0, 1], 120.0)
         for lid in layout.owned:
             regions[lid][0].copy_(_pattern(regions[lid][0].numel(), 100 + lid, device))
-        seconds, wrong = [], []
-        for _ in range(3):
+        ids = referenced(blocks, 0.1, "scattered")
+        index = torch.tensor(ids)
+        seconds: dict[str, list[float]] = {"referenced_10_percent": [], "every_block": []}
+        wrong = []
+        for i in range(4):
+            kind = "every_block" if i % 2 else "referenced_10_percent"
+            checked = slice(None) if kind == "every_block" else index
+
             def step() -> None:
-                broadcaster.begin_step(True)
+                for lid in layout.foreign:
+                    regions[lid][0].zero_()  # what a step leaves out must stay zero
+                _sync(device)
+                broadcaster.begin_step(True, None if kind == "every_block" else ids)
                 for lid in layout.target_layers:
                     broadcaster.before_layer(lid)
-                    if lid in layout.foreign and not torch.equal(
-                            regions[lid][0].cpu(), _pattern(regions[lid][0].numel(), 100 + lid, torch.device("cpu"))):
-                        wrong.append(lid)
+                    if lid in layout.foreign:
+                        got = regions[lid][0].view(blocks, PAGE_BYTES).cpu()
+                        want = _pattern(regions[lid][0].numel(), 100 + lid, torch.device("cpu")).view(blocks, PAGE_BYTES)
+                        if not torch.equal(got[checked], want[checked]) or (
+                                kind != "every_block" and int(got.sum()) != int(got[index].sum())):
+                            wrong.append((kind, lid))
                 broadcaster.end_step()
-            seconds.append(_timed(step, device))
-        results.put((rank, {"seconds": seconds, "wrong_layers": wrong, "bytes_received": broadcaster.stats.bytes}))
+            seconds[kind].append(_timed(step, device))
+        results.put((rank, {"seconds": seconds, "wrong_layers": wrong, "bytes_received": broadcaster.stats.bytes,
+                            "whole_layers": broadcaster.stats.whole_layers}))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc(limit=3)}))
     finally:
@@ -264,7 +287,8 @@ def _two_processes(target, args: tuple, timeout: float) -> dict:
 
 
 def broadcast(device: torch.device, dry_run: bool) -> dict:
-    layers, blocks = (4, 16) if dry_run else (8, 2048)  # 2048 blocks: 32K tokens of history per layer
+    # 8192 blocks: 128K tokens of history per layer, where packing 10% pays on a GPU (kvpp_core.packing.choose)
+    layers, blocks = (4, 64) if dry_run else (8, 8192)
     out = _two_processes(_broadcast_rank, (_free_port(), str(device), layers, blocks), timeout=240)
     errors = {r: o["error"] for r, o in out.items() if "error" in o}
     if errors:
@@ -272,9 +296,13 @@ def broadcast(device: torch.device, dry_run: bool) -> dict:
     wrong = {r: o["wrong_layers"] for r, o in out.items() if o["wrong_layers"]}
     if wrong:
         raise AssertionError(f"staging slots did not hold their owner's bytes: {wrong} (rank: layers)")
-    step = [max(s) for s in zip(*(o["seconds"] for o in out.values()))]
+    steps = {kind: _spread([max(s) for s in zip(*(o["seconds"][kind] for o in out.values()))])
+             for kind in out[0]["seconds"]}
+    foreign = layers // 2  # per rank, over 2 steps of each kind
+    received = {r: o["bytes_received"] for r, o in out.items()}
     return {"transport": "torch.distributed (gloo)", "layers": layers, "blocks": blocks, "page_bytes": PAGE_BYTES,
-            "step_seconds": _spread(step), "bytes_received": sum(o["bytes_received"] for o in out.values()),
+            "step_seconds": steps, "bytes_received": received,
+            "referenced_steps_packed": all(o["whole_layers"] == 2 * foreign for o in out.values()),
             "bytes_checked": True}
 
 
@@ -328,7 +356,7 @@ def _ipc_copy(device: torch.device, nbytes: int, repeats: int) -> dict:
 def copy_pages(device: torch.device, dry_run: bool) -> dict:
     """Per history length: the modes interleaved within each repeat; history blocks scattered over a cache
     four times the history (a busy engine's block table), so ranges come from coalescing real block ids."""
-    from kvpp_core.broadcast import coalesce
+    from bench.packing import ranges_before
 
     report = {"page_bytes": PAGE_BYTES, "ipc": "torch.multiprocessing (CUDA IPC handles)" if device.type == "cuda"
               else "torch.multiprocessing (shared CPU memory; dry run)"}
@@ -336,7 +364,7 @@ def copy_pages(device: torch.device, dry_run: bool) -> dict:
         blocks = tokens // BLOCK_TOKENS
         rng = random.Random(tokens)
         ids = sorted(rng.sample(range(4 * blocks), blocks))
-        ranges = coalesce(ids)  # as the broadcast sends them: a few gaps may be bridged
+        ranges = ranges_before(ids)  # as the broadcast sent them before issue 37: a few gaps bridged
         src = _pattern(4 * blocks * PAGE_BYTES, tokens, device).view(4 * blocks, PAGE_BYTES)
         dst = torch.zeros_like(src)
         whole_src, whole_dst = src[:blocks], dst[:blocks]
@@ -361,10 +389,72 @@ def copy_pages(device: torch.device, dry_run: bool) -> dict:
     return report
 
 
+def packing(device: torch.device, dry_run: bool) -> dict:
+    """Per layer size and referenced blocks, the modes interleaved within each repeat (the first warms up)."""
+    from bench.packing import configurations, label, ranges_before, referenced
+    from kvpp_core.packing import LayerPack, StepBlocks, call_bytes, choose
+
+    report: dict = {"page_bytes": PAGE_BYTES, "call_bytes_assumed": call_bytes(device),
+                    "collective": "one device copy of the packed bytes stands in for it (one GPU: no NCCL pair)"}
+    for tokens in DRY_PACKING_TOKENS if dry_run else PACKING_TOKENS:
+        blocks = tokens // BLOCK_TOKENS
+        src = _pattern(blocks * PAGE_BYTES, tokens, device).view(blocks, PAGE_BYTES)
+        dst = torch.zeros_like(src)
+        sent, got = LayerPack([src]), LayerPack([dst])
+        buffer = torch.empty(blocks * PAGE_BYTES, dtype=torch.uint8, device=device)
+        received = torch.empty_like(buffer)
+        one = _spread([_timed(lambda: dst[:1].copy_(src[:1]), device) for _ in range(REPEATS * 4)])
+        entry: dict = {"blocks": blocks, "layer_bytes": blocks * PAGE_BYTES, "configs": {}}
+        for fraction, layout in configurations():
+            ids = referenced(blocks, fraction, layout, seed=int(fraction * 1000))
+            step, ranges = StepBlocks.of(ids), ranges_before(ids)
+            index = torch.tensor(ids, device=device)
+            k = len(ids) * PAGE_BYTES
+            modes: dict[str, Callable[[], None]] = {
+                "whole": lambda: dst.copy_(src),
+                "ranges": lambda ranges=ranges: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in ranges],
+                "gather": lambda index=index: sent.gather(index, buffer),
+                "move": lambda k=k: received[:k].copy_(buffer[:k]),
+                "place": lambda index=index: got.place(index, received),
+                "place_bytes": lambda index=index, k=k: dst.index_copy_(0, index, received[:k].view(-1, PAGE_BYTES)),
+            }
+            figures: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(REPEATS + 1):
+                for mode, work in modes.items():
+                    figures[mode].append(_timed(work, device))
+            dst.zero_()
+            sent.gather(index, buffer)
+            received.copy_(buffer)
+            got.place(index, received)
+            if not torch.equal(dst[index], src[index]) or int(dst.sum()) != int(dst[index].sum()):
+                raise AssertionError(f"{tokens} tokens, {label(fraction, layout)}: placed blocks differ from the owner's")
+            runs = {m: v[1:] for m, v in figures.items()}
+            packed = [g + m + p for g, m, p in zip(runs["gather"], runs["move"], runs["place"])]
+            packs = choose(step, blocks, PAGE_BYTES, device, packed=True)
+            chosen = packed if packs else runs["whole"]
+            over_whole = [c / w for c, w in zip(chosen, runs["whole"])]
+            entry["configs"][label(fraction, layout)] = {
+                "referenced_blocks": len(step), "range_blocks": sum(len(r) for r in ranges),
+                **{f"{m}_s": _spread(v) for m, v in runs.items()}, "packed_s": _spread(packed),
+                "choice": "packed" if packs else "whole", "chosen_over_whole": _spread(over_whole),
+                "packed_over_whole": _spread([p / w for p, w in zip(packed, runs["whole"])]),
+                "bytes_checked": True,
+            }
+        worst = max(c["chosen_over_whole"]["median"] for c in entry["configs"].values())
+        at10 = max(c["chosen_over_whole"]["median"] for name, c in entry["configs"].items() if name.startswith("10%"))
+        whole_bandwidth = entry["layer_bytes"] / statistics.median(runs["whole"])
+        entry["call_s"] = one
+        entry["call_bytes_measured"] = one["median"] * whole_bandwidth
+        entry["targets"] = {"chosen_over_whole_worst": worst, "never_above_whole": worst <= 1.0,
+                            "chosen_over_whole_at_10_percent_worst": at10, "half_at_10_percent": at10 <= 0.5}
+        report[f"{tokens}_tokens"] = entry
+    return report
+
+
 # ---- driver ---------------------------------------------------------------------------------------
 RUNNERS: dict[str, Callable[[torch.device, bool], dict]] = {
     "environment": environment, "mooncake_transfer": mooncake_transfer, "mooncake_pool": mooncake_pool,
-    "broadcast": broadcast, "copy": copy_pages,
+    "broadcast": broadcast, "copy": copy_pages, "packing": packing,
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.paths import REPO
 
-PARTS = ["environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy"]
+PARTS = ["environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing"]
 
 
 @pytest.mark.unit
@@ -32,12 +32,25 @@ def test_dry_run_drives_every_part_and_checks_the_bytes(tmp_path):
     parts = report["parts"]
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(PARTS, "ok"), parts
     assert parts["mooncake_transfer"]["bytes_checked"] and parts["mooncake_pool"]["bytes_checked"]
-    assert parts["broadcast"]["bytes_checked"] and parts["broadcast"]["bytes_received"] > 0
+    broadcast = parts["broadcast"]
+    assert broadcast["bytes_checked"] and broadcast["referenced_steps_packed"]
+    # Per rank, 2 foreign layers of 64 blocks: twice every block, twice the 6 referenced (10%).
+    assert broadcast["bytes_received"] == dict.fromkeys(("0", "1"), 2 * 2 * (64 + 6) * 16 * 576 * 2)
     for tokens in (256, 512, 1024):
         entry = parts["copy"][f"{tokens}_tokens"]
         assert entry["blocks"] == tokens // 16
         for mode in ("whole_layer", "coalesced_ranges", "per_block", "cuda_ipc"):
             assert entry[mode]["seconds"]["n"] == 5 and entry[mode]["seconds"]["min"] > 0
+    for tokens in (2048, 4096):
+        entry = parts["packing"][f"{tokens}_tokens"]
+        assert entry["blocks"] == tokens // 16 and set(entry["targets"]) >= {"never_above_whole", "half_at_10_percent"}
+        assert list(entry["configs"]) == ["100%", "50% contiguous", "50% scattered", "50% runs", "10% contiguous",
+                                          "10% scattered", "10% runs"]
+        for config in entry["configs"].values():
+            assert config["bytes_checked"] and config["choice"] in ("packed", "whole")
+            for mode in ("whole", "ranges", "gather", "move", "place", "place_bytes", "packed"):
+                assert config[f"{mode}_s"]["n"] == 5 and config[f"{mode}_s"]["min"] > 0
+        assert entry["configs"]["100%"]["choice"] == "whole"
 
 
 @pytest.mark.unit
