@@ -407,7 +407,7 @@ def packing(device: torch.device, dry_run: bool) -> dict:
         entry: dict = {"blocks": blocks, "layer_bytes": blocks * PAGE_BYTES, "configs": {}}
         for fraction, layout in configurations():
             ids = referenced(blocks, fraction, layout, seed=int(fraction * 1000))
-            step, ranges = StepBlocks.of(ids), ranges_before(ids)
+            step, ranges = StepBlocks(ids), ranges_before(ids)
             index = torch.tensor(ids, device=device)
             k = len(ids) * PAGE_BYTES
             modes: dict[str, Callable[[], None]] = {

@@ -185,7 +185,7 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
     report = {"configs": {}}
     for fraction, layout_name in configurations():
         ids = referenced(n, fraction, layout_name, seed=int(fraction * 1000))
-        step, index = StepBlocks.of(ids), torch.tensor(ids, dtype=torch.int64)
+        step, index = StepBlocks(ids), torch.tensor(ids, dtype=torch.int64)
         work: dict[tuple[str, str], Callable[[], None]] = {}
         for how in ("ranges", "packed", "whole"):
             work["gloo", how] = lambda how=how: [gloo_layer(lid, how, ids, index) for lid in range(WORLD)]

@@ -134,7 +134,7 @@ class LayerBroadcaster:
         if self._pending:
             raise KvppBroadcastError("a new step started while layer broadcasts were still pending")
         self._active = active and self.enabled
-        self._step = block_ids if block_ids is None or callable(block_ids) else StepBlocks.of(block_ids)
+        self._step = block_ids if block_ids is None or callable(block_ids) else StepBlocks(block_ids)
         self._index = None
         self._delivered.clear()
         self._issued.clear()  # a failed step's layers that were never waited for
@@ -148,7 +148,7 @@ class LayerBroadcaster:
             return
         if callable(self._step):  # the step's first broadcast: the batch is known by now
             found = self._step()
-            self._step = None if found is None else StepBlocks.of(found)
+            self._step = None if found is None else StepBlocks(found)
         pos = self._position[layer_id]
         if layer_id not in self._pending:
             self._issue_counted(layer_id)
@@ -208,7 +208,7 @@ class LayerBroadcaster:
             self._count_received(layer_id, None)
             return
         if self._index is None:
-            self._index = torch.tensor(self._step.ids, dtype=torch.int64, device=self._device)
+            self._index = self._step.index.to(self._device)
         self._count_received(layer_id, len(self._index))
         buffer = self._buffers[self._position[layer_id] % len(self._buffers)]
         per_chunk = buffer.numel() // self._packs[layer_id].layer_page_bytes

@@ -16,32 +16,32 @@ PAGE = 16 * 576 * 2  # one block of one MLA layer: 16 tokens x 576 bf16 values
 
 
 def test_step_blocks_are_sorted_unique_ids_and_their_runs():
-    step = StepBlocks.of([9, 3, 4, 5, 3, 11, 10, 0])  # requests sharing a prefix repeat its blocks
-    assert step.ids == (0, 3, 4, 5, 9, 10, 11) and len(step) == 7
+    step = StepBlocks([9, 3, 4, 5, 3, 11, 10, 0])  # requests sharing a prefix repeat its blocks
+    assert step.index.tolist() == [0, 3, 4, 5, 9, 10, 11] and len(step) == 7
     assert step.runs == (range(0, 1), range(3, 6), range(9, 12))
-    assert StepBlocks.of([]).runs == ()
+    assert StepBlocks([]).runs == () and StepBlocks([7]).runs == (range(7, 8),)
 
 
 @pytest.mark.parametrize("fraction, packed", [(0.10, True), (0.30, True), (0.34, False), (0.50, False), (1.0, False)])
 def test_a_collective_packs_while_three_passes_over_the_referenced_blocks_touch_less_than_the_layer(fraction, packed):
     blocks = 8192  # a 128K-token layer
-    step = StepBlocks.of(range(0, int(blocks * fraction) * 2, 2))  # scattered: runs do not matter to a pack
+    step = StepBlocks(range(0, int(blocks * fraction) * 2, 2))  # scattered: runs do not matter to a pack
     assert choose(step, blocks, PAGE, CPU, packed=True) is packed
 
 
 def test_a_copy_run_by_run_pays_each_runs_call():
     blocks, call_pages = 2048, CALL_BYTES["cpu"] / PAGE
-    contiguous = StepBlocks.of(range(1024))  # half the layer in one run: half the bytes
+    contiguous = StepBlocks(range(1024))  # half the layer in one run: half the bytes
     assert choose(contiguous, blocks, PAGE, CPU, packed=False)
     # Every other block: half the bytes, but a call per block costs more than the other half.
-    assert call_pages > 1 and not choose(StepBlocks.of(range(0, blocks, 2)), blocks, PAGE, CPU, packed=False)
-    assert choose(StepBlocks.of(range(0, blocks // 5, 2)), blocks, PAGE, CPU, packed=False)  # 10%, in 205 runs
+    assert call_pages > 1 and not choose(StepBlocks(range(0, blocks, 2)), blocks, PAGE, CPU, packed=False)
+    assert choose(StepBlocks(range(0, blocks // 5, 2)), blocks, PAGE, CPU, packed=False)  # 10%, in 205 runs
 
 
 def test_blocks_not_known_move_the_whole_layer_and_tiny_layers_too():
     assert not choose(None, 8192, PAGE, CPU, packed=True)
     # A layer of 4 blocks: the fixed cost of three calls outweighs the three blocks a pack of one saves.
-    assert not choose(StepBlocks.of([3]), 4, PAGE, CPU, packed=True)
+    assert not choose(StepBlocks([3]), 4, PAGE, CPU, packed=True)
     assert call_bytes(torch.device("cuda")) > call_bytes(CPU)
 
 
