@@ -207,13 +207,19 @@ def plan_capacity(
     return plan
 
 
-def zero_copy_layer_problem(topo: Topology, stage_ranges: Sequence[range]) -> str:
-    """Why zero-copy cannot run when a stage has fewer layers than group ranks: a rank owning none would
-    keep no pages to carve its views of foreign layers from (and bind no capacity at all)."""
+def zero_copy_layer_shortage(topo: Topology, stage_ranges: Sequence[range]) -> str | None:
+    """Why zero-copy cannot run when a stage has fewer layers than group ranks (None when none has): a rank owning
+    none would keep no pages to carve its views of foreign layers from (and bind no capacity at all)."""
     short = [f"stage {i} ({len(r)} layers)" for i, r in enumerate(stage_ranges) if len(r) < topo.group_size]
-    return (f"kvpp_staging_buffers 0 (zero-copy) needs every rank to own a layer, but {', '.join(short)} has fewer "
-            f"layers than its {topo.group_size} group ranks; set kvpp_staging_buffers to 1 or 2, or give each "
-            "PP stage at least as many layers as ranks")
+    if not short:
+        return None
+    return (f"every rank must own a layer, and {', '.join(short)} has fewer layers than its {topo.group_size} "
+            "group ranks")
+
+
+def zero_copy_layer_problem(topo: Topology, stage_ranges: Sequence[range]) -> str:
+    return (f"kvpp_staging_buffers 0 (zero-copy): {zero_copy_layer_shortage(topo, stage_ranges)}; set "
+            "kvpp_staging_buffers to 1 or 2, or give each PP stage at least as many layers as ranks")
 
 
 def _per_stage_memory(memory_bytes: int | Sequence[int], pp: int) -> list[int]:

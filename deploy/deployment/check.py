@@ -16,6 +16,7 @@ from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuMlaBackend
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
+from kvpp_core.modes import Mode, resolve as resolve_mode
 from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.setup import KvppSetup
@@ -94,12 +95,20 @@ def _topology(inst: Instance) -> Topology:
 
 
 def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None) -> list[Finding]:
+    setup, out = _instance_setup(instance, model)
+    if setup is not None:
+        out += [Finding(instance.instance.where, problem) for problem in validate(setup, connector_rules, spec.platform)]
+    return out
+
+
+def _instance_setup(instance: ResolvedInstance, model: ModelSpec | None) -> tuple[KvppSetup | None, list[Finding]]:
+    """An instance's launch in the planner's terms (None where the spec cannot say), and what stops that."""
     inst = instance.instance
     where, out = inst.where, []
     try:
         topo = _topology(inst)
     except ValueError as exc:
-        return [_error(where, "pp_layers" if "split" in str(exc) else "parallel sizes", str(exc))]
+        return None, [_error(where, "pp_layers" if "split" in str(exc) else "parallel sizes", str(exc))]
     if model is not None:
         try:
             topo.stage_layers(model.num_layers)
@@ -108,12 +117,12 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
     try:
         kvpp = parse_additional_config(instance.additional_config)
     except KvppConfigError as exc:
-        return out + [_error(where, "additional_config", str(exc))]
+        return None, out + [_error(where, "additional_config", str(exc))]
     engine = instance.engine
     if engine.flag_problems:
-        return out + [_error(where, f"extra_args {flag}", why) for flag, why in engine.flag_problems]
+        return None, out + [_error(where, f"extra_args {flag}", why) for flag, why in engine.flag_problems]
     if model is None:
-        return out
+        return None, out
     dtype = engine.dtype or model.kv_dtype
     if engine.kv_cache_dtype is None:
         model = model.with_overrides(kv_dtype=dtype)
@@ -127,8 +136,23 @@ def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec 
                       device=engine.device, attention_backend=engine.kernel,
                       draft_attention_backend=engine.draft_kernel, dtype=dtype, block_size=engine.block_size,
                       expert_parallel=inst.ep, request=engine.request)
-    out += [Finding(where, problem) for problem in validate(setup, connector_rules, spec.platform)]
-    return out
+    return setup, out
+
+
+def kvpp_modes(path: str) -> list[tuple[str, Mode]]:
+    """The KVPP mode each KVPP instance of the spec at `path` runs, and why (kvpp_core.modes); none where the spec
+    does not load or an instance's launch cannot be read (`run_check` says why)."""
+    try:
+        resolved = resolve(load_spec(path))
+    except SpecError:
+        return []
+    model = _model(resolved.spec, [])
+    modes = []
+    for instance in resolved.instances:
+        setup, _ = _instance_setup(instance, model)
+        if setup is not None and setup.kvpp.enabled:
+            modes.append((instance.instance.where, resolve_mode(setup)))
+    return modes
 
 
 def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[Finding]:

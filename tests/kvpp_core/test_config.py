@@ -16,7 +16,9 @@ def test_enable_accepts_bool_and_case_insensitive_strings(value, enabled):
 
 
 def test_defaults_and_foreign_keys():
-    assert parse_additional_config(None) == KvppConfig(enabled=False, staging_buffers=2)
+    """A mode not named is None: where it runs decides (kvpp_core.modes), not the parser."""
+    assert parse_additional_config(None) == KvppConfig(enabled=False, staging_buffers=None)
+    assert parse_additional_config({"enable_kvpp": True, "kvpp_staging_buffers": 2}).staging_buffers == 2
     assert parse_additional_config({"ascend_scheduler_config": {}, "other": 1}) == KvppConfig()
 
 
@@ -48,11 +50,7 @@ def test_unknown_kvpp_keys_are_named():
 @pytest.mark.parametrize("value", [0, 1, 2, 3])
 def test_staging_range(value):
     cfg = parse_additional_config({"enable_kvpp": True, "kvpp_staging_buffers": value})
-    assert cfg.staging_buffers == value and cfg.zero_copy == (value == 0)
-
-
-def test_zero_copy_only_when_kvpp_is_on():
-    assert not parse_additional_config({"kvpp_staging_buffers": 0}).zero_copy
+    assert cfg.staging_buffers == value
 
 
 @pytest.mark.parametrize("value", [4, -1, True, "2", 2.0])

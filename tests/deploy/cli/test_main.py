@@ -235,7 +235,7 @@ def test_plan(sandbox):
         "--model": models, "--tp": SIZES, "--pp": SIZES, "--pp-layers": lists, "--pcp": SIZES,
         "--mtp": ints(0, 64), "--kv-dtype": st.one_of(good(st.just("fp8")), bad(st.just("fp7"))),
         "--memory-gib": st.one_of(numbers(1 << 20), bad(st.just("1,nan")), good(st.just("60,64"))),
-        "--block-size": ints(1, 1 << 20), "--staging": st.one_of(good(st.sampled_from([1, 2, 3])), bad(JUNK)),
+        "--block-size": ints(1, 1 << 20), "--staging": st.one_of(good(st.sampled_from([0, 1, 2, 3])), bad(JUNK.filter(lambda s: not _parses(int)(s)))),
         "--plot": st.one_of(good(st.just(str(sandbox / "p.png"))), bad(st.sampled_from(["x.foo", "", "a\nb.png"]))),
     }, required=("--model", "--tp"), flags=st.sampled_from([[], ["--json"]]))
 

