@@ -77,9 +77,9 @@ def main() -> None:
             model = str(build_tiny_model(Path(tmp) / "tiny16", layers=16))
         prompts = token_prompts(model, [args.prompt_tokens])
         kv_bytes = args.kv_mib << 20
-        engines = {"off": {}, "on": {"kvpp": True}, "on_whole_cache": {"kvpp": True},
+        engines = {"off": {}, "on": {"kvpp": True, "staging": 2}, "on_whole_cache": {"kvpp": True, "staging": 2},
                    "on_no_prefetch": {"kvpp": True, "staging": 1}, "compiled_off": {"compiled": True},
-                   "compiled_on": {"compiled": True, "kvpp": True}}
+                   "compiled_on": {"compiled": True, "kvpp": True, "staging": 2}}
         wanted = ["off"] + [name for variant in variants for name in VARIANT_ENGINES[variant]]
         repeats = []
         for rep in range(args.repeats):

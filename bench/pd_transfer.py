@@ -262,7 +262,8 @@ def engine(lengths: list[int], repeat: int, serve_prompts: int, raw_s: dict[int,
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                            server={**server, "enable_kvpp": True}, env=env)
+                            server={**server, "enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": 2}},
+                            env=env)
         decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                            server=server, env=env)
         start_servers((prefill, decode), started, timeout=400)

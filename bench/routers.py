@@ -45,7 +45,7 @@ def run(repeat: int, prompts: int, input_len: int, concurrency: int) -> dict:
     started: list[ManagedProcess] = []
     try:
         prefill = pd_server("prefill", model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                            server={**server, "enable_kvpp": True})
+                            server={**server, "enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": 2}})
         decode = pd_server("decode", model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                            server=server)
         start_servers((prefill, decode), started, timeout=400)

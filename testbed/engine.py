@@ -36,7 +36,8 @@ class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """MTP speculative tokens (the model needs MTP layers)."""
     kvpp: bool = False
     staging: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    """kvpp_staging_buffers (0: zero-copy); None: KVPP's default."""
+    """kvpp_staging_buffers (0: zero-copy); None: not named, so the default where the engine runs (kvpp_core.modes:
+    zero-copy on this host's CPU, where it can run)."""
     compiled: bool = False
     """torch.compile instead of eager mode."""
     kv_bytes: Positive = 64 << 20
@@ -116,6 +117,8 @@ class Stepper:
         """Request id -> its final RequestOutput."""
         self.step_seconds: list[float] = []
         self.added_at: dict[str, int] = {}
+        self.engine_ids: dict[str, str] = {}
+        """Request id -> the id the engine gave it (vLLM 0.32 makes ids unique with a suffix)."""
         self.prefill_steps: dict[str, int] = {}
         """Request id -> the steps from its arrival to its first token: more than one when chunked prefill
         split its prompt (or the scheduler queued it)."""
@@ -124,8 +127,15 @@ class Stepper:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        self.engine.add_request(request_id, prompt, params)
+        self.engine_ids[request_id] = self.engine.add_request(request_id, prompt, params)
         self.added_at[request_id] = len(self.step_seconds)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """A running request's KV block ids, from the scheduler of the engine core this process runs
+        (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: vLLM 0.32's in-process client)."""
+        scheduler = self.engine.engine_core.engine_core.scheduler
+        (ids,) = scheduler.kv_cache_manager.get_block_ids(self.engine_ids[request_id])
+        return list(ids)
 
     def step(self) -> None:
         started = time.perf_counter()

@@ -96,14 +96,14 @@ def store_engine_config(tiny_model):
 
 @pytest.fixture(scope="session")
 def mtp_kvpp_tp2(mtp_model) -> dict:
-    """One engine shape, one start: the MTP model under KVPP at TP2 without any connector runs the runtime
+    """One engine shape, one start: the MTP model under KVPP (staging, 2 buffers) at TP2 without any connector runs the runtime
     engine test's workload (its KVPP-on run), then answers the store engine test's KVPP prompts one at a
     time (their pool-free reference, under "references")."""
     from tests.helpers.mtp_tp2 import mtp_tp2_run
     from tests.helpers.pool_runs import KVPP_REFERENCED, MAX_TOKENS, pool_prompts
 
     prompts = pool_prompts(mtp_model)
-    return mtp_tp2_run(mtp_model, kvpp=True,
+    return mtp_tp2_run(mtp_model, kvpp=True, staging=2,
                        references={name: prompts[name] for name in KVPP_REFERENCED}, reference_max_tokens=MAX_TOKENS)
 
 
@@ -118,10 +118,11 @@ def mtp_off_tp2(mtp_model) -> dict:
 
 @pytest.fixture(scope="session")
 def pp_off_eager(tiny_model) -> dict:
-    """The TP2 x PP2 (7 + 9) eager workload with KVPP off: the reference of the staging and zero-copy PP runs."""
+    """The TP2 x PP2 (7 + 9) eager workload with KVPP off, the bytes test's probe first: the reference of the
+    staging and zero-copy PP runs."""
     from tests.helpers.pp_pair import pp_run
 
-    return pp_run(tiny_model)
+    return pp_run(tiny_model, probe=True)
 
 
 @pytest.fixture(scope="session")

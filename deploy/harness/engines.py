@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvpp_core.config import DEFAULT_STAGING, STAGING_KEY
 from kvpp_core.platforms import VLLM_CPU
 
 from deploy.deployment.launch import deep_merge
@@ -25,6 +26,9 @@ KV_BYTES = 64 << 20
 # (3,584 tokens) in bf16 on AMX_MLA: one request of 1,024 fits either way.
 MAX_MODEL_LEN = 1024
 ENGINE_ENV = {"MC_LOG_LEVEL": "ERROR"}
+STAGING = {STAGING_KEY: DEFAULT_STAGING}
+"""The stack's KVPP prefills name staging (2 buffers): on vllm-cpu a launch that names no mode runs zero-copy
+(kvpp_core.modes), and the stack's P/D, pool, chaos and demo checks were written against staging's layout."""
 
 
 def engine_metrics(base_url: str) -> str:
@@ -73,7 +77,7 @@ def pd_spec(model: str, pool_extra: dict, producer_extra: dict | None = None, co
     spec = placed(Spec(
         model=Model(path=model), platform=VLLM_CPU.name,
         prefill=(cpu_instance("prefill", LOOPBACK, free_port(), 2, [0, 1], kv_port=prefill_port, enable_kvpp=True,
-                              kv_transfer_config=recompute, kv_events=kv_events,
+                              additional_config=STAGING, kv_transfer_config=recompute, kv_events=kv_events,
                               **({"kv_events_port": free_port(), "kv_events_replay_port": free_port()}
                                  if kv_events else {}), **settings),),
         decode=(cpu_instance("decode", LOOPBACK, free_port(), 1, [1], kv_port=decode_port,

@@ -24,6 +24,7 @@ from connectors.common.hosts import host_url, join_host_port
 from deploy.services.processes import ProcessError, cpu_instance, http_ok
 from deploy.deployment.render import render, write_files
 from deploy.deployment.spec import parse_spec
+from deploy.harness.engines import STAGING
 from deploy.harness.testbed import Testbed
 
 HOSTS = ("prefill", "decode", "pool", "proxy", "prefill2")
@@ -53,11 +54,11 @@ def cpu_spec(bed: Testbed, model: str, kv_cache_bytes: int = 96 << 20) -> dict[s
         "model": {"path": model},
         "platform": VLLM_CPU.name,
         "prefill": [
-            _instance("prefill", bed.address("prefill"), 2, kv_cache_bytes, enable_kvpp=True,
+            _instance("prefill", bed.address("prefill"), 2, kv_cache_bytes, enable_kvpp=True, additional_config=STAGING,
                       lookup_rpc_port=LOOKUP_PORT["prefill"]),
             # The same KV layout as the first (TP=2, KVPP): pooled objects are per owner shard, so only
             # instances with one layout share prefixes.
-            _instance("prefill2", bed.address("prefill2"), 2, kv_cache_bytes, enable_kvpp=True,
+            _instance("prefill2", bed.address("prefill2"), 2, kv_cache_bytes, enable_kvpp=True, additional_config=STAGING,
                       lookup_rpc_port=LOOKUP_PORT["prefill2"]),
         ],
         "decode": [_instance("decode", bed.address("decode"), 1, kv_cache_bytes, kv_transfer_config={

@@ -39,7 +39,7 @@ def main(job_json: str) -> None:
 
     LLM(model=job.model, worker_cls=job.worker_cls, tensor_parallel_size=job.tp,
         distributed_executor_backend="mp", **REFERENCE.engine_args(),
-        enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=256, additional_config={"enable_kvpp": True})
+        enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=256, additional_config={"enable_kvpp": True, "kvpp_staging_buffers": 2})
     print("ENGINE STARTED", flush=True)
 
 

@@ -104,7 +104,7 @@ def pd(mtp_model, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     chat_args = ("--chat-template", str(template))
     try:
-        prefill = _prefill_server("prefill", mtp_model, tmp, {"enable_kvpp": True}, chat_args)
+        prefill = _prefill_server("prefill", mtp_model, tmp, {"enable_kvpp": True, "kvpp_staging_buffers": 2}, chat_args)
         decode = pd_server("decode", mtp_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                         policy="recompute", transfer_timeout_s=5, extra_args=[*MTP, *chat_args],
                         server={"kv_cache_bytes": DECODE_KV_BYTES})

@@ -34,7 +34,7 @@ def pd(tiny_model, tmp_path_factory):
                  "VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))},
             extra_args=["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp",
                         "--kv-transfer-config", kv_config("kv_producer", free_port_range(6), hold_timeout_s=60),
-                        "--additional-config", json.dumps({"enable_kvpp": True})])
+                        "--additional-config", json.dumps({"enable_kvpp": True, "kvpp_staging_buffers": 2})])
         decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
                            policy="recompute", transfer_timeout_s=10)
         start_servers((prefill, decode), started, timeout=600)

@@ -73,9 +73,11 @@ class Scenario:
                 "kv_connector_extra_config": {"connectors": [pd, cfg]}}
 
     def run(self, tag: str, actions: list, prefill: bool = False, **settings) -> dict:
-        """One engine of the scenario over `actions`; `settings`: further EngineSettings (e.g. staging=0)."""
+        """One engine of the scenario over `actions`; `settings`: further EngineSettings (e.g. staging=0; KVPP runs
+        2 staging buffers unless told)."""
         if self.kvpp:
             settings.update(kvpp=True, kv_bytes=ON_KV_BYTES, max_model_len=512)
+            settings.setdefault("staging", 2)
         return run_pool_engine(self.model, self.tmp, tag, actions, tp=self.tp, mtp=self.mtp,
                                kv_transfer_config=self.transfer_config(tag, prefill), **settings)
 

@@ -50,7 +50,7 @@ def pooled(tiny_model, tmp_path_factory):
     def engine(tag: str) -> dict:
         actions = [["gen", name, ids] for name, ids in prompts.items()]
         cfg = store_config(pool, tmp, tag, load_async=True)
-        return run_pool_engine(tiny_model, tmp, tag, actions, tp=2, pp=2, kvpp=True, kv_transfer_config=cfg,
+        return run_pool_engine(tiny_model, tmp, tag, actions, tp=2, pp=2, kvpp=True, staging=2, kv_transfer_config=cfg,
                                env={"VLLM_PP_LAYER_PARTITION": ",".join(map(str, SPLIT))})
 
     try:

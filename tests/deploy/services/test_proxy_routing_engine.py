@@ -47,7 +47,8 @@ def _prefill(name: str, model: str, tmp):
     """A KVPP prefill publishing its KV cache events and replaying them on free ports (the instance's kv_events,
     rendered as a deployment's)."""
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                     server={"engine": AMX, "enable_kvpp": True, "kv_events": True, "kv_events_port": free_port(),
+                     server={"engine": AMX, "enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": 2},
+                             "kv_events": True, "kv_events_port": free_port(),
                              "kv_events_replay_port": free_port()})
 
 
