@@ -92,6 +92,7 @@ class KvppRuntime:
             "staging_slots": layout.staging_slots,
             "num_blocks": self.layout.num_blocks,
             "kv_bytes": self.layout.placement.total_bytes,
+            "transport": self.broadcaster.transport()[0],
             "pack_buffer_bytes": self.broadcaster.pack_buffer_bytes if isinstance(self.broadcaster, LayerBroadcaster) else 0,
             "broadcast": self.broadcaster.stats.as_dict(),
         }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -22,7 +22,7 @@ from deploy.services.processes import run_in_group
 from testbed.engine import EngineSettings, build_llm
 from testbed.kv_events import EventRecorder
 from testbed.script import Script
-from testbed.scripts import script_argv, script_env
+from testbed.scripts import ROOT, script_argv, script_env
 from testbed.staggered import Staggered
 
 RESULT_PREFIX = "RESULT "
@@ -34,16 +34,16 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def run_engine(job: Job, env: Mapping[str, str] | None = None, timeout: float = 900,
-               log: Path | None = None) -> dict:
+               log: Path | None = None, roots: Sequence[Path] = (ROOT,)) -> dict:
     """The result of one run of `job` (its output also in `log`, if given), or RuntimeError with the end of
     its output. Each worker gets one OpenMP core, the TP ranks of a stage different ones (PP stages take
-    turns); `env` adds to the environment."""
+    turns); `env` adds to the environment; `roots`: where the driver imports from (testbed.scripts.script_env)."""
     bind = "|".join(str(i % 2) for i in range(job.engine.workers))
     with tempfile.TemporaryDirectory(prefix="kvpp-engine-job-") as tmp:
         path = Path(tmp) / "job.json"
         path.write_bytes(msgspec.json.encode(job))
         proc = run_in_group(script_argv("engine_run", str(path)), timeout=timeout,
-                            env=script_env({"VLLM_CPU_OMP_THREADS_BIND": bind, **(env or {})}))
+                            env=script_env({"VLLM_CPU_OMP_THREADS_BIND": bind, **(env or {})}, roots))
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
     for line in proc.stdout.splitlines():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +18,9 @@ def script_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", f"testbed.{module}", *args]
 
 
-def script_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment and `env`, with the checkout root first on PYTHONPATH."""
+def script_env(env: Mapping[str, str] | None = None, roots: Sequence[Path] = (ROOT,)) -> dict[str, str]:
+    """This process's environment and `env`, with `roots` first on PYTHONPATH: this checkout, or (a benchmark of
+    the code before a change, bench/before.py) the trees to import from instead."""
     merged = {**os.environ, **(env or {})}
-    merged["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), merged.get("PYTHONPATH")) if p)
+    merged["PYTHONPATH"] = os.pathsep.join(p for p in (*map(str, roots), merged.get("PYTHONPATH")) if p)
     return merged

@@ -8,6 +8,11 @@ another test needs from an engine of this shape, without starting one more), and
 together and how many blocks they held). With `corrupt_above` N the load is served a second time while every
 worker zeroes each KV block numbered N or higher after every step: the negative control of a capacity test
 (answers that depended on blocks past N must change).
+
+Before the waves, `probe` prompts can be served twice, at once each time: on the fresh cache, then after `churn`
+(prompts decoding together, so that each one's blocks interleave with the others', then finishing in groups) has
+left the free blocks scattered and full of stale histories. Each pass reports its answers, its requests'
+block ids and every worker's KVPP counters over it: what a bytes test compares.
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
     load: list[list[int]] = []
     load_max_tokens: Tokens = 8
     corrupt_above: Count | None = None
+    probe: list[list[int]] = []
+    churn: list[list[int]] = []
+    churn_max_tokens: list[Tokens] = []
+    """One per churn prompt."""
+
+    def __post_init__(self) -> None:
+        if len(self.churn_max_tokens) != len(self.churn):
+            raise ValueError(f"churn_max_tokens: one per churn prompt, got {len(self.churn_max_tokens)} for "
+                             f"{len(self.churn)}")
+        if self.churn and not self.probe:
+            raise ValueError("churn: runs between the probe's passes, so it needs probe prompts")
 
     @property
     def block_zeroing(self) -> bool:
@@ -43,7 +59,16 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
 
     def serve(self, llm) -> dict:
         """{"outputs": {index: {"token_ids", "logprobs"}}, "workers": each worker's kvpp_stats, "step_seconds"
-        of the waves, "references": {name: {"tokens", "logprobs"}}, "load": {"clean", "corrupted"}}."""
+        of the waves, "references": {name: {"tokens", "logprobs"}}, "load": {"clean", "corrupted"},
+        "probe": {"fresh", "churned"}}."""
+        probe = {}
+        if self.probe:
+            probe["fresh"] = self._probe(llm)
+            churn = Stepper(llm)
+            for i, (ids, tokens) in enumerate(zip(self.churn, self.churn_max_tokens)):
+                churn.add(f"churn-{i}", ids, greedy(tokens))
+            churn.finish()
+            probe["churned"] = self._probe(llm)
         waves = Stepper(llm)
         params = greedy(self.max_tokens)
         for i in range(min(self.first_wave, len(self.prompts))):
@@ -67,10 +92,25 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
             if self.corrupt_above is not None:
                 load["corrupted"] = self._serve_load(llm, "corrupt-", self.corrupt_above)
         return {"outputs": outputs, "repeats": repeats, "workers": reports, "step_seconds": waves.step_seconds,
-                "references": references, "load": load,
+                "references": references, "load": load, "probe": probe,
                 "prefix_cache": {"hits": llm_metric(llm, "vllm:prefix_cache_hits"),
                                  "queries": llm_metric(llm, "vllm:prefix_cache_queries")},
                 "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+
+    def _probe(self, llm) -> dict:
+        """The probe prompts at once: answers, each request's block ids after its prefill, and each worker's
+        KVPP broadcast counters over the pass (empty with KVPP off)."""
+        before = llm.collective_rpc("kvpp_stats")
+        stepper = Stepper(llm)
+        for i, ids in enumerate(self.probe):
+            stepper.add(str(i), ids, greedy(self.max_tokens))
+        stepper.step()  # every probe prompt fits the first step: all are prefilled and hold their blocks
+        block_ids = {str(i): stepper.block_ids(str(i)) for i in range(len(self.probe))}
+        outputs = _outputs(stepper, stepper.finish())
+        after = llm.collective_rpc("kvpp_stats")
+        counters = [{key: value - b["broadcast"][key] for key, value in a["broadcast"].items()
+                     if isinstance(value, int)} if "broadcast" in a else {} for b, a in zip(before, after)]
+        return {"outputs": outputs, "block_ids": block_ids, "workers": counters, "step_seconds": stepper.step_seconds}
 
     def _alone(self, llm, name: str, ids: list[int]) -> dict:
         stepper = Stepper(llm)
@@ -121,6 +161,15 @@ def assert_same_outputs(ref: dict, got: dict, num_prompts: int, max_tokens: int,
         assert have["token_ids"] == want["token_ids"], f"request {req}"
         worst = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"]))
         assert worst <= logprob_tol, f"request {req}: logprobs differ by {worst}"
+
+
+def assert_bit_identical(ref: dict, got: dict) -> dict:
+    """Every logprob bit-identical (and so every token): the ranks' latents are bit-identical with KVPP off
+    (measured), and KVPP attends over those very bytes, copied (staging) or read in place (zero-copy), with the
+    engine core in process batching alike; so KVPP must change nothing at all."""
+    agreement = logprob_agreement(ref, got)
+    assert agreement["bit_identical"] == agreement["total"] > 0, agreement
+    return agreement
 
 
 def logprob_agreement(ref: dict, got: dict) -> dict:

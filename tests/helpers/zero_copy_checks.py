@@ -5,16 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from testbed.staggered import logprob_agreement
-
-
-def assert_bit_identical(off: dict, on: dict) -> dict:
-    """Every logprob bit-identical: a reader attends over the very bytes its owner wrote, and the ranks'
-    latents are bit-identical with KVPP off (measured), so zero-copy must change nothing at all."""
-    agreement = logprob_agreement(off, on)
-    assert agreement["bit_identical"] == agreement["total"] > 0, agreement
-    return agreement
-
 
 def assert_blocks_are_the_plans(on: dict, plan) -> None:
     """Every worker holds the blocks `kvpp plan --staging 0` gives it, its owned layers and no staging slot."""

