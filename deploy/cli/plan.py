@@ -10,7 +10,7 @@ from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
 from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
-from kvpp_core.modes import Mode, resolve as resolve_mode
+from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.setup import KvppSetup
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dict(plan.to_json(), model_mtp_layers=shipped_mtp, platform=platform and platform.name,
                               mode_reason=mode.reason, warnings=[str(p) for p in warnings]), indent=2))
     else:
-        print(format_plan(plan, shipped_mtp, mode))
+        print(format_plan(plan, shipped_mtp, mode, platform is None))
     if args.plot:
         plot_ratio_vs_tp(args.plot, model, topo, memory, block_size, mode.staging)
         if not args.json:
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode) -> str:
+def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode, platform_unknown: bool = False) -> str:
     m, t = plan.model, plan.topology
     indexer = f" + indexer {m.indexer_dim}" if m.indexer_dim else ""
     mtp_note = f"MTP layers served: {m.mtp_layers}"
@@ -136,6 +136,8 @@ def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode) -> str:
         f"{plan.staging} staging buffer(s) per rank",
         f"  memory    KV memory per rank: {memory}",
         f"  mode      {mode}",
+        *([f"            (--platform {VLLM_CPU.name} plans what an engine there runs naming no mode)"]
+          if platform_unknown and plan.staging and mode.reason != NAMED else []),
         f"            {plan.mode}",
         "",
     ]

@@ -137,7 +137,13 @@ def test_a_plan_that_names_no_mode_plans_the_mode_the_platform_runs(capsys):
     named = run_json(capsys, *tiny, "--attention-backend", "CPU_MLA", "--staging", "2")
     assert (named["staging"], named["mode_reason"]) == (2, "named by the launch's kvpp_staging_buffers")
     assert main(["plan", *tiny, "--attention-backend", "CPU_MLA"]) == 0
-    assert "  mode      zero-copy (kvpp_staging_buffers 0): the default where" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "  mode      zero-copy (kvpp_staging_buffers 0): the default where" in out
+    hint = "(--platform vllm-cpu plans what an engine there runs naming no mode)"
+    assert hint not in out
+    for platform_args, shown in (([], True), (["--platform", "vllm"], False), (["--staging", "2"], False)):
+        assert main(["plan", *tiny, "--block-size", "16", *platform_args]) == 0
+        assert (hint in capsys.readouterr().out) is shown, platform_args
 
 
 def test_a_cpu_kernel_on_another_platform_is_one_line(capsys):
