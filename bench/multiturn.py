@@ -29,11 +29,12 @@ Answers: in bf16 a token depends on which prefixes hit (a cached prefix is not r
 batch shape), and a served engine batches by arrival time, so answers are counted against KVPP off's of the
 same round, not asserted equal. `--equal-blocks-check` adds KVPP off with the budget scaled by the plan to
 zero-copy's blocks: whether its answers and hit rate equal zero-copy's says whether a difference is the
-capacity's or KVPP's.
+capacity's or KVPP's. `--before REF` adds `staging-before`: staging served from the code at REF (bench/before.py;
+bench/fragmented.py's BEFORE is the commit before issue 37's exactly-referenced blocks), the before of a change.
 
     .venv/bin/python -m bench.multiturn [--modes off,staging,zero-copy] [--rounds 3]
         [--conversations 16 --turns 8 --start-tokens 1024 --user-tokens 256 --answer-tokens 16] [--kv-mib 224]
-        [--equal-blocks-check] [--out bench/results/multiturn.json] [--png bench/results/multiturn.png]
+        [--equal-blocks-check] [--before c8d1b82] [--out bench/results/multiturn.json] [--png bench/results/multiturn.png]
 
 It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) while its engines run.
 """
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shlex
@@ -55,6 +57,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.anchor_table import MODES, engine_lock
+from bench.before import code_at
 from bench.serving import check_modes, client_session, latencies, mode_server, stream_one
 from bench.summary import host, interleaved, spread
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
@@ -64,9 +67,17 @@ from testbed.prompts import token_draws
 
 EQUAL_BLOCKS = "off-equal-blocks"
 """KVPP off given as many blocks as zero-copy (--equal-blocks-check)."""
+BEFORE_MODE = "staging-before"
+"""Staging served from the code at --before."""
+
 METRICS = ("hit_rate", "hit_rate_first_admission", "requests_per_s", "prompt_tokens_per_s", "ttft_p50_s",
            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "wall_s", "preemptions")
 PROGRESS_EVERY_S = 15.0
+
+
+def staging_of(mode: str) -> int | None:
+    """A mode's kvpp_staging_buffers (None: KVPP off)."""
+    return MODES["staging"] if mode == BEFORE_MODE else MODES.get(mode)
 
 
 @dataclass(frozen=True)
@@ -259,7 +270,8 @@ def plan_blocks(model: str, kv_bytes: int, modes: list[str]) -> tuple[dict[str, 
     spec = ModelSpec.from_hf_config(model).with_overrides(kv_dtype=AMX.dtype)
     plan = {staging: plan_capacity(spec, Topology(tp=2), kv_bytes, block_size=AMX.block_size, staging=staging)
             for staging in (2, 0)}
-    blocks = {mode: plan[2].blocks_off if MODES[mode] is None else plan[MODES[mode]].blocks_on for mode in modes}
+    blocks = {mode: plan[2].blocks_off if staging_of(mode) is None else plan[staging_of(mode)].blocks_on
+              for mode in modes}
     blocks[EQUAL_BLOCKS] = plan[0].blocks_on
     return blocks, plan[0].blocks_on * plan[0].stages[0].ranks[0].bytes_per_block_off
 
@@ -304,6 +316,8 @@ def main() -> None:
                     help=f"servers, KVPP off first ({', '.join(MODES)})")
     ap.add_argument("--equal-blocks-check", action="store_true",
                     help="also run KVPP off with zero-copy's blocks and compare it with zero-copy")
+    ap.add_argument("--before", default=None, metavar="REF",
+                    help=f"also serve staging from the code at REF ({BEFORE_MODE})")
     ap.add_argument("--out", default="bench/results/multiturn.json")
     ap.add_argument("--png", default="bench/results/multiturn.png")
     ap.add_argument("--note", default="", help="what the results file says about the host (e.g. shared)")
@@ -314,20 +328,23 @@ def main() -> None:
     if not host_has_amx():
         raise SystemExit("bench.multiturn runs on AMX_MLA: this host has no AMX tiles")
     work = workload(ap, args)
-    modes = args.modes + ([EQUAL_BLOCKS] if args.equal_blocks_check else [])
+    served = args.modes + ([BEFORE_MODE] if args.before else [])
+    modes = served + ([EQUAL_BLOCKS] if args.equal_blocks_check else [])
     kv_bytes = args.kv_mib << 20
 
-    with tempfile.TemporaryDirectory(prefix="kvpp-multiturn-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="kvpp-multiturn-") as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
+        before = stack.enter_context(code_at(args.before)) if args.before else None
         model, layers = workload_model(args, tmp)
         users = work.user_turns(token_draws(model, seed=7))
         warm_up = replace(work, count=1).user_turns(token_draws(model, seed=8))
-        plans, equal_bytes = plan_blocks(model, kv_bytes, args.modes)
+        plans, equal_bytes = plan_blocks(model, kv_bytes, served)
         budgets = {mode: equal_bytes if mode == EQUAL_BLOCKS else kv_bytes for mode in modes}
         # /reset_prefix_cache is a development endpoint; the cached tokens of each response need the details.
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
         engines = {mode: mode_server(f"multiturn-{mode}", model, tmp, budgets[mode], work.max_model_len,
-                                     MODES.get(mode), engine=AMX, extra_args=["--enable-prompt-tokens-details"],
-                                     env={"VLLM_SERVER_DEV_MODE": "1"})
+                                     staging_of(mode), engine=AMX, extra_args=["--enable-prompt-tokens-details"],
+                                     env={**env, "PYTHONPATH": str(before.tree)} if mode == BEFORE_MODE else env)
                    for mode in modes}
         runs, started = {}, []
         with engine_lock():
@@ -363,7 +380,8 @@ def main() -> None:
         "kernel": AMX.kernel.name,
         "setup": {"kernel": AMX.kernel.name, "dtype": AMX.dtype, "block_size": AMX.block_size,
                   "vllm_prefix_cache": True, "layers": layers, "tp": 2, "kv_mib_per_rank": args.kv_mib,
-                  "kv_bytes_per_rank": budgets, "modes": {mode: MODES.get(mode) for mode in modes},
+                  "kv_bytes_per_rank": budgets, "modes": {mode: staging_of(mode) for mode in modes},
+                  "before": None if before is None else {"ref": before.ref, "commit": before.commit},
                   "conversations": {**asdict(work), "max_model_len": work.max_model_len,
                                     "requests": work.count * work.turns, "history_blocks": need,
                                     "hit_rate_ceiling": work.hit_ceiling(AMX.block_size)},
