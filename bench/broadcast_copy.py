@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.ranks import run_ranks
 from bench.summary import spread
 from deploy.services.ports import free_port
 
@@ -68,15 +68,15 @@ def _rank(rank: int, port: int, transport: str, args: dict, staging: int, result
     shm = ShmGroup.negotiate(layers, layout, placement, None, list(range(WORLD)), torch.device("cpu"))
     backing = torch.ones(placement.total_bytes, dtype=torch.uint8)  # touched, like vLLM's zeroed buffer
     if shm is not None:
-        caches = shm.adopt({c.name: backing[slice(*_span(placement, c.name))] for c in layers})
+        caches = shm.adopt({c.name: backing[placement.span(c.name)] for c in layers})
         backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
         backing.fill_(1)
         bc = shm.broadcaster(backing, 60.0)
     else:
-        regions = {c.layer_id: [backing[slice(*_span(placement, c.name))]] for c in layers}
+        regions = {c.layer_id: [backing[placement.span(c.name)]] for c in layers}
         bc = LayerBroadcaster(layout, regions, blocks, None, list(range(WORLD)), 60.0)
     compute = torch.randn(args["matmul"], args["matmul"]) if args["compute"] else None
-    slots = [backing[slice(*_span(placement, c.name))] for c in layers if c.layer_id in layout.foreign]
+    slots = [backing[placement.span(c.name)] for c in layers if c.layer_id in layout.foreign]
     private = [torch.ones_like(dst) for dst in slots]
 
     def step() -> None:
@@ -124,26 +124,8 @@ def _rank(rank: int, port: int, transport: str, args: dict, staging: int, result
     dist.destroy_process_group()
 
 
-def _span(placement, name: str) -> tuple[int, int]:
-    offset, nbytes = placement.region(name)
-    return offset, offset + nbytes
-
-
 def _group_run(transport: str, args: dict, staging: int = 2) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, transport, args, staging, results)) for r in range(WORLD)]
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank: no OpenMP team beyond it
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        os.environ.pop("OMP_NUM_THREADS") if threads is None else os.environ.update(OMP_NUM_THREADS=threads)
-    out = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    out = run_ranks(_rank, WORLD, (free_port(), transport, args, staging), timeout=600)
     # Each layer reaches each receiver once.
     moved = args["layers"] * (WORLD - 1) * args["blocks"] * BLOCK_TOKENS * args["row_bytes"]
     step = max(o["step"] for o in out.values())

@@ -231,7 +231,7 @@ def _broadcast_rank(rank: int, port: int, device_name: str, layers: int, blocks:
         layout = rank_layout(range(layers), 2, rank)
         placement = place(caches, layout, blocks)
         backing = torch.zeros(placement.total_bytes, dtype=torch.uint8, device=device)
-        regions = {c.layer_id: [backing[slice(*_span(placement, c.name))]] for c in caches}
+        regions = {c.layer_id: [backing[placement.span(c.name)]] for c in caches}
         broadcaster = LayerBroadcaster(layout, regions, blocks, dist.group.WORLD, [0, 1], 120.0)
         for lid in layout.owned:
             regions[lid][0].copy_(_pattern(regions[lid][0].numel(), 100 + lid, device))
@@ -264,11 +264,6 @@ def _broadcast_rank(rank: int, port: int, device_name: str, layers: int, blocks:
         results.put((rank, {"error": traceback.format_exc(limit=3)}))
     finally:
         dist.destroy_process_group()
-
-
-def _span(placement, name: str) -> tuple[int, int]:
-    offset, nbytes = placement.region(name)
-    return offset, offset + nbytes
 
 
 def _two_processes(target, args: tuple, timeout: float) -> dict:

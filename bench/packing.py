@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from bench.ranks import run_ranks
 from bench.summary import host, spread
 
 BLOCK_TOKENS = 16
@@ -133,18 +133,14 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
     layout = rank_layout(range(WORLD), WORLD, rank, 2)  # owns layer `rank`, one staging slot for the other
     placement = place(layers, layout, n)
 
-    def span(name: str) -> slice:
-        offset, nbytes = placement.region(name)
-        return slice(offset, offset + nbytes)
-
     gloo_backing = torch.zeros(placement.total_bytes, dtype=torch.uint8)
-    gloo_pages = {c.layer_id: gloo_backing[span(c.name)].view(n, PAGE_BYTES) for c in layers}
+    gloo_pages = {c.layer_id: gloo_backing[placement.span(c.name)].view(n, PAGE_BYTES) for c in layers}
     shm = ShmGroup.negotiate(layers, layout, placement, None, list(range(WORLD)), torch.device("cpu"))
     staging = torch.zeros(placement.total_bytes, dtype=torch.uint8)
-    caches = shm.adopt({c.name: staging[span(c.name)] for c in layers})
+    caches = shm.adopt({c.name: staging[placement.span(c.name)] for c in layers})
     shm_backing = torch.empty(0, dtype=torch.uint8).set_(next(iter(caches.values())).untyped_storage())
-    shm_pages = {c.layer_id: shm_backing[span(c.name)].view(n, PAGE_BYTES) for c in layers}
-    owner_pages = {c.layer_id: shm.kv[c.layer_id][slice(*_region(shm.peer_placement(c.layer_id), c.name))].view(
+    shm_pages = {c.layer_id: shm_backing[placement.span(c.name)].view(n, PAGE_BYTES) for c in layers}
+    owner_pages = {c.layer_id: shm.kv[c.layer_id][shm.peer_placement(c.layer_id).span(c.name)].view(
         n, PAGE_BYTES) for c in layers}  # layer i is owned by rank i: its pages in rank i's segment
     mine, theirs = rank, 1 - rank
     for pages in (gloo_pages, shm_pages):
@@ -229,31 +225,12 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
     dist.destroy_process_group()
 
 
-def _region(placement, name: str) -> tuple[int, int]:
-    offset, nbytes = placement.region(name)
-    return offset, offset + nbytes
-
-
 def layer_part(history_tokens: int, steps: int, rounds: int) -> dict:
     from deploy.services.ports import free_port
 
     blocks = history_tokens // BLOCK_TOKENS
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     cfg = {"blocks": blocks, "steps": steps, "rounds": rounds}
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, cfg, results)) for r in range(WORLD)]
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        os.environ.pop("OMP_NUM_THREADS") if threads is None else os.environ.update(OMP_NUM_THREADS=threads)
-    out = dict(results.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    return _layer_figures(out, blocks)
+    return _layer_figures(run_ranks(_rank, WORLD, (free_port(), cfg), timeout=3600), blocks)
 
 
 def _layer_figures(out: dict, blocks: int) -> dict:

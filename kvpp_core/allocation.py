@@ -67,6 +67,11 @@ class Placement:
         """(offset, nbytes) of a cache's whole allocation for `num_blocks` blocks."""
         return self.offsets[name], self.page_bytes[name] * self.num_blocks
 
+    def span(self, name: str) -> slice:
+        """A cache's whole allocation as a slice of the rank's flat KV bytes."""
+        offset, nbytes = self.region(name)
+        return slice(offset, offset + nbytes)
+
 
 def place(layers: Sequence[CacheLayer], layout: RankLayout, num_blocks: int) -> Placement:
     """Persistent region first (owned bundles in layer order, then MTP), then the staging slots.

@@ -50,6 +50,7 @@ def test_bundle_of_main_and_indexer_cache_stays_together_in_one_slot():
     assert p.offsets[idx2] == p.offsets[main2] + PAGE * 4
     assert p.offsets["model.layers.3.self_attn.attn"] == 3 * bundle  # slot 1
     assert p.total_bytes == 4 * bundle
+    assert p.span(idx2) == slice(2 * bundle + PAGE * 4, 3 * bundle)  # its whole allocation, up to slot 1
 
 
 def test_group_of_one_has_no_staging_and_matches_the_replicated_layout():
