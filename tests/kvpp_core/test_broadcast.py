@@ -47,6 +47,7 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):  # noqa:
             return persistent[layer] if layer in persistent else slots[layout.slot_of(layer)]
 
         regions = {l: [bound(l)] for l in layout.target_layers}
+        dies, scenario = scenario.startswith("die"), scenario.removeprefix("die-")  # die-S: S, then a rank dies
         pack_bound = 2 * PAGE if scenario == "chunked" else NUM_BLOCKS * PAGE  # chunked: 2 blocks a collective
         bc = LayerBroadcaster(layout, regions, NUM_BLOCKS, None, list(range(world)), timeout=5.0, pack_bound=pack_bound)
         report = {"checked": 0, "owned": list(layout.owned)}
@@ -61,7 +62,7 @@ def _worker(rank, world, port, num_layers, staging, scenario, results):  # noqa:
             # Odd steps pass the block ids the way the engine does: asked for at the first broadcast.
             bc.begin_step(True, ids if step % 2 == 0 or ids is None else (lambda: ids))
             for l in layout.target_layers:
-                if scenario == "die" and step == 1 and rank == world - 1 and l == layout.target_layers[-1]:
+                if dies and step == 1 and rank == world - 1 and l == layout.target_layers[-1]:
                     os._exit(3)  # a rank vanishes mid-step, in the middle of a layer sequence
                 bc.before_layer(l)
                 # Let any prefetch of the next layer land, then check it did not clobber this one.
@@ -101,7 +102,7 @@ def _run(world, num_layers, staging=2, scenario="plain", timeout=120.0):
     for p in procs:
         p.start()
     out = {}
-    expected = world - 1 if scenario == "die" else world
+    expected = world - 1 if scenario.startswith("die") else world
     while len(out) < expected and time.monotonic() < deadline:
         try:
             rank, status, payload = results.get(timeout=1.0)
@@ -162,10 +163,12 @@ def test_a_step_referencing_half_the_layer_moves_it_whole():
         assert report["stats"]["whole_layers"] == 3 * foreign
 
 
-def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time():
+@pytest.mark.parametrize("scenario", ["die", "die-narrow", "die-chunked"])
+def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time(scenario):
     """Bounded: both survivors answer (within _run's liveness deadline), with the failed layer, where a wait
-    without a timeout would hang and answer nothing."""
-    out = _run(world=3, num_layers=6, scenario="die")
+    without a timeout would hang and answer nothing; whether the layers move whole, packed, or packed in chunks
+    (each waited for as it is issued)."""
+    out = _run(world=3, num_layers=6, scenario=scenario)
     assert sorted(out) == [0, 1], out
     for rank, (status, payload) in out.items():
         assert status == "broadcast_error", payload
