@@ -2,8 +2,10 @@
 
 `code_at(REF)` writes `git archive REF` of the packages an engine runs (kvpp_core, connectors, deploy) into a
 temporary tree. An offline engine run (testbed.engine_run.run_engine) imports them from there and testbed from
-this checkout (`Before.roots`: a tree holding only a link to this checkout's testbed, then the archived one), so
-the same typed job runs on either code; a served engine imports them from `Before.tree` (its PYTHONPATH).
+this checkout (`Before.roots`: a tree holding only a link to this checkout's testbed, then the archived one;
+`Before.env`), so the same typed job runs on either code; a served engine imports them from `Before.tree`
+(`Before.server_env`). Both leave the working directory off sys.path: `python -m`, started from this checkout,
+would put it first and import this checkout's packages instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from testbed.scripts import ROOT
 
 PACKAGES = ("kvpp_core", "connectors", "deploy")
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+"""Python 3.11+: no working directory (nor script directory) at the head of sys.path."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,16 @@ class Before:
     @property
     def roots(self) -> tuple[Path, Path]:
         return self.overlay, self.tree
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What an offline engine run adds to its environment (with `roots`)."""
+        return dict(SAFE_PATH)
+
+    @property
+    def server_env(self) -> dict[str, str]:
+        """What a served engine's environment needs to run the archived packages."""
+        return {"PYTHONPATH": str(self.tree), **SAFE_PATH}
 
 
 @contextlib.contextmanager

@@ -67,8 +67,8 @@ def run(model: str, mode: str, kernel: str, kv_bytes: int, job: Staggered, befor
     longest = max(len(p) for p in job.probe) + job.max_tokens + block
     settings = EngineSettings(model=model, kernel=kernel, tp=2, kv_bytes=kv_bytes, max_model_len=longest,
                               **MODES[mode])
-    roots = {"roots": before.roots} if mode == "staging-before" else {}
-    return run_engine(Job(settings, job), timeout=1800, **roots)
+    code = {"env": before.env, "roots": before.roots} if mode == "staging-before" else {}
+    return run_engine(Job(settings, job), timeout=1800, **code)
 
 
 def figures(result: dict) -> dict:

@@ -344,7 +344,7 @@ def main() -> None:
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         engines = {mode: mode_server(f"multiturn-{mode}", model, tmp, budgets[mode], work.max_model_len,
                                      staging_of(mode), engine=AMX, extra_args=["--enable-prompt-tokens-details"],
-                                     env={**env, "PYTHONPATH": str(before.tree)} if mode == BEFORE_MODE else env)
+                                     env={**env, **before.server_env} if mode == BEFORE_MODE else env)
                    for mode in modes}
         runs, started = {}, []
         with engine_lock():

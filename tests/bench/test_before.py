@@ -18,12 +18,19 @@ def test_a_driver_imports_the_packages_of_the_commit_and_this_checkouts_testbed(
                                capture_output=True, text=True, check=True).stdout.split()
     with code_at("HEAD") as before:
         assert sorted(str(p.relative_to(before.tree)) for p in before.tree.rglob("*") if p.is_file()) == sorted(committed)
-        probe = ("import kvpp_core, testbed; print(os.path.dirname(os.path.dirname(kvpp_core.__file__)), "
+        probe = ("import os, kvpp_core, testbed; print(os.path.dirname(os.path.dirname(kvpp_core.__file__)), "
                  "os.path.dirname(os.path.dirname(os.path.realpath(testbed.__file__))))")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, before.roots))}
-        out = subprocess.run([sys.executable, "-c", f"import os; {probe}"], capture_output=True, text=True, env=env,
-                             cwd=before.tree.parent, check=True).stdout.split()
+        # Started from this checkout, as the benches start their engines: `-m` would put it first on sys.path.
+        (before.overlay / "kvpp_probe.py").write_text(probe)
+        offline = {**os.environ, **before.env, "PYTHONPATH": os.pathsep.join(map(str, before.roots))}
+        out = subprocess.run([sys.executable, "-m", "kvpp_probe"], capture_output=True, text=True, env=offline,
+                             cwd=REPO, check=True).stdout.split()
         assert out == [str(before.tree), str(REPO.resolve())]
+        served = {**os.environ, **before.server_env}
+        probe = "import kvpp_core, os; print(os.path.dirname(os.path.dirname(kvpp_core.__file__)))"
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=served, cwd=REPO,
+                             check=True).stdout.split()
+        assert out == [str(before.tree)]
         tree = before.tree
     assert not tree.exists()
 
