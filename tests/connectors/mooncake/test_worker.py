@@ -290,3 +290,31 @@ def test_a_pull_from_a_stopped_prefill_is_given_up_and_reported_once_nothing_can
     expected = pages(2, 64, 4)
     assert all(torch.equal(target[layer_name(i)][:16], expected[i, :16]) for i in range(2))
     print(f"a pull from a stopped prefill was reported failed {reported:.2f} s after the stop")
+
+
+def test_a_prefill_silent_after_the_read_costs_one_stall_bound_for_its_lease_and_confirmation(start_worker,
+                                                                                               monkeypatch):
+    """The read landed, then the prefill fell silent: its lease grant and the confirmation asked instead share
+    one stall bound (the chaos probe once saw 7.2 s with a bound each and a confirmation round per worker)."""
+    decode = start_worker("decode", stall_timeout_s=2.0)
+    decode.register_kv_caches(caches(4))
+    asked: dict[str, float] = {}
+
+    def lease_end(claim, until):  # the prefill never grants: the wait runs out its deadline
+        time.sleep(max(until - time.monotonic(), 0))
+        asked["lease_until"] = until
+        return None
+
+    def notify(handle, ok, timeout_s=None):
+        asked["confirm_timeout"] = timeout_s
+        return None, ["no answer"]
+
+    moved = SimpleNamespace(nbytes=1, seconds=0.01, entries=1, retried=0, handshake_s=0.0)
+    monkeypatch.setattr(decode._puller, "claim", lambda handle: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(decode._puller, "read", lambda *args: moved)
+    monkeypatch.setattr(decode._puller, "lease_end", lease_end)
+    monkeypatch.setattr(decode._puller, "notify", notify)
+    spec = LoadSpec("d-1", handle(decode, "p-1", [1]), (1,), (1,), time.time())
+    pulled = decode._pull(spec, time.monotonic())
+    assert not pulled.ok  # unconfirmed: what was read is discarded, the prompt recomputed
+    assert asked["confirm_timeout"] == worker_module.MIN_CONFIRM_S  # the lease wait used the bound up
