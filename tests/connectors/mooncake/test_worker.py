@@ -295,7 +295,7 @@ def test_a_pull_from_a_stopped_prefill_is_given_up_and_reported_once_nothing_can
 def test_a_prefill_silent_after_the_read_costs_one_stall_bound_for_its_lease_and_confirmation(start_worker,
                                                                                                monkeypatch):
     """The read landed, then the prefill fell silent: its lease grant and the confirmation asked instead share
-    one stall bound (the chaos probe once saw 7.2 s with a bound each and a confirmation round per worker)."""
+    one stall bound (a bound each would cost a stalled prefill's request two)."""
     decode = start_worker("decode", stall_timeout_s=2.0)
     decode.register_kv_caches(caches(4))
     asked: dict[str, float] = {}
