@@ -484,12 +484,13 @@ def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
 
 @pytest.mark.unit
 def test_a_puller_s_bound_becomes_mooncake_s_progress_timeout_unless_one_is_set(fake_engine, monkeypatch):
-    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV as PROGRESS_ENV
+    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV as PROGRESS_ENV, SETTER_ENV
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     fake_engine(lambda i, polls: 1)
     MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
     assert os.environ[PROGRESS_ENV] == "2"  # whole seconds, rounded up
+    monkeypatch.delenv(SETTER_ENV)  # the operator's environment: a value no connector set
     monkeypatch.setenv(PROGRESS_ENV, "7")
     MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
     assert os.environ[PROGRESS_ENV] == "7"  # the operator's setting wins
