@@ -28,7 +28,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from deploy.services.event_stream import EventMetrics, EventStream
-from deploy.services.prefix_index import ROOT, PrefixIndex, block_key, iter_keys
+from deploy.services.prefix_index import ROOT, PrefixIndex, Prompt, block_key
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -174,32 +174,32 @@ class PrefixRouter:
         if len(self._first_blocks) > FIRST_BLOCKS:
             self._first_blocks.popitem(last=False)
 
-    def _matched(self, order: Sequence, tokens: list[int]) -> dict[str, int]:
-        """Per instance, how many leading full blocks of `tokens` it holds; keys stop at the first block no
+    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, int]:
+        """Per instance, how many leading full blocks of the prompt it holds; keys stop at the first block no
         instance of a block size holds."""
         matched = {b.url: 0 for b in order}
-        by_size: dict[int, list] = collections.defaultdict(list)
+        by_size: dict[int, list[tuple[str, PrefixIndex]]] = collections.defaultdict(list)
         for b in order:
-            size = self.streams[b.url].index.block_size
-            if size is not None:
-                by_size[size].append(b)
+            index = self.streams[b.url].index
+            if index.block_size is not None:
+                by_size[index.block_size].append((b.url, index))
         for size, holders in by_size.items():
-            for depth, key in enumerate(iter_keys(tokens, size), start=1):
-                holders = [b for b in holders if self.streams[b.url].index.holds(key)]
+            for depth, key in enumerate(prompt.keys(size), start=1):
+                holders = [h for h in holders if h[1].holds(key)]
                 if not holders:
                     break
-                for b in holders:
-                    matched[b.url] = depth
+                for held_by, _ in holders:
+                    matched[held_by] = depth
         return matched
 
-    def choose(self, order: list, tokens: list[int] | str, estimate: int) -> list[Leg]:
+    def choose(self, order: list, prompt: Prompt | str, estimate: int) -> list[Leg]:
         """`order` (the rotation's, healthy instances only) as legs, cheapest first: an instance's cost is its
-        queued prompt tokens plus what this prompt computes there. `tokens` may be a FALLBACKS reason instead,
+        queued prompt tokens plus what this prompt computes there. `prompt` may be a FALLBACKS reason instead,
         with `estimate` the prompt's guessed size."""
-        if isinstance(tokens, str):
+        if isinstance(prompt, str):
             n, matched = estimate, {b.url: 0 for b in order}
         else:
-            n, matched = len(tokens), self._matched(order, tokens)
+            n, matched = len(prompt), self._matched(order, prompt)
         legs = []
         for b in order:
             size = self.streams[b.url].index.block_size or 0
@@ -210,7 +210,7 @@ class PrefixRouter:
             self.hits.labels(best.backend.url).inc()
             self.hit_blocks.observe(held)
         else:
-            reason = tokens if isinstance(tokens, str) else "overloaded" if any(matched.values()) else "miss"
+            reason = prompt if isinstance(prompt, str) else "overloaded" if any(matched.values()) else "miss"
             self.fallbacks.labels(reason).inc()
         return [best, *(leg for leg in legs if leg is not best)]
 
@@ -237,7 +237,7 @@ class PrefixRouter:
             tokens = await prompt_tokens(session, order[0].url, ask, self.settings.tokenize_timeout)
             if not isinstance(tokens, str):
                 self.learned(ask, tokens, order)
-        return self.choose(order, tokens, estimated_tokens(body))
+        return self.choose(order, tokens if isinstance(tokens, str) else Prompt(tokens), estimated_tokens(body))
 
 
 async def prompt_tokens(session: aiohttp.ClientSession, url: str, ask: dict, timeout: float) -> list[int] | str:
