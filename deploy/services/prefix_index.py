@@ -116,11 +116,16 @@ class PrefixIndex:
     def holds(self, key: bytes) -> bool:
         return key in self._held
 
+    def key_of(self, name: Name) -> bytes | None:
+        """The key this index gave the block vLLM names `name`, if it indexed it."""
+        entry = self._entries.get(name)
+        return None if entry is None else entry[0]
+
     def matched_blocks(self, keys: Iterable[bytes]) -> int:
         """How many of a prompt's first blocks (their keys, in order) this instance holds."""
-        n = 0
+        held, n = self._held, 0
         for key in keys:
-            if key not in self._held:
+            if key not in held:
                 break
             n += 1
         return n
@@ -168,7 +173,7 @@ class PrefixIndex:
         pending = [(name, parent, key)]
         while pending:
             name, parent, key = pending.pop()
-            entry = (key, parent)
+            entry = key, parent
             old = entries.get(name)
             if old == entry:  # announced again (a full report): now the newest
                 if name in leaves:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -45,6 +47,9 @@ CHARS_PER_TOKEN = 4
 FINGERPRINT_CHARS_PER_TOKEN = 32
 """Leading prompt text that names its first block: this many characters per token of the largest block size, far
 more than any tokenizer puts into a token, so two prompts alike that far begin with the same first block."""
+KEY_BATCH = 8
+"""Block keys computed at once while matching a prompt (then as many as are known): fewer steps, at most twice the
+keys needed."""
 FIRST_BLOCKS = 1 << 16
 """Prompts whose first block the proxy remembers by their leading text (the least recently used forgotten)."""
 FULL_REPORT = {"kv_cache_report_mode": "full"}
@@ -98,8 +103,7 @@ def _fingerprint(ask: dict, chars: int) -> bytes:
     return hashlib.blake2b(f"{len(text) > chars}\0{rest}\0{text[:chars]}".encode(), digest_size=16).digest()
 
 
-@dataclass(frozen=True)
-class Leg:
+class Leg(NamedTuple):
     """A prefill to try for a request, and the prompt tokens it would compute there (what its leg adds to the
     instance's queue while in flight)."""
 
@@ -175,8 +179,8 @@ class PrefixRouter:
             self._first_blocks.popitem(last=False)
 
     def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, int]:
-        """Per instance, how many leading full blocks of the prompt it holds; keys stop at the first block no
-        instance of a block size holds."""
+        """Per instance, how many leading full blocks of the prompt it holds; keys are computed in growing batches,
+        only while some instance of a block size holds them all."""
         matched = {b.url: 0 for b in order}
         by_size: dict[int, list[tuple[str, PrefixIndex]]] = collections.defaultdict(list)
         for b in order:
@@ -184,12 +188,17 @@ class PrefixRouter:
             if index.block_size is not None:
                 by_size[index.block_size].append((b.url, index))
         for size, holders in by_size.items():
-            for depth, key in enumerate(prompt.keys(size), start=1):
-                holders = [h for h in holders if h[1].holds(key)]
-                if not holders:
-                    break
-                for held_by, _ in holders:
-                    matched[held_by] = depth
+            keys: list[bytes] = []
+            source = prompt.keys(size)
+            for url, index in holders:
+                held = index.matched_blocks(keys)
+                while held == len(keys):  # it holds every key known so far: more are needed, a batch at a time
+                    more = list(itertools.islice(source, max(KEY_BATCH, len(keys))))
+                    if not more:
+                        break
+                    keys += more
+                    held += index.matched_blocks(more)
+                matched[url] = held
         return matched
 
     def choose(self, order: list, prompt: Prompt | str, estimate: int) -> list[Leg]:
@@ -200,10 +209,9 @@ class PrefixRouter:
             n, matched = estimate, {b.url: 0 for b in order}
         else:
             n, matched = len(prompt), self._matched(order, prompt)
-        legs = []
-        for b in order:
-            size = self.streams[b.url].index.block_size or 0
-            legs.append(Leg(b, n - min(matched[b.url] * size, max(n - 1, 0))))
+        most = max(n - 1, 0)  # the last prompt token is always computed
+        streams = self.streams
+        legs = [Leg(b, n - min(matched[b.url] * (streams[b.url].index.block_size or 0), most)) for b in order]
         best = min(legs, key=lambda leg: leg.backend.queued_tokens + leg.tokens)  # ties: the rotation's turn
         held = matched[best.backend.url]
         if held:
