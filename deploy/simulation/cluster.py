@@ -40,7 +40,7 @@ class Result:
     hit_tokens: int = 0
     """Of those, found cached (vLLM's prefix-cache hits)."""
     computed_tokens: int = 0
-    """Prompt (and, after a preemption, output) tokens the engines computed."""
+    """Tokens the engines computed in prefill (a preempted request's output too, when it is computed again)."""
     prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
@@ -50,6 +50,8 @@ class Result:
     makespan_s: float = 0.0
     busy_s: list[float] = field(default_factory=list)
     engine_queries: list[int] = field(default_factory=list)
+    engine_hits: list[int] = field(default_factory=list)
+    engine_steps: list[int] = field(default_factory=list)
     ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
     tpot_s: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
     """Per answer of two tokens or more: the mean time between its tokens."""
@@ -75,6 +77,7 @@ class Result:
             **{f"{name}_p{q}_s": float(np.percentile(values, q)) if len(values) else float("nan")
                for name, values in (("ttft", ttft), ("tpot", self.tpot_s.astype(np.float64))) for q in (50, 99)},
             "engine_busy": [b / span for b in self.busy_s], "engine_query_tokens": self.engine_queries,
+            "engine_hit_tokens": self.engine_hits, "engine_steps": self.engine_steps,
             "host_s": self.host_s,
         }
 
@@ -178,7 +181,8 @@ class Simulation:
     """`engines` engines of `config`, in KVPP `mode` (for its costs), behind `policy`."""
 
     def __init__(self, config: EngineConfig, engines: int, policy: str, costs: CostModel, mode: str,
-                 read_ahead: int = 1 << 16, progress: str | None = None, total: int | None = None, seed: int = 0):
+                 read_ahead: int = 1 << 16, progress: str | None = None, total: int | None = None, seed: int = 0,
+                 log: list[dict] | None = None):
         if engines < 1:
             raise ValueError(f"needs at least one engine, got {engines}")
         if read_ahead < 1:
@@ -190,6 +194,8 @@ class Simulation:
         self.read_ahead, self.progress, self.total = read_ahead, progress, total
         self._flight: dict[int, _InFlight] = {}
         self._rng = np.random.default_rng(seed)
+        self._log = log
+        """Where each answered request's story goes, if anywhere (its line, engine, times and hits)."""
         self._last_answer = 0.0
         self._ttft: list[float] = []
         self._tpot: list[float] = []
@@ -217,8 +223,11 @@ class Simulation:
         result.makespan_s = max(float(state.ef[:, E.F_CLOCK].max()), self._last_answer)
         result.busy_s = state.ef[:, E.F_BUSY].tolist()
         result.engine_queries = state.es[:, E.E_QUERY_TOKENS].tolist()
+        result.engine_hits = state.es[:, E.E_HIT_TOKENS].tolist()
+        result.engine_steps = state.es[:, E.E_STEPS].tolist()
         result.preemptions = int(state.es[:, E.E_PREEMPTIONS].sum())
         result.evictions = int(state.es[:, E.E_EVICTIONS].sum())
+        result.computed_tokens = int(state.es[:, E.E_PREFILL_TOKENS].sum())
         result.ttft_s = np.array(self._ttft, np.float32)
         result.tpot_s = np.array(self._tpot, np.float32)
         result.host_s = time.perf_counter() - started
@@ -272,6 +281,11 @@ class Simulation:
                 else:
                     answer, first = t, float(state.rf[x, E.T_FIRST])
                 self._last_answer = max(self._last_answer, answer)
+                if self._log is not None:
+                    self._log.append({"index": r.index, "conversation": r.conversation, "engine": e,
+                                      "arrival_s": float(state.rf[x, E.T_ARRIVAL]), "first_token_s": first,
+                                      "answer_s": answer, "hit_tokens": int(state.rq[x, E.R_FIRST_HITS]),
+                                      "leg_tokens": flight.leg_tokens})
                 self._ttft.append(first - float(state.rf[x, E.T_ARRIVAL]))
                 if r.output > 1:
                     self._tpot.append((answer - first) / (r.output - 1))
@@ -279,8 +293,6 @@ class Simulation:
                 result.query_tokens += int(state.rq[x, E.R_QUERY])
                 result.hit_tokens += int(state.rq[x, E.R_FIRST_HITS])
                 arrivals.answered(r.conversation, answer)
-            elif kind == E.EV_ADMITTED:
-                result.computed_tokens += b
             elif kind == E.EV_RELEASED:
                 state.release(x)
                 del self._flight[x]

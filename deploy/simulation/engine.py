@@ -43,22 +43,22 @@ B_REF, B_PREV, B_NEXT, B_HASH, B_HASHED, B_DNEXT, B_DPREV = range(7)
 B_COLS = 7
 # es[e, ...]: an engine's integers
 (E_NFREE, E_QHEAD, E_QTAIL, E_NRUN, E_WHEAD, E_WLEN, E_NSCHED, E_IN_STEP, E_NHELD, E_STEPS, E_PREFILL_TOKENS,
- E_PREEMPTIONS, E_NBLOCKS, E_QUERY_TOKENS, E_HIT_TOKENS, E_EVICTIONS) = range(16)
-E_COLS = 16
+ E_PREEMPTIONS, E_QUERY_TOKENS, E_HIT_TOKENS, E_EVICTIONS) = range(15)
+E_COLS = 15
 # ef[e, ...]: an engine's times
 F_CLOCK, F_STEP_END, F_BUSY = range(3)
 F_COLS = 3
 # rq[r, ...]: a request's integers
-(R_ENGINE, R_STATUS, R_PROMPT, R_MAXOUT, R_NTOK, R_NCOMP, R_OFF, R_CAP, R_NBLK, R_NCACHED, R_HITS, R_PREEMPTS,
- R_SCHED, R_FIRST_HITS, R_QUERY) = range(15)
-R_COLS = 15
+(R_STATUS, R_PROMPT, R_MAXOUT, R_NTOK, R_NCOMP, R_OFF, R_CAP, R_NBLK, R_NCACHED, R_PREEMPTS, R_SCHED,
+ R_FIRST_HITS, R_QUERY) = range(13)
+R_COLS = 13
 # rf[r, ...]: a request's times
-T_ARRIVAL, T_FIRST, T_FINISH, T_FREE_AT, T_PULL = range(5)
-T_COLS = 5
+T_ARRIVAL, T_FIRST, T_FREE_AT, T_PULL = range(4)
+T_COLS = 4
 """T_PULL: how long a P/D prefill keeps its blocks after it finished (its decode's read), set by the driver."""
 # cfg[...]: the engines' settings (the same for every engine of a run)
-(C_NBLOCKS, C_BLOCK, C_BUDGET, C_MAX_SEQS, C_MAX_LEN, C_HELD, C_TMASK, C_TBITS, C_WCAP, C_CACHE_EVENTS) = range(10)
-C_COLS = 10
+(C_BLOCK, C_BUDGET, C_MAX_SEQS, C_MAX_LEN, C_HELD, C_TMASK, C_TBITS, C_WCAP, C_CACHE_EVENTS) = range(9)
+C_COLS = 9
 """C_CACHE_EVENTS: whether EV_STORED and EV_REMOVED are emitted (a router that reads them is listening)."""
 # coef[...]: the cost model (seconds)
 K_STEP, K_PREFILL_TOKEN, K_DECODE_SEQ, K_ATTENTION = range(4)
@@ -67,12 +67,11 @@ K_COLS = 4
 # request statuses
 S_FREE, S_WAITING, S_RUNNING, S_PREEMPTED, S_HELD, S_DONE = range(6)
 # events: ev[i] = (kind, engine, request or hash, a, b), evt[i] = time
-EV_STORED, EV_REMOVED, EV_ADMITTED, EV_FIRST_TOKEN, EV_FINISHED, EV_RELEASED, EV_PREEMPTED = range(7)
+EV_STORED, EV_REMOVED, EV_FINISHED, EV_RELEASED = range(4)
 EV_COLS = 5
 """EV_STORED (request, first block, count): blocks cached in one step, as one BlockStored; EV_REMOVED (hash): a
-cached block evicted; EV_ADMITTED (request, hit tokens, tokens to compute); EV_FIRST_TOKEN (request);
-EV_FINISHED (request): its answer is complete (a P/D prefill: its one token); EV_RELEASED (request): its blocks
-and its slot in the pool are free (the driver may reuse them); EV_PREEMPTED (request)."""
+cached block evicted; EV_FINISHED (request): its answer is complete (a P/D prefill's: its one token);
+EV_RELEASED (request): its blocks and its slot in the pool are free (the driver may reuse them)."""
 
 # what `advance` stopped on
 STOP_TIME, STOP_FOLLOW, STOP_EVENTS, STOP_WAIT_FULL = range(4)
@@ -299,7 +298,6 @@ def enqueue(wait, es, ef, rq, rf, e, r, t, cfg):
     if es[e, E_WLEN] + 1 + cfg[C_MAX_SEQS] > cfg[C_WCAP]:
         return False
     _wait_push(wait, es, e, r, cfg, False)
-    rq[r, R_ENGINE] = e
     rq[r, R_STATUS] = S_WAITING
     rf[r, T_ARRIVAL] = t
     if es[e, E_IN_STEP] == 0 and es[e, E_NRUN] == 0 and es[e, E_WLEN] == 1:
@@ -316,7 +314,6 @@ def _preempt(blocks, es, wait, e, v, rq, pool, cfg, ev, evt, n_ev, t):
     rq[v, R_PREEMPTS] += 1
     es[e, E_PREEMPTIONS] += 1
     _wait_push(wait, es, e, v, cfg, True)  # enqueue kept room for every running request
-    _emit(ev, evt, n_ev, EV_PREEMPTED, e, v, 0, 0, t)
 
 
 @numba.njit(cache=True)
@@ -401,8 +398,6 @@ def _schedule(blocks, table, es, ef, run, sched, wait, rq, rf, pool, cfg, coef, 
             rq[r, R_QUERY] = ntok
             es[e, E_QUERY_TOKENS] += ntok
             es[e, E_HIT_TOKENS] += computed
-        rq[r, R_HITS] = computed
-        _emit(ev, evt, n_ev, EV_ADMITTED, e, r, computed, ntok - computed, t)
         es[e, E_WHEAD] = (es[e, E_WHEAD] + 1) % cfg[C_WCAP]
         es[e, E_WLEN] -= 1
         run[e, es[e, E_NRUN]] = r
@@ -474,10 +469,8 @@ def _complete(blocks, es, ef, run, sched, held, rq, rf, pool, cfg, coef, ev, evt
         out = rq[r, R_NTOK] - rq[r, R_PROMPT]
         if out == 1 and rf[r, T_FIRST] < 0:
             rf[r, T_FIRST] = t
-            _emit(ev, evt, n_ev, EV_FIRST_TOKEN, e, r, 0, 0, t)
         if out >= rq[r, R_MAXOUT] or rq[r, R_NTOK] >= cfg[C_MAX_LEN]:
             finished += 1
-            rf[r, T_FINISH] = t
             _emit(ev, evt, n_ev, EV_FINISHED, e, r, 0, 0, t)
             # out of the running list, the others keep their order
             k = 0

@@ -5,7 +5,8 @@ Round-robin is the proxy's `Rotation`; the cache-aware policy is its `PrefixRout
 as they happen, and whose load is the prompt tokens of the prefill legs in flight, counted as the proxy counts
 them. The simulated blocks carry hashes, not text, so each block reaches the router as `block_size` stand-in
 token ids (its hash, then zeros): two blocks get the same router key exactly when they are the same block, which
-is all the router's choice depends on.
+is all the router's choice depends on. A prompt's keys are those its blocks got in the indexes; past the first
+block no index holds, no instance can match, so the router is given a key none holds there and no further.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from deploy.services.kv_events import BlockRemoved, BlockStored
-from deploy.services.prefix_index import ROOT, Prompt, block_key
+from deploy.services.prefix_index import Prompt
 from deploy.services.proxy import Rotation
 from deploy.services.routing import PrefixRouter, PrefixRouting
 
 POLICIES = ("round-robin", "cache-aware")
 MEDIUM = "GPU"
 """What vLLM names an instance's own cache in its events."""
-MAX_KEYS = 1 << 20
-"""Router keys remembered by block hash (a turn's prompt repeats its conversation's earlier blocks); past it the
-memory starts over."""
+UNHELD = b""
+"""A key no index holds (their keys are 16-byte digests)."""
 
 
 def url(engine: int) -> str:
@@ -34,7 +34,7 @@ def url(engine: int) -> str:
 
 
 class _SimPrompt(Prompt):
-    """A simulated prompt: its length and its blocks' hashes; its router keys come from the policy's memory."""
+    """A simulated prompt: its length and its blocks' hashes; its router keys come from the indexes."""
 
     def __init__(self, length: int, hashes: np.ndarray, policy: CacheAware):
         self.length, self.hashes, self.policy = length, hashes, policy
@@ -80,29 +80,33 @@ class CacheAware(RoundRobin):
         self.router = PrefixRouter(self.backends, PrefixRouting(tuple(f"sim://{i}" for i in range(engines))),
                                    CollectorRegistry())
         self._indexes = [self.router.streams[b.url].index for b in self.backends]
-        self._zeros = [0] * (block_size - 1)
-        self._keys: dict[int, bytes] = {}
+        self._zero_block = np.zeros(block_size, np.int64)
 
     def choose(self, prompt: int, hashes: np.ndarray) -> tuple[int, int]:
         leg = self.router.choose(self.rotation.order(), _SimPrompt(prompt, hashes, self), prompt)[0]
         return self._index[leg.backend.url], leg.tokens
 
     def keys(self, hashes: np.ndarray) -> Iterator[bytes]:
-        """The router keys of a chain of blocks, first to last, as far as asked."""
-        memory = self._keys
-        parent = ROOT
+        """The router keys of a chain of blocks, first to last, as the indexes gave them, up to the first block no
+        index holds, which gets UNHELD."""
+        indexes, last = self._indexes, self._indexes[0]
         for h in hashes.tolist():
-            key = memory.get(h)
+            name = (MEDIUM, h)
+            key = last.key_of(name)
             if key is None:
-                if len(memory) >= MAX_KEYS:
-                    memory.clear()
-                key = memory[h] = block_key(parent, [h, *self._zeros])
-            parent = key
+                for index in indexes:
+                    key = index.key_of(name)
+                    if key is not None:
+                        last = index
+                        break
+                else:
+                    yield UNHELD
+                    return
             yield key
 
     def stored(self, engine: int, hashes: np.ndarray, parent: int | None) -> None:
-        tokens = np.zeros((len(hashes), self.block_size), np.int64)
-        tokens[:, 0] = hashes
+        tokens = np.tile(self._zero_block, len(hashes))
+        tokens[::self.block_size] = hashes
         self._indexes[engine].store(BlockStored(block_hashes=hashes.tolist(), parent_block_hash=parent,
                                                 token_ids=array("q", tokens.tobytes()), block_size=self.block_size,
                                                 medium=MEDIUM))
@@ -117,4 +121,3 @@ def policy(name: str, engines: int, block_size: int) -> RoundRobin:
     if name == "cache-aware":
         return CacheAware(engines, block_size)
     raise ValueError(f"unknown policy {name!r}; use {' or '.join(POLICIES)}")
-

@@ -55,9 +55,9 @@ class EngineState:
         n = config.num_blocks
         bits = max(4, int(2 * n - 1).bit_length() + 1)
         self.cfg = np.zeros(E.C_COLS, np.int64)
-        self.cfg[[E.C_NBLOCKS, E.C_BLOCK, E.C_BUDGET, E.C_MAX_SEQS, E.C_MAX_LEN, E.C_HELD, E.C_TMASK, E.C_TBITS,
+        self.cfg[[E.C_BLOCK, E.C_BUDGET, E.C_MAX_SEQS, E.C_MAX_LEN, E.C_HELD, E.C_TMASK, E.C_TBITS,
                   E.C_CACHE_EVENTS]] = (
-            n, config.block_size, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
+            config.block_size, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
             int(config.held), (1 << bits) - 1, bits, int(config.cache_events))
         self.coef = np.asarray(coef, np.float64)
         if self.coef.shape != (E.K_COLS,):
@@ -76,13 +76,14 @@ class EngineState:
         self.blocks[:, 1:-1, E.B_NEXT] = ids[2:]
         self.blocks[:, n - 1, E.B_NEXT] = -1
         self.es[:, E.E_QHEAD], self.es[:, E.E_QTAIL], self.es[:, E.E_NFREE] = (1 if n > 1 else -1), n - 1, n - 1
-        self.es[:, E.E_NBLOCKS] = n
         seqs = config.max_num_seqs
         self.run = np.full((count, seqs), -1, np.int64)
         self.sched = np.full((count, seqs), -1, np.int64)
         self.held = np.full((count, n), -1, np.int64)  # each held request holds a block at least
         self._set_wait_cap(2 * seqs + 64)
         self.wait = np.full((count, 2 * seqs + 64), -1, np.int64)
+        self._template = np.zeros(E.R_COLS, np.int64)
+        self._template[E.R_FIRST_HITS] = -1
         self.rq = np.zeros((0, E.R_COLS), np.int64)
         self.rf = np.zeros((0, E.T_COLS), np.float64)
         self._free_rows: list[int] = []
@@ -115,10 +116,12 @@ class EngineState:
         offset = self._alloc(slab)
         self.pool[offset:offset + len(hashes)] = hashes
         row = self._free_rows.pop() if self._free_rows else self._grow_rows()
-        self.rq[row] = 0
-        self.rq[row, [E.R_PROMPT, E.R_MAXOUT, E.R_NTOK, E.R_OFF, E.R_CAP, E.R_HITS, E.R_FIRST_HITS]] = (
-            prompt, max_out, prompt, offset, slab // 2, -1, -1)
-        self.rq[row, E.R_ENGINE] = -1
+        rq = self.rq
+        rq[row] = self._template
+        rq[row, E.R_PROMPT] = rq[row, E.R_NTOK] = prompt
+        rq[row, E.R_MAXOUT] = max_out
+        rq[row, E.R_OFF] = offset
+        rq[row, E.R_CAP] = slab // 2
         self.rf[row] = -1.0
         return row
 

@@ -22,16 +22,20 @@ ONE_SECOND_STEPS = np.array([1.0, 0.0, 0.0, 0.0])
 """A step lasts 1 s whatever it computes: simulated time counts steps."""
 
 
-def _trace(seed: int, n: int, bs: int, out_blocks: int, held: bool):
+def _trace(seed: int, n: int, bs: int, out_blocks: int, held: bool, whole: float = 0.0):
     """n requests (arrival step, prompt, output tokens): most prompts start with part of one of four shared
-    prefixes; the vocabulary is small, so whole blocks repeat only through the prefixes."""
+    prefixes; the vocabulary is small, so whole blocks repeat only through the prefixes. A share `whole` of the
+    prompts are a prefix's first full blocks and nothing else."""
     rng = random.Random(seed)
     families = [[rng.randrange(50) for _ in range(rng.randrange(bs, 6 * bs))] for _ in range(4)]
     trace, step = [], 0
     for _ in range(n):
         step += rng.choice((0, 0, 1, 1, 2, 5))
         prompt = list(rng.choice(families)) if rng.random() < 0.8 else []
-        prompt = prompt[:rng.randrange(len(prompt) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(1, 3 * bs))]
+        if whole and prompt and rng.random() < whole:
+            prompt = prompt[:bs * rng.randrange(1, len(prompt) // bs + 1)]
+        else:
+            prompt = prompt[:rng.randrange(len(prompt) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(1, 3 * bs))]
         output = [rng.randrange(50) for _ in range(1 if held else rng.randrange(1, out_blocks * bs))]
         trace.append((step, prompt, output, rng.randrange(0, 4)))
     return trace
@@ -62,6 +66,10 @@ CASES = {
     "colocated-preempting": dict(seed=0, n=40, bs=16, num_blocks=30, budget=64, seqs=8, max_len=256, out_blocks=8),
     "colocated-seq-bound": dict(seed=1, n=40, bs=16, num_blocks=48, budget=48, seqs=3, max_len=256, out_blocks=4),
     "colocated-block-32": dict(seed=2, n=30, bs=32, num_blocks=20, budget=96, seqs=6, max_len=288, out_blocks=3),
+    # prompts of whole cached blocks: the last one is computed again (the last prompt token always is) into a
+    # new block cached under the same hash beside the old one (vLLM does not de-duplicate), evicted one at a time
+    "colocated-duplicates": dict(seed=4, n=40, bs=16, num_blocks=40, budget=64, seqs=8, max_len=256, out_blocks=2,
+                                 whole=0.5),
     # P/D prefills: one token each, blocks held until the decode's read (a few steps), no preemption meanwhile
     "pd-prefill-held": dict(seed=3, n=50, bs=16, num_blocks=24, budget=64, seqs=8, max_len=256, out_blocks=1),
 }
@@ -71,7 +79,7 @@ CASES = {
 def test_the_simulator_is_vllm_step_by_step(tiny_model, free_port, case):
     c = CASES[case]
     held = case.startswith("pd")
-    bs, trace = c["bs"], _trace(c["seed"], c["n"], c["bs"], c["out_blocks"], held)
+    bs, trace = c["bs"], _trace(c["seed"], c["n"], c["bs"], c["out_blocks"], held, whole=c.get("whole", 0.0))
     sched = _vllm_scheduler(tiny_model, held, free_port, bs, c["num_blocks"], c["budget"], c["seqs"], c["max_len"])
     state = EngineState(EngineConfig(c["num_blocks"], bs, c["budget"], c["seqs"], c["max_len"], held), 1,
                         ONE_SECOND_STEPS)
@@ -79,6 +87,7 @@ def test_the_simulator_is_vllm_step_by_step(tiny_model, free_port, case):
     for i, (step, *_rest) in enumerate(trace):
         arrivals.setdefault(step, []).append(i)
     rows, outputs, finished_at, vllm_hits, taken = {}, {}, {}, {}, set()
+    duplicates = 0
     released = step = 0
     while released < len(trace):
         assert step < 5000, "the trace never finished"
@@ -111,12 +120,16 @@ def test_the_simulator_is_vllm_step_by_step(tiny_model, free_port, case):
         released += int((ev[:, 0] == E.EV_RELEASED).sum())
         state.clear_events()
         _same_state(sched, state, rows, step)
+        duplicates += sum(isinstance(v, dict) and len(v) > 1
+                          for v in sched.kv_cache_manager.block_pool.cached_block_hash_to_block._cache.values())
         step += 1
     assert vllm_hits == {rid: int(state.rq[row, E.R_FIRST_HITS]) for rid, row in rows.items()}
     hits = sum(vllm_hits.values())
     assert hits > 0 and state.es[0, E.E_EVICTIONS] > 0, "the trace must hit the cache and evict"
     if case == "colocated-preempting":
         assert state.es[0, E.E_PREEMPTIONS] > 0, "the trace must preempt"
+    if case == "colocated-duplicates":
+        assert duplicates > 0, "the trace must cache one hash in two blocks"
 
 
 def _same_state(sched, state: EngineState, rows: dict[str, int], step: int) -> None:
