@@ -66,6 +66,16 @@ class Prompt:
         return iter_keys(self.tokens, block_size)
 
 
+def _drop_one(counts: dict, key) -> bool:
+    """One fewer `key` in `counts`; True when none is left (the key then gone)."""
+    count = counts[key] - 1
+    if count > 0:
+        counts[key] = count
+        return False
+    del counts[key]
+    return True
+
+
 @dataclass(frozen=True)
 class _Orphan:
     parent: Name
@@ -205,24 +215,13 @@ class PrefixIndex:
             return
         key, parent = entry
         self._leaves.pop(name, None)
-        held = self._held
-        count = held[key] - 1
-        if count > 0:
-            held[key] = count
-        else:
-            del held[key]
+        _drop_one(self._held, key)
         if parent is None:
             self._firsts -= 1
             return
-        children = self._children
-        count = children[parent] - 1
-        if count > 0:
-            children[parent] = count
-        else:
-            del children[parent]
-            if parent in self._entries:
-                self._leaves[parent] = None
-                self._leaves.move_to_end(parent, last=False)
+        if _drop_one(self._children, parent) and parent in self._entries:
+            self._leaves[parent] = None
+            self._leaves.move_to_end(parent, last=False)
 
     def _trim(self) -> None:
         """Forget the least recent leaves until the index fits (with none, only a parent chain that loops, which

@@ -25,8 +25,8 @@ compares every request's hits, its preemptions and the block ids it holds, step 
 Time: each engine steps on its own clock; a step's duration comes from the cost model (deploy/simulation/costs.py
 holds its coefficients), and requests that arrive while a step runs are scheduled at the next. `advance` runs
 every engine's steps in time order up to a moment and reports what happened as events, which the driver
-(deploy/simulation/cluster.py) applies in order: a request's first token, its end, its blocks stored in and
-removed from the prefix cache.
+(deploy/simulation/cluster.py) applies in order: blocks stored in and removed from the prefix cache, a request's
+end and the release of its blocks.
 
 The state is plain numpy arrays (deploy/simulation/state.py allocates them) so that one compiled loop serves both
 the exactness tests and traces of millions of requests.
