@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,10 +126,15 @@ class PrefixIndex:
     def holds(self, key: bytes) -> bool:
         return key in self._held
 
-    def key_of(self, name: Name) -> bytes | None:
-        """The key this index gave the block vLLM names `name`, if it indexed it."""
-        entry = self._entries.get(name)
-        return None if entry is None else entry[0]
+    def keys_of(self, names: Sequence[Name], start: int = 0) -> list[bytes]:
+        """The keys this index gave the blocks vLLM names `names[start:]`, up to the first it did not index."""
+        entries, keys = self._entries, []
+        for name in names[start:]:
+            entry = entries.get(name)
+            if entry is None:
+                break
+            keys.append(entry[0])
+        return keys
 
     def matched_blocks(self, keys: Iterable[bytes]) -> int:
         """How many of a prompt's first blocks (their keys, in order) this instance holds."""

@@ -45,7 +45,7 @@ class _SimPrompt(Prompt):
     def keys(self, block_size: int) -> Iterator[bytes]:
         if block_size != self.policy.block_size:
             raise ValueError(f"an index of {block_size}-token blocks in a simulation of {self.policy.block_size}")
-        return self.policy.keys(self.hashes[:self.length // block_size])
+        return iter(self.policy.keys(self.hashes[:self.length // block_size]))
 
 
 class RoundRobin:
@@ -80,32 +80,25 @@ class CacheAware(RoundRobin):
         self.router = PrefixRouter(self.backends, PrefixRouting(tuple(f"sim://{i}" for i in range(engines))),
                                    CollectorRegistry())
         self._indexes = [self.router.streams[b.url].index for b in self.backends]
-        self._zero_block = np.zeros(block_size, np.int64)
 
     def choose(self, prompt: int, hashes: np.ndarray) -> tuple[int, int]:
         leg = self.router.choose(self.rotation.order(), _SimPrompt(prompt, hashes, self), prompt)[0]
         return self._index[leg.backend.url], leg.tokens
 
-    def keys(self, hashes: np.ndarray) -> Iterator[bytes]:
+    def keys(self, hashes: np.ndarray) -> list[bytes]:
         """The router keys of a chain of blocks, first to last, as the indexes gave them, up to the first block no
-        index holds, which gets UNHELD."""
-        indexes, last = self._indexes, self._indexes[0]
-        for h in hashes.tolist():
-            name = (MEDIUM, h)
-            key = last.key_of(name)
-            if key is None:
-                for index in indexes:
-                    key = index.key_of(name)
-                    if key is not None:
-                        last = index
-                        break
-                else:
-                    yield UNHELD
-                    return
-            yield key
+        index holds, which gets UNHELD. The indexes give a block the same key, so one pass over them extends the
+        chain as far as the longest run any of them holds."""
+        names = [(MEDIUM, h) for h in hashes.tolist()]
+        keys: list[bytes] = []
+        for index in self._indexes:
+            keys += index.keys_of(names, len(keys))
+            if len(keys) == len(names):
+                return keys
+        return keys + [UNHELD]
 
     def stored(self, engine: int, hashes: np.ndarray, parent: int | None) -> None:
-        tokens = np.tile(self._zero_block, len(hashes))
+        tokens = np.zeros(len(hashes) * self.block_size, np.int64)
         tokens[::self.block_size] = hashes
         self._indexes[engine].store(BlockStored(block_hashes=hashes.tolist(), parent_block_hash=parent,
                                                 token_ids=array("q", tokens.tobytes()), block_size=self.block_size,
