@@ -39,6 +39,7 @@ import torch
 
 from bench.summary import host, interleaved, spread
 from connectors.common.hosts import join_host_port
+from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV, SETTER_ENV
 from connectors.mooncake.channel import call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MetaRequest, WorkerMeta
 from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
@@ -119,7 +120,8 @@ class Pair:
         assert json.loads(self.peer.stdout.readline()).get("ready")
         self.readers = {}
         for mode in MODES:
-            env = {k: v for k, v in os.environ.items() if k not in ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC")}
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("MC_TRANSFER_TIMEOUT", PROGRESS_TIMEOUT_ENV, SETTER_ENV)}
             env.update(ENV[mode], MC_LOG_LEVEL="ERROR",
                        PYTHONPATH=os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
                                                               env.get("PYTHONPATH")) if p))

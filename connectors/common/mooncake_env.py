@@ -8,22 +8,24 @@ import os
 
 PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 """Mooncake's bound on a TCP transfer that makes no progress (default 30 s), read whenever a transfer connects."""
-
-_set_here: int | None = None
-"""The value this process's connectors set (None: none did; a value found in the environment is the user's)."""
+SETTER_ENV = "KVPP_MC_PROGRESS_TIMEOUT_PID"
+"""The process whose connector set PROGRESS_TIMEOUT_ENV. Children inherit the environment: an engine started by a
+process that ran a connector itself (a test, a harness, a tool) sets its own bound instead of keeping its parent's as
+if the user had given it (measured: a test's 20 s pool bound held a chaos decode's given-up reads past its backstop)."""
 
 
 def bound_progress(seconds: float) -> str:
     """Bound Mooncake's TCP progress timeout to `seconds` (whole seconds, at least 1) in this process and return the
     value in force. The shortest bound any connector of the process asks for wins, so each connector's transfers end
-    within its own bound; a value the environment held before any connector set one is the user's and stays."""
-    global _set_here
+    within its own bound; a value the environment held that no connector set (the user's) stays, and one a
+    connector of a parent process set is replaced."""
     wanted = max(1, math.ceil(seconds))
-    current = os.environ.get(PROGRESS_TIMEOUT_ENV)
-    ours = _set_here is not None and current == str(_set_here)
-    if current is None or (ours and wanted < _set_here):
+    setter = os.environ.get(SETTER_ENV)
+    users = setter is None and PROGRESS_TIMEOUT_ENV in os.environ
+    ours = setter == str(os.getpid())
+    if not users and (not ours or wanted < progress_timeout_s()):
         os.environ[PROGRESS_TIMEOUT_ENV] = str(wanted)
-        _set_here = wanted
+        os.environ[SETTER_ENV] = str(os.getpid())
     return os.environ[PROGRESS_TIMEOUT_ENV]
 
 

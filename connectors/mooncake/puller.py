@@ -82,16 +82,30 @@ class Puller:
     def _key(handle: PrefillHandle) -> tuple[str, str, int]:
         return handle.remote_engine_id, handle.remote_host, handle.remote_kv_port
 
-    def peer_metas(self, handle: PrefillHandle) -> list[WorkerMeta]:
+    def peer_metas(self, handle: PrefillHandle, watch: StallWatch | None = None) -> list[WorkerMeta]:
+        """The prefill workers' metadata, cached per prefill. Fetching it is bounded by the handshake timeout
+        and, with `watch`, by the pull's stall deadline: a pull queued behind a failed one from a prefill
+        that stopped answering must not wait the handshake timeout on top of the stall bound. An answer
+        counts as the prefill's progress."""
         cached = self._peers.get(self._key(handle))
         if cached is not None:
             self._peers.move_to_end(self._key(handle))
             return cached
+        timeout_s = self.timeout_s
+        if watch is not None:
+            timeout_s = min(timeout_s, watch.deadline() - time.monotonic())
+            if timeout_s <= 0:
+                raise Stalled(f"prefill {handle.remote_engine_id} made no progress for {watch.bound_s:g} s before "
+                              "this pull asked its metadata")
         request = MetaRequest(version=PROTOCOL_VERSION, request_id=handle.remote_request_id, token=handle.remote_token)
-        answers = self._ask(handle, request, WorkerMeta, check_first=lambda meta: self._check_sizes(handle, meta))
+        answers = self._ask(handle, request, WorkerMeta, check_first=lambda meta: self._check_sizes(handle, meta),
+                            timeout_s=timeout_s)
         metas = []
         for (pp_rank, tp_rank, port), meta in zip(prefill_ports(handle), answers):
             if isinstance(meta, ChannelError):
+                if watch is not None and watch.expired(time.monotonic()):
+                    raise Stalled(f"prefill {handle.remote_engine_id} did not answer this pull's metadata request "
+                                  f"within its stall bound ({watch.bound_s:g} s): {meta}") from meta
                 raise meta
             if meta.engine_id != handle.remote_engine_id or (meta.pp_rank, meta.tp_rank) != (pp_rank, tp_rank):
                 raise ChannelError(
@@ -102,6 +116,8 @@ class Puller:
                 )
             metas.append(meta)
         check_compatible(self.local, metas, self.mla)
+        if watch is not None:
+            watch.progressed(time.monotonic())
         self._peers[self._key(handle)] = metas
         while len(self._peers) > MAX_PEERS:
             self._peers.popitem(last=False)
@@ -176,7 +192,7 @@ class Puller:
     def _read(self, handle: PrefillHandle, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               watch: StallWatch | None) -> ReadResult:
         start = time.perf_counter()
-        metas = self.peer_metas(handle)
+        metas = self.peer_metas(handle, watch)
         handshake_s = time.perf_counter() - start
         sources = choose_sources(self.local, metas, self.mla)
         per_peer = build_descs(self.local_layers, sources, local_blocks, remote_blocks)

@@ -1,9 +1,8 @@
 """Bounded, per-prefill-fair execution of a decode worker's pulls.
 
 Pulls run on a small thread pool, at most `per_prefill` at a time for one prefill engine (FIFO per
-prefill). A dead or hung prefill costs each of its pulls up to its stall bound (a metadata fetch: the
-handshake timeout); capped per prefill, it cannot take every thread while pulls from healthy
-prefills wait.
+prefill). A dead or hung prefill costs each of its pulls up to its stall bound (its metadata fetch
+included); capped per prefill, it cannot take every thread while pulls from healthy prefills wait.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from connectors.common.hosts import join_host_port, mooncake_family
@@ -150,6 +150,7 @@ class MooncakeTransfer:
         device_name: str = "",
         progress_timeout_s: float | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if progress_timeout_s is not None:
             bound_progress(progress_timeout_s)
@@ -161,6 +162,7 @@ class MooncakeTransfer:
         self.host = host
         self.protocol = protocol
         self.max_entry_bytes = max_entry_bytes
+        self._clock = clock
         self.lanes = lanes_per_peer()
         self._in_flight: dict[str, int] = {}  # peer session -> reads in flight on it, at most `lanes`
         self._lock = threading.Lock()
@@ -244,13 +246,13 @@ class MooncakeTransfer:
                                   f"{count - len(pieces) - len(flight)} of {count} reads done")
                 while pieces and self._take(peer_session):
                     d = pieces.popleft()
-                    flight[self._submit(peer_session, d)] = (d, time.monotonic())
+                    flight[self._submit(peer_session, d)] = (d, self._clock())
                 done, failed = [], []
                 for batch_id in list(flight):
                     rc = self._status(peer_session, batch_id)
                     if rc in (1, -1):
                         (done if rc == 1 else failed).append(flight.pop(batch_id))
-                now = time.monotonic()
+                now = self._clock()
                 if done and watch is not None:
                     watch.progressed(now)
                 in_flight = sum(d.length for d, _ in flight.values())

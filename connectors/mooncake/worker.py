@@ -185,7 +185,9 @@ class MooncakeV2Worker:
         if the lease covered the whole read (else only if the prefill confirms it still held them).
         The done-notice that frees the blocks on the prefill goes out after the request is reported,
         off its path to the first token. A stalled prefill costs the pull its stall bound, and its
-        side channel (the lease grant, the confirmation) at most that bound again."""
+        side channel the bound again for each answer the read needs: the lease grant, then (if that did not
+        come) the confirmation. Each gets a whole bound: a busy prefill's side channel answers late, and a
+        confirmation cut short discards a good read (measured: a crowd's pull failed at 0.05 s)."""
         handle, bound = spec.handle, self.settings.stall_timeout_s
         self.stats.record_phase("dispatch", time.time() - spec.scheduled_at)
         watch = StallWatch(bound, self._rate, self._puller.progress(handle), since=submitted)

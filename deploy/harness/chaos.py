@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deploy.harness.chaos_load import CLIENT_TIMEOUT_S, Load, Prompt, cancel_probe, reference_prompts
-from deploy.harness.chaos_pulls import IDLE_GAP_S, PROBE_PROMPTS, idle_probe, judge, recompute_seconds, stall_probe, \
-    stop_group
+from deploy.harness.chaos_pulls import IDLE_GAP_S, PROBE_PROMPTS, idle_probe, judge, pull_log, recompute_seconds, \
+    stall_probe, stop_group
 from deploy.harness.chaos_stack import (Stack, StackSettings, inject, progress, reference_answers, restart, start_front,
                                         start_local_stack)
 from deploy.harness.engines import LAYERS, engine_metrics, metric_total
@@ -218,12 +218,15 @@ class Run:
         # Prompts without the shared prefix: the prefill computes each whole, the decode pulls each whole.
         decode, prompts = self.stack.engines["decode"], self.prompts[-PROBE_PROMPTS:]
         recompute = await recompute_seconds(decode, self.model, prompts, CLIENT_TIMEOUT_S)
+        decode_log = self.stack.members["decode"].log_path
+        logged = decode_log.stat().st_size
         if fault.kind == "stall":
             stop, resume = stop_group(self.stack.members["prefill"])
             probe = await stall_probe(self.stack.engines["prefill"], decode, self.model, prompts, stop, resume,
                                       CLIENT_TIMEOUT_S)
         else:
             probe = await idle_probe(self.stack.proxy_url, decode, self.model, prompts, fault.down_s, CLIENT_TIMEOUT_S)
+        probe["decode_log"] = pull_log(decode_log, logged)
         self.pull_probes.append(judge(fault.label, probe, recompute, self.settings.stall_timeout_s))
         self.load.resume()
 

@@ -19,6 +19,7 @@ import asyncio
 import math
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -122,6 +123,18 @@ async def idle_probe(front_url: str, decode_url: str, model: str, prompts: list[
     return {"requests": requests, "gap_s": gap_s, "counters": await _settled_counters(decode_url, before, len(prompts))}
 
 
+PULL_LOG_MARKS = ("pulling KV from prefill", "still had not ended")
+"""The decode's log lines a probe keeps: its given-up pulls (why each failed) and drains past the backstop."""
+
+
+def pull_log(path: Path, offset: int, limit: int = 8) -> list[str]:
+    """The decode's pull failures logged past `offset` of its log: a slow probe request says why."""
+    with open(path, "rb") as log:
+        log.seek(offset)
+        lines = log.read().decode(errors="replace").splitlines()
+    return [line[:300] for line in lines if any(mark in line for mark in PULL_LOG_MARKS)][:limit]
+
+
 def judge(label: str, probe: dict, recompute: list[dict], stall_timeout_s: float) -> dict:
     """The probe's verdict: every answer right, none past pull_limit_s of the slowest recompute, and a
     stall probe that stalled a pull (else it tested nothing)."""
@@ -136,7 +149,8 @@ def judge(label: str, probe: dict, recompute: list[dict], stall_timeout_s: float
         problems.append(f"{label}: no pull met the stopped prefill (the decode counted no stalled pull)")
     if slowest > limit:
         problems.append(f"{label}: a request took {slowest:.1f} s, over the limit {limit:.1f} s (stall bound "
-                        f"{stall_timeout_s:g} s + its reads ending + recompute {recompute_s:.1f} s + {PROBE_SLACK_S:g} s)")
+                        f"{stall_timeout_s:g} s + its reads ending + recompute {recompute_s:.1f} s + {PROBE_SLACK_S:g} s)"
+                        + ("; the decode logged: " + " | ".join(probe["decode_log"]) if probe.get("decode_log") else ""))
     return {"label": label, **probe, "recompute_s": recompute_s, "limit_s": round(limit, 2),
             "slowest_s": slowest, "problems": problems}
 

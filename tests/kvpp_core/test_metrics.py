@@ -4,6 +4,7 @@ through a real Prometheus registry, as vLLM's /metrics serves them."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -269,12 +270,11 @@ def test_a_full_or_read_only_shm_turns_a_ranks_metrics_off_with_one_warning_neve
 
 @pytest.mark.integration
 @pytest.mark.vllm
-def test_an_engine_says_at_start_which_ranks_its_metrics_leave_out(tiny_model, monkeypatch, tmp_path, capfd):
+def test_an_engine_says_at_start_which_ranks_its_metrics_leave_out(tiny_model, monkeypatch, tmp_path):
     """vLLM's own config building, as `vllm serve` runs it on each node: records travel through one host's
     shared memory, so the head of a two-node engine says its /metrics lacks the other node's ranks, the
     headless node says its ranks reach no /metrics (and its workers write no record), and an API server
-    that cannot make the records' directory says the engine's metrics are off, and serves on. What they
-    say is read where vLLM's log handler prints it (vLLM reconfigures its loggers while it builds a config)."""
+    that cannot make the records' directory says the engine's metrics are off, and serves on."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
@@ -287,12 +287,19 @@ def test_an_engine_says_at_start_which_ranks_its_metrics_leave_out(tiny_model, m
     monkeypatch.delenv(metrics.METRICS_DIR_ENV, raising=False)
 
     def start(headless: bool = False, **nodes) -> list[str]:
-        """The warnings KVPP logs while vLLM builds this node's config."""
-        capfd.readouterr()
-        EngineArgs(model=tiny_model, enforce_eager=True, tensor_parallel_size=2, max_model_len=1024,
-                   additional_config={"enable_kvpp": True}, **nodes).create_engine_config(headless=headless)
-        out = capfd.readouterr()
-        return [line for line in (out.out + out.err).splitlines() if "WARNING" in line and "KVPP" in line]
+        """The warnings KVPP logs while vLLM builds this node's config, as records of its logger (where vLLM's own
+        handler prints them depends on what configured it first, in a whole test session)."""
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        logger = logging.getLogger("vllm.kvpp.adapter")
+        logger.addHandler(handler)
+        try:
+            EngineArgs(model=tiny_model, enforce_eager=True, tensor_parallel_size=2, max_model_len=1024,
+                       additional_config={"enable_kvpp": True}, **nodes).create_engine_config(headless=headless)
+        finally:
+            logger.removeHandler(handler)
+        return [r.getMessage() for r in records if "KVPP" in r.getMessage()]
 
     assert start() == []  # one node: every rank is served
     directory = Path(os.environ[metrics.METRICS_DIR_ENV])

@@ -71,10 +71,46 @@ def test_a_prefill_found_stalled_that_answers_the_next_pull_s_renewal_is_read_fr
             return [m.LeaseGrant(version=V, seconds=[5.0])]
 
     puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
-    puller.peer_metas = lambda handle: (_ for _ in ()).throw(Reached())  # the pull went on to ask for metadata
+    puller.peer_metas = lambda handle, watch=None: (_ for _ in ()).throw(Reached())  # the pull went on to ask for metadata
     progress = PrefillProgress()
     progress.gave_up()
     with pytest.raises(Reached):
         puller.read(m.parse_handle(handle_params()), [0], [3], StallWatch(2.0, LinkRate(), progress, since=1e12),
                     Claim())
     assert not progress.stalled and progress.last > 0  # the answer counts as progress
+
+
+def test_a_metadata_fetch_from_a_silent_prefill_ends_at_the_pull_s_stall_deadline_not_the_handshake_timeout():
+    """A pull queued behind one that failed (its prefill's metadata forgotten) asks for metadata when its turn
+    comes: a prefill that stopped answering costs it what is left of its stall bound, not the handshake timeout
+    (5 s) on top of the bound its predecessor waited; a deadline already past asks nothing."""
+    import time
+
+    from connectors.mooncake.channel import NoAnswer
+    from connectors.mooncake.puller import Puller
+    from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
+    from connectors.mooncake.transfer import Stalled
+    from tests.helpers.mooncake_wire import handle_params, worker_meta
+
+    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=5.0, consumer_id="d", num_consumers=1)
+    handle = m.parse_handle(handle_params())
+    asked = []
+
+    def silent(handle, message, expected, check_first=None, timeout_s=None):
+        asked.append(timeout_s)
+        time.sleep(timeout_s)  # as a call nobody answers: it runs out its timeout
+        return [NoAnswer("no answer")]
+
+    puller._ask = silent
+    watch = StallWatch(2.0, LinkRate(), PrefillProgress(), since=time.monotonic() - 1.8)
+    with pytest.raises(Stalled, match="did not answer this pull's metadata request within its stall bound"):
+        puller.peer_metas(handle, watch)
+    assert asked and 0 < asked[0] <= 0.2
+    past = StallWatch(2.0, LinkRate(), PrefillProgress(), since=time.monotonic() - 3.0)
+    with pytest.raises(Stalled, match="before this pull asked its metadata"):
+        puller.peer_metas(handle, past)
+    assert len(asked) == 1
+    with pytest.raises(NoAnswer):  # without a watch (the benches): the handshake timeout, a plain channel error
+        puller._ask = lambda *args, timeout_s=None, **kwargs: asked.append(timeout_s) or [NoAnswer("no answer")]
+        puller.peer_metas(handle)
+    assert asked[-1] == 5.0

@@ -23,6 +23,7 @@ from deploy.services.ports import free_port_range
 from testbed.mooncake_peer import TOKEN, layer_name, pages
 from tests.helpers.mooncake_peers import handle, make_puller
 from tests.helpers.paths import REPO
+from tests.helpers.clock import Clock
 
 SENTINEL = -7.0
 IDLE_GAP_S = 6.0  # longer than the ~5 s after which Mooncake #4209's lanes rejected transfers
@@ -386,10 +387,10 @@ def fake_engine(monkeypatch):
     """`fake_engine(outcome)`: a MooncakeTransfer on an _Engine, and that engine."""
     from connectors.mooncake import transfer as transfer_module
 
-    def make(outcome):
+    def make(outcome, clock=time.monotonic):
         engine = _Engine(outcome)
         monkeypatch.setattr(transfer_module, "_import_engine", lambda: lambda: engine)
-        return MooncakeTransfer("127.0.0.1"), engine
+        return MooncakeTransfer("127.0.0.1", clock=clock), engine
 
     return make
 
@@ -443,10 +444,18 @@ def test_a_stalled_pull_is_given_up_with_its_reads_in_flight_and_abandoning_free
 
 @pytest.mark.unit
 def test_reads_mooncake_dropped_for_no_progress_stall_the_pull_instead_of_being_retried(fake_engine):
-    started = time.monotonic()
-    # Every read fails once it has gone without progress for 30 ms: Mooncake's progress timeout, not a refusal.
-    te, engine = fake_engine(lambda i, polls: -1 if time.monotonic() - started > 0.03 else 0)
-    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=started)
+    clock = Clock()
+    started = clock.now
+
+    def outcome(i, polls):
+        """Every status poll takes 0.1 s; each read fails at its third, 1.2 s into the pull: Mooncake's progress
+        timeout (a refusal fails within half the 1 s stall bound of the read's start), not yet due at the second
+        round of polls (0.8 s)."""
+        clock.now += 0.1
+        return -1 if polls >= 3 else 0
+
+    te, engine = fake_engine(outcome, clock)
+    watch = StallWatch(1.0, LinkRate(initial=1e12), PrefillProgress(), since=started)
     with pytest.raises(Stalled, match="4 dropped by Mooncake for no progress") as stalled:
         te.read("peer:1", _pieces(6), watch)
     assert len(engine.started) == 4 and stalled.value.drain is None  # none issued again, none left in flight
@@ -475,12 +484,13 @@ def test_lanes_and_progress_timeout_are_read_as_mooncake_reads_them():
 
 @pytest.mark.unit
 def test_a_puller_s_bound_becomes_mooncake_s_progress_timeout_unless_one_is_set(fake_engine, monkeypatch):
-    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV as PROGRESS_ENV
+    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV as PROGRESS_ENV, SETTER_ENV
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     fake_engine(lambda i, polls: 1)
     MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
     assert os.environ[PROGRESS_ENV] == "2"  # whole seconds, rounded up
+    monkeypatch.delenv(SETTER_ENV)  # the operator's environment: a value no connector set
     monkeypatch.setenv(PROGRESS_ENV, "7")
     MooncakeTransfer("127.0.0.1", progress_timeout_s=1.5)
     assert os.environ[PROGRESS_ENV] == "7"  # the operator's setting wins

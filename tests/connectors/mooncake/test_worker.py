@@ -290,3 +290,31 @@ def test_a_pull_from_a_stopped_prefill_is_given_up_and_reported_once_nothing_can
     expected = pages(2, 64, 4)
     assert all(torch.equal(target[layer_name(i)][:16], expected[i, :16]) for i in range(2))
     print(f"a pull from a stopped prefill was reported failed {reported:.2f} s after the stop")
+
+
+def test_a_read_whose_lease_grant_is_late_gets_a_whole_stall_bound_for_the_confirmation(start_worker, monkeypatch):
+    """The read landed, but the prefill's side channel is slow (a busy prefill): its lease grant is waited for one
+    stall bound, then the confirmation gets a whole bound of its own, so a live prefill that answers late keeps the
+    read (cut to what the grant left, a crowd's confirmation once got 0.05 s and a good read was discarded)."""
+    decode = start_worker("decode", stall_timeout_s=1.0)
+    decode.register_kv_caches(caches(4))
+    asked: dict[str, float] = {}
+
+    def lease_end(claim, until):  # no grant in time: the wait runs out its deadline
+        asked["lease_wait"] = until - time.monotonic()
+        time.sleep(max(until - time.monotonic(), 0))
+        return None
+
+    def notify(handle, ok, timeout_s=None):
+        asked["confirm_timeout"] = timeout_s
+        return True, []  # the prefill confirms it held the blocks throughout
+
+    moved = SimpleNamespace(nbytes=1, seconds=0.01, entries=1, retried=0, handshake_s=0.0)
+    monkeypatch.setattr(decode._puller, "claim", lambda handle: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(decode._puller, "read", lambda *args: moved)
+    monkeypatch.setattr(decode._puller, "lease_end", lease_end)
+    monkeypatch.setattr(decode._puller, "notify", notify)
+    spec = LoadSpec("d-1", handle(decode, "p-1", [1]), (1,), (1,), time.time())
+    pulled = decode._pull(spec, time.monotonic())
+    assert pulled.ok  # confirmed: the read is kept
+    assert 0 < asked["lease_wait"] <= 1.0 and asked["confirm_timeout"] == 1.0

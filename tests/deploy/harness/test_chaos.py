@@ -294,6 +294,25 @@ def test_a_pull_probe_fails_on_a_wrong_answer_a_request_past_the_bound_plus_a_re
 
 
 @pytest.mark.unit
+def test_a_slow_probe_request_names_the_pull_failures_the_decode_logged_during_the_probe(tmp_path):
+    from deploy.harness.chaos_pulls import judge, pull_log
+
+    log = tmp_path / "decode.log"
+    log.write_text("ERROR [worker.py:205] request r0: pulling KV from prefill p failed: an earlier probe's\n")
+    offset = log.stat().st_size
+    with open(log, "a") as out:
+        out.write("INFO [metrics.py:103] KV Transfer metrics: failed_pulls=1\n"
+                  "ERROR [worker.py:205] request r1: pulling KV from prefill p failed: no answer within 2 s\n"
+                  "ERROR [worker.py:254] request r2: 4 reads of its given-up pull still had not ended 5s later\n")
+    lines = pull_log(log, offset)
+    assert [line.split()[3] for line in lines] == ["r1:", "r2:"]
+    answered = {"outcome": "answered", "seconds": 7.2}
+    probe = {"requests": [answered], "counters": {"stalled_pulls": 1}, "decode_log": lines}
+    (problem,) = judge("idle pd", probe, [{"outcome": "answered", "seconds": 0.4}], 2.0)["problems"]
+    assert problem.endswith("the decode logged: " + " | ".join(lines))
+
+
+@pytest.mark.unit
 def test_the_short_schedule_stalls_the_prefill_s_pulls_and_idles_past_mooncake_s_lane_timeout():
     from deploy.harness.chaos import PROBES
     from deploy.harness.chaos_pulls import IDLE_GAP_S

@@ -26,6 +26,14 @@ BS = 4
 TOKENS = list(range(100, 112))  # three full blocks of BS
 
 
+def run_then(go, cleanup) -> None:
+    """Run a test's coroutine, then `cleanup` whatever happened: no publisher outlives its test."""
+    try:
+        asyncio.run(go())
+    finally:
+        cleanup()
+
+
 def stored(hashes, parent, tokens, **extra):
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
                        medium="GPU", lora_name=None, **extra)
@@ -142,10 +150,7 @@ def test_the_index_follows_vllms_publisher():
             assert resets(registry, "cleared") == 1
             assert sample(registry, "kvpp_proxy_kv_index_blocks", backend="p0") == 0
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
 
 
 @pytest.mark.integration
@@ -191,10 +196,7 @@ def test_without_a_replay_endpoint_a_break_empties_the_index():
             await until(lambda: resets(registry, "restart") == 1)
             assert len(stream.index) == 1 and matched(stream) == 1
 
-    try:
-        asyncio.run(go())
-    finally:
-        pub.close(linger=0)
+    run_then(go, lambda: pub.close(linger=0))
 
 
 @pytest.mark.integration
@@ -248,11 +250,7 @@ def test_a_stalled_publisher_is_dropped_after_the_heartbeat_timeout():
             await until(lambda: len(stream.index) == 0, timeout=30)
             assert resets(registry, "disconnected") == 1
 
-    try:
-        asyncio.run(go())
-    finally:
-        proc.kill()
-        proc.wait()
+    run_then(go, lambda: (proc.kill(), proc.wait()))
 
 
 # -- with vLLM's replay endpoint ------------------------------------------------------------------------------
@@ -273,10 +271,7 @@ def test_a_late_subscriber_rebuilds_the_index_from_the_replay_endpoint():
             publisher.publish(batch(stored([b"h3"], b"h2", TOKENS[8:])))  # live again, after the replay
             await until(lambda: matched(stream) == 3)
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
 
 
 @pytest.mark.integration
@@ -312,10 +307,7 @@ def test_a_gap_and_a_dropped_connection_continue_from_the_replay_without_a_reset
         assert await stream.sync(zmq.asyncio.Context.instance()) == "continued"
         assert matched(stream) == 3 and matched(stream, [5] * BS) == 1 and resets(registry, "gap") == 0
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
 
 
 @pytest.mark.integration
@@ -360,10 +352,7 @@ def test_a_replay_past_the_high_water_marks_arrives_whole():
         assert len(stream.index) == n
         assert stream.index.matched_blocks(iter_keys([t for i in range(n) for t in [i] * BS], BS)) == n
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
 
 
 @pytest.mark.integration
@@ -381,10 +370,7 @@ def test_a_dead_replay_endpoint_costs_the_sync_not_the_live_stream():
             await until(lambda: len(stream.index) == 2)
         assert not stream.sync_due(time.monotonic())  # the retry waits
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
 
 
 @pytest.mark.integration
@@ -454,11 +440,7 @@ def test_a_stalled_publisher_with_a_replay_endpoint_is_caught_up_not_emptied():
             assert sum(resets(registry, r) for r in ("gap", "disconnected", "restart")) == before
             assert syncs(registry, "continued") >= 1
 
-    try:
-        asyncio.run(go())
-    finally:
-        proc.kill()
-        proc.wait()
+    run_then(go, lambda: (proc.kill(), proc.wait()))
 
 
 @pytest.mark.integration
@@ -480,7 +462,4 @@ def test_garbage_asks_the_replay_endpoint_for_one_rebuild_per_retry_interval():
         stream.handle([b"", (7).to_bytes(8, "big"), encode(CHAIN[0])])  # applied while the rebuild waits
         assert len(stream.index) == 2
 
-    try:
-        asyncio.run(go())
-    finally:
-        publisher.shutdown()
+    run_then(go, publisher.shutdown)
