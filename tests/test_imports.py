@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 ORDER = ("testbed", "deploy", "connectors", "kvpp_core")
 """Each package may import only those after it (testbed, not installed, drives the others for tests and
 benchmarks; nothing installed imports it)."""
-DEPLOY_LAYERS = ("cli", "harness", "services", "deployment", "bounds")
+DEPLOY_LAYERS = ("cli", "harness", "simulation", "services", "deployment", "bounds")
 """Inside deploy, each layer may import its own modules and those of the layers after it."""
 
 

@@ -150,3 +150,14 @@ def path_text(text: str) -> str:
 
 def path(text: str) -> Path:
     return Path(path_text(text))
+
+
+IMAGE_FORMATS = ("png", "svg", "pdf")
+
+
+def image_path(text: str) -> str:
+    """A path for a plot: a usable path ending in one of IMAGE_FORMATS."""
+    path = path_text(text)
+    if path.rsplit(".", 1)[-1].lower() not in IMAGE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot file must end in .{', .'.join(IMAGE_FORMATS)}")
+    return path

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from kvpp_core.config import KvppConfigError
 
-from deploy.cli import chaos, check, demo, plan, pool, ports, proxy, render, tiny_model
+from deploy.cli import chaos, check, demo, plan, pool, ports, proxy, render, simulate, tiny_model
 from deploy.cli.args import printable
 
-SUBCOMMANDS = (plan, tiny_model, check, render, proxy, pool, demo, chaos, ports)
+SUBCOMMANDS = (plan, simulate, tiny_model, check, render, proxy, pool, demo, chaos, ports)
 """In the order `kvpp --help` lists them."""
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
 from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
 from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode
-from kvpp_core.platforms import PLATFORMS, VLLM_CPU
+from kvpp_core.platforms import PLATFORMS, VLLM_CPU, Platform
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.setup import KvppSetup
 from kvpp_core.validation import raise_for_errors, validate
@@ -24,7 +25,6 @@ GIB = 1 << 30
 MAX_MEMORY_GIB = float(1 << 20)  # 1 PiB per rank
 MAX_BLOCK_SIZE = 1 << 20
 MAX_MTP = 64
-PLOT_FORMATS = ("png", "svg", "pdf")
 # The table has one row per rank of the cache-replica groups of all stages; the per-rank layout is
 # superlinear in the group size, so beyond this a plan takes minutes instead of seconds.
 MAX_GROUP, MAX_RANKS = 1024, 16384
@@ -37,6 +37,26 @@ def register(subparsers) -> None:
         description="Per PP stage and kvpp rank: owned layers, bytes per block, blocks and tokens with "
         "KVPP off (every TP rank replicates every layer) and on (one owner per layer plus staging buffers).",
     )
+    add_model_args(p)
+    p.add_argument("--memory-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, MAX_MEMORY_GIB),
+                                                            "a number or comma-separated numbers like 60,64",
+                                                            MAX_PARALLEL),
+                   default=(32.0,), metavar="GIB[,GIB...]",
+                   help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
+    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=None, metavar="N",
+                   help=f"staging buffers per rank, as the launch names {STAGING_KEY} (2 overlaps the next broadcast "
+                   "with compute; 0 = zero-copy, foreign layers read in place where a group's ranks share a CPU "
+                   "host); default: not named, so the mode an engine then runs where it runs (zero-copy on "
+                   "vllm-cpu where it can, else 2)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", type=cli_args.image_path, default=None, metavar="FILE.png",
+                   help=f"also draw the capacity ratio against TP size ({', '.join(cli_args.IMAGE_FORMATS)})")
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its KV dtype, the topology and the kernel's block size: what a capacity plan is for (`kvpp plan`,
+    `kvpp simulate`)."""
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(PRESETS)}) or a Hugging Face config.json / model directory")
     p.add_argument("--tp", type=cli_args.parallel_size, required=True, help="tensor-parallel size")
@@ -54,11 +74,6 @@ def register(subparsers) -> None:
                    help="MTP layers served (their caches are replicated on the last stage); default 0, as in "
                    "the anchor measurements; MTP caches exist only when MTP decoding is enabled")
     p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None, help="KV cache dtype (default: the model's)")
-    p.add_argument("--memory-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, MAX_MEMORY_GIB),
-                                                            "a number or comma-separated numbers like 60,64",
-                                                            MAX_PARALLEL),
-                   default=(32.0,), metavar="GIB[,GIB...]",
-                   help="free KV memory per rank in GiB: one value, or one per PP stage (default 32)")
     p.add_argument("--block-size", type=cli_args.bounded_int(1, MAX_BLOCK_SIZE), default=None,
                    help=f"tokens per block (default: the kernel's with --attention-backend, else {DEFAULT_BLOCK_SIZE} as "
                    "on Ascend)")
@@ -69,18 +84,22 @@ def register(subparsers) -> None:
                    help="where the engines run (as a deployment spec names it): vllm-cpu keeps the KV cache in host "
                    "memory, where a launch that names no mode runs zero-copy; implied by --attention-backend; "
                    "default: not known, so the plan is the staging mode's")
-    p.add_argument("--staging", type=cli_args.bounded_int(0, 1 << 10), default=None, metavar="N",
-                   help=f"staging buffers per rank, as the launch names {STAGING_KEY} (2 overlaps the next broadcast "
-                   "with compute; 0 = zero-copy, foreign layers read in place where a group's ranks share a CPU "
-                   "host); default: not named, so the mode an engine then runs where it runs (zero-copy on "
-                   "vllm-cpu where it can, else 2)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", type=_plot_path, default=None, metavar="FILE.png",
-                   help=f"also draw the capacity ratio against TP size ({', '.join(PLOT_FORMATS)})")
-    p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class PlanInput:
+    """The model, topology, block size and platform the arguments of `add_model_args` name."""
+
+    model: ModelSpec
+    shipped_mtp: int
+    topology: Topology
+    block_size: int
+    kernel: str | None
+    platform: Platform | None
+    """Where the engines run, when the arguments say (--platform, or implied by --attention-backend)."""
+
+
+def plan_input(args: argparse.Namespace) -> PlanInput:
     model = resolve_model(args.model)
     shipped_mtp = model.mtp_layers
     model = model.with_overrides(mtp_layers=args.mtp, kv_dtype=args.kv_dtype)
@@ -90,17 +109,30 @@ def run(args: argparse.Namespace) -> int:
     if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
         raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
                          f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
-    kvpp = parse_additional_config({ENABLE_KEY: True, **({} if args.staging is None else {STAGING_KEY: args.staging})})
     kernel = CPU_KERNELS.get(args.attention_backend)
     if kernel and args.platform not in (None, VLLM_CPU.name):
         raise ValueError(f"--attention-backend {kernel.name} is a vllm-cpu kernel, but --platform is {args.platform}; "
                          f"drop one, or pass --platform {VLLM_CPU.name}")
     platform = PLATFORMS[VLLM_CPU.name if kernel else args.platform] if kernel or args.platform else None
     block_size = kernel.block_size(args.block_size) if kernel else args.block_size or DEFAULT_BLOCK_SIZE
-    setup = KvppSetup(model, topo, enforce_eager=True, kvpp=kvpp, device=platform.device if platform else None,
-                      attention_backend=args.attention_backend, dtype=model.kv_dtype, block_size=block_size)
+    return PlanInput(model, shipped_mtp, topo, block_size, args.attention_backend, platform)
+
+
+def checked(given: PlanInput, staging: int | None) -> tuple[Mode, list]:
+    """The mode a launch naming `staging` (None: naming none) runs where `given` says, and the warnings of KVPP's
+    launch rules for the setup (its errors raised)."""
+    kvpp = parse_additional_config({ENABLE_KEY: True, **({} if staging is None else {STAGING_KEY: staging})})
+    model, platform = given.model, given.platform
+    setup = KvppSetup(model, given.topology, enforce_eager=True, kvpp=kvpp, device=platform.device if platform else None,
+                      attention_backend=given.kernel, dtype=model.kv_dtype, block_size=given.block_size)
     warnings = raise_for_errors(validate(setup, connector_rules, platform.name if platform else None))
-    mode = resolve_mode(setup)
+    return resolve_mode(setup), warnings
+
+
+def run(args: argparse.Namespace) -> int:
+    given = plan_input(args)
+    model, topo, block_size, platform = given.model, given.topology, given.block_size, given.platform
+    mode, warnings = checked(given, args.staging)
     memory = [int(gib * GIB) for gib in args.memory_gib]
     if len(memory) not in (1, topo.pp):
         raise ValueError(f"--memory-gib takes one value or one per PP stage ({topo.pp}), got {len(memory)}")
@@ -108,10 +140,10 @@ def run(args: argparse.Namespace) -> int:
     for problem in warnings:
         print(f"kvpp: warning: {problem}", file=sys.stderr)
     if args.json:
-        print(json.dumps(dict(plan.to_json(), model_mtp_layers=shipped_mtp, platform=platform and platform.name,
+        print(json.dumps(dict(plan.to_json(), model_mtp_layers=given.shipped_mtp, platform=platform and platform.name,
                               mode_reason=mode.reason, warnings=[str(p) for p in warnings]), indent=2))
     else:
-        print(format_plan(plan, shipped_mtp, mode, platform is None))
+        print(format_plan(plan, given.shipped_mtp, mode, platform is None))
     if args.plot:
         plot_ratio_vs_tp(args.plot, model, topo, memory, block_size, mode.staging)
         if not args.json:
@@ -211,10 +243,3 @@ def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[i
 
 def _stages(stages: tuple[int, ...]) -> str:
     return ("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages))
-
-
-def _plot_path(text: str) -> str:
-    path = cli_args.path_text(text)
-    if path.rsplit(".", 1)[-1].lower() not in PLOT_FORMATS:
-        raise argparse.ArgumentTypeError(f"{text!r}: the plot file must end in .{', .'.join(PLOT_FORMATS)}")
-    return path

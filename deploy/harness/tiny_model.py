@@ -284,6 +284,15 @@ def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, m
     return path
 
 
+def write_tiny_config(path: str | os.PathLike, layers: int = 16, mtp: int = 0, shape: str = "tiny") -> Path:
+    """The tiny model's config.json alone (no weights, no tokenizer): what the planner and seeded token draws read
+    of it, e.g. to rebuild a bench's requests without building the model."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _hf_config(TinyModelSpec(layers=layers, mtp=mtp, shape=shape)).save_pretrained(str(path))
+    return path
+
+
 def _earlier_build(path: Path) -> dict | None:
     """The stamp of a build at `path`, or None when there is nothing there (no path, empty directory)."""
     if not path.exists() and not path.is_symlink():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +35,12 @@ instance the place to send a prompt, so they are not indexed."""
 
 def block_key(parent: bytes, tokens) -> bytes:
     """The proxy's key of a block: its parent's key chained with its token ids."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    return _chain(parent, array("q", tokens).tobytes())
+
+
+def _chain(parent: bytes, raw: bytes) -> bytes:
+    """block_key over the block's token ids as 8-byte integers."""
+    return hashlib.blake2b(parent + raw, digest_size=16).digest()
 
 
 def iter_keys(tokens: list[int], block_size: int) -> Iterator[bytes]:
@@ -46,17 +51,36 @@ def iter_keys(tokens: list[int], block_size: int) -> Iterator[bytes]:
         yield parent
 
 
-@dataclass(frozen=True)
-class _Entry:
-    key: bytes
-    parent: Name | None
-    """None: a first block."""
+class Prompt:
+    """A prompt as the router matches it: its length, and the keys of its full blocks at a block size, computed as
+    they are asked for (matching stops at the first block no instance holds). deploy/simulation/routes.py gives the
+    router prompts whose keys it already knows."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def keys(self, block_size: int) -> Iterator[bytes]:
+        return iter_keys(self.tokens, block_size)
+
+
+def _drop_one(counts: dict, key) -> bool:
+    """One fewer `key` in `counts`; True when none is left (the key then gone)."""
+    count = counts[key] - 1
+    if count > 0:
+        counts[key] = count
+        return False
+    del counts[key]
+    return True
 
 
 @dataclass(frozen=True)
 class _Orphan:
     parent: Name
-    tokens: tuple[int, ...]
+    raw: bytes
+    """Its token ids as 8-byte integers."""
 
 
 class PrefixIndex:
@@ -67,9 +91,11 @@ class PrefixIndex:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
         self.block_size: int | None = None
-        self._entries: dict[Name, _Entry] = {}
-        self._held: collections.Counter[bytes] = collections.Counter()
-        self._children: collections.Counter[Name] = collections.Counter()
+        self._entries: dict[Name, tuple[bytes, Name | None]] = {}
+        """A name -> (its key, its parent's name; None: a first block)."""
+        self._held: dict[bytes, int] = {}
+        """A key -> how many indexed names have it."""
+        self._children: dict[Name, int] = {}
         """A name -> indexed blocks whose parent it is (indexed itself or not)."""
         self._leaves: collections.OrderedDict[Name, None] = collections.OrderedDict()
         """Indexed blocks with no indexed child, least recently announced first: what goes when room is needed.
@@ -100,11 +126,21 @@ class PrefixIndex:
     def holds(self, key: bytes) -> bool:
         return key in self._held
 
+    def keys_of(self, names: Sequence[Name], start: int = 0) -> list[bytes]:
+        """The keys this index gave the blocks vLLM names `names[start:]`, up to the first it did not index."""
+        entries, keys = self._entries, []
+        for name in names[start:]:
+            entry = entries.get(name)
+            if entry is None:
+                break
+            keys.append(entry[0])
+        return keys
+
     def matched_blocks(self, keys: Iterable[bytes]) -> int:
         """How many of a prompt's first blocks (their keys, in order) this instance holds."""
-        n = 0
+        held, n = self._held, 0
         for key in keys:
-            if key not in self._held:
+            if key not in held:
                 break
             n += 1
         return n
@@ -119,16 +155,21 @@ class PrefixIndex:
         if self.block_size not in (None, event.block_size):
             return "block_size"
         self.block_size = size = event.block_size
-        parent: Name | None = None if event.parent_block_hash is None else (event.medium, event.parent_block_hash)
+        medium, entries = event.medium, self._entries
+        raw = array("q", event.token_ids).tobytes()
+        width = 8 * size
+        parent: Name | None = None if event.parent_block_hash is None else (medium, event.parent_block_hash)
         for i, vllm_hash in enumerate(event.block_hashes):
-            name = (event.medium, vllm_hash)
-            tokens = tuple(event.token_ids[i * size:(i + 1) * size])
+            name = (medium, vllm_hash)
+            chunk = raw[i * width:(i + 1) * width]
             if parent is None:
-                self._index(name, None, block_key(ROOT, tokens))
-            elif parent in self._entries:
-                self._index(name, parent, block_key(self._entries[parent].key, tokens))
+                self._index(name, None, _chain(ROOT, chunk))
             else:
-                self._orphan(name, _Orphan(parent, tokens))
+                entry = entries.get(parent)
+                if entry is not None:
+                    self._index(name, parent, _chain(entry[0], chunk))
+                else:
+                    self._orphan(name, _Orphan(parent, chunk))
             parent = name
         self._trim()
         return None
@@ -137,33 +178,39 @@ class PrefixIndex:
         for vllm_hash in event.block_hashes:
             name = (event.medium, vllm_hash)
             self._forget(name)
-            self._drop_orphan(name)
+            if self._orphans:
+                self._drop_orphan(name)
 
     # -- indexed blocks --------------------------------------------------------------------------------
     def _index(self, name: Name, parent: Name | None, key: bytes) -> None:
         """Index `name` as the newest block, then every orphan that waited for it."""
+        entries, held, children, leaves = self._entries, self._held, self._children, self._leaves
         pending = [(name, parent, key)]
         while pending:
             name, parent, key = pending.pop()
-            entry = _Entry(key, parent)
-            if self._entries.get(name) == entry:  # announced again (a full report): now the newest
-                if name in self._leaves:
-                    self._leaves.move_to_end(name)
+            entry = key, parent
+            old = entries.get(name)
+            if old == entry:  # announced again (a full report): now the newest
+                if name in leaves:
+                    leaves.move_to_end(name)
                 continue
-            self._forget(name)
-            self._entries[name] = entry
-            self._held[key] += 1
-            if not self._children.get(name):
-                self._leaves[name] = None
+            if old is not None:
+                self._forget(name)
+            entries[name] = entry
+            held[key] = held.get(key, 0) + 1
+            if not children.get(name):
+                leaves[name] = None
             if parent is None:
                 self._firsts += 1
             else:
-                self._children[parent] += 1
-                self._leaves.pop(parent, None)
-            self._drop_orphan(name)
-            for child in self._waiting.pop(name, ()):
-                orphan = self._orphans.pop(child)
-                pending.append((child, name, block_key(key, orphan.tokens)))
+                children[parent] = children.get(parent, 0) + 1
+                leaves.pop(parent, None)
+            if self._orphans:
+                self._drop_orphan(name)
+            if self._waiting:
+                for child in self._waiting.pop(name, ()):
+                    orphan = self._orphans.pop(child)
+                    pending.append((child, name, _chain(key, orphan.raw)))
 
     def _forget(self, name: Name) -> None:
         """Drop `name` from the index (its children keep their entries: vLLM may still hold them, and they match
@@ -171,19 +218,15 @@ class PrefixIndex:
         entry = self._entries.pop(name, None)
         if entry is None:
             return
+        key, parent = entry
         self._leaves.pop(name, None)
-        self._held[entry.key] -= 1
-        if self._held[entry.key] <= 0:
-            del self._held[entry.key]
-        if entry.parent is None:
+        _drop_one(self._held, key)
+        if parent is None:
             self._firsts -= 1
             return
-        self._children[entry.parent] -= 1
-        if self._children[entry.parent] <= 0:
-            del self._children[entry.parent]
-            if entry.parent in self._entries:
-                self._leaves[entry.parent] = None
-                self._leaves.move_to_end(entry.parent, last=False)
+        if _drop_one(self._children, parent) and parent in self._entries:
+            self._leaves[parent] = None
+            self._leaves.move_to_end(parent, last=False)
 
     def _trim(self) -> None:
         """Forget the least recent leaves until the index fits (with none, only a parent chain that loops, which

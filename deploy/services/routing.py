@@ -19,16 +19,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from deploy.services.event_stream import EventMetrics, EventStream
-from deploy.services.prefix_index import ROOT, PrefixIndex, block_key, iter_keys
+from deploy.services.prefix_index import ROOT, PrefixIndex, Prompt, block_key
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -45,6 +47,9 @@ CHARS_PER_TOKEN = 4
 FINGERPRINT_CHARS_PER_TOKEN = 32
 """Leading prompt text that names its first block: this many characters per token of the largest block size, far
 more than any tokenizer puts into a token, so two prompts alike that far begin with the same first block."""
+KEY_BATCH = 8
+"""Block keys computed at once while matching a prompt (then as many as are known): fewer steps, at most twice the
+keys needed."""
 FIRST_BLOCKS = 1 << 16
 """Prompts whose first block the proxy remembers by their leading text (the least recently used forgotten)."""
 FULL_REPORT = {"kv_cache_report_mode": "full"}
@@ -98,8 +103,7 @@ def _fingerprint(ask: dict, chars: int) -> bytes:
     return hashlib.blake2b(f"{len(text) > chars}\0{rest}\0{text[:chars]}".encode(), digest_size=16).digest()
 
 
-@dataclass(frozen=True)
-class Leg:
+class Leg(NamedTuple):
     """A prefill to try for a request, and the prompt tokens it would compute there (what its leg adds to the
     instance's queue while in flight)."""
 
@@ -174,43 +178,47 @@ class PrefixRouter:
         if len(self._first_blocks) > FIRST_BLOCKS:
             self._first_blocks.popitem(last=False)
 
-    def _matched(self, order: Sequence, tokens: list[int]) -> dict[str, int]:
-        """Per instance, how many leading full blocks of `tokens` it holds; keys stop at the first block no
-        instance of a block size holds."""
+    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, int]:
+        """Per instance, how many leading full blocks of the prompt it holds; keys are computed in growing batches,
+        only while some instance of a block size holds them all."""
         matched = {b.url: 0 for b in order}
-        by_size: dict[int, list] = collections.defaultdict(list)
+        by_size: dict[int, list[tuple[str, PrefixIndex]]] = collections.defaultdict(list)
         for b in order:
-            size = self.streams[b.url].index.block_size
-            if size is not None:
-                by_size[size].append(b)
+            index = self.streams[b.url].index
+            if index.block_size is not None:
+                by_size[index.block_size].append((b.url, index))
         for size, holders in by_size.items():
-            for depth, key in enumerate(iter_keys(tokens, size), start=1):
-                holders = [b for b in holders if self.streams[b.url].index.holds(key)]
-                if not holders:
-                    break
-                for b in holders:
-                    matched[b.url] = depth
+            keys: list[bytes] = []
+            source = prompt.keys(size)
+            for url, index in holders:
+                held = index.matched_blocks(keys)
+                while held == len(keys):  # it holds every key known so far: more are needed, a batch at a time
+                    more = list(itertools.islice(source, max(KEY_BATCH, len(keys))))
+                    if not more:
+                        break
+                    keys += more
+                    held += index.matched_blocks(more)
+                matched[url] = held
         return matched
 
-    def choose(self, order: list, tokens: list[int] | str, estimate: int) -> list[Leg]:
+    def choose(self, order: list, prompt: Prompt | str, estimate: int) -> list[Leg]:
         """`order` (the rotation's, healthy instances only) as legs, cheapest first: an instance's cost is its
-        queued prompt tokens plus what this prompt computes there. `tokens` may be a FALLBACKS reason instead,
+        queued prompt tokens plus what this prompt computes there. `prompt` may be a FALLBACKS reason instead,
         with `estimate` the prompt's guessed size."""
-        if isinstance(tokens, str):
+        if isinstance(prompt, str):
             n, matched = estimate, {b.url: 0 for b in order}
         else:
-            n, matched = len(tokens), self._matched(order, tokens)
-        legs = []
-        for b in order:
-            size = self.streams[b.url].index.block_size or 0
-            legs.append(Leg(b, n - min(matched[b.url] * size, max(n - 1, 0))))
+            n, matched = len(prompt), self._matched(order, prompt)
+        most = max(n - 1, 0)  # the last prompt token is always computed
+        streams = self.streams
+        legs = [Leg(b, n - min(matched[b.url] * (streams[b.url].index.block_size or 0), most)) for b in order]
         best = min(legs, key=lambda leg: leg.backend.queued_tokens + leg.tokens)  # ties: the rotation's turn
         held = matched[best.backend.url]
         if held:
             self.hits.labels(best.backend.url).inc()
             self.hit_blocks.observe(held)
         else:
-            reason = tokens if isinstance(tokens, str) else "overloaded" if any(matched.values()) else "miss"
+            reason = prompt if isinstance(prompt, str) else "overloaded" if any(matched.values()) else "miss"
             self.fallbacks.labels(reason).inc()
         return [best, *(leg for leg in legs if leg is not best)]
 
@@ -237,7 +245,7 @@ class PrefixRouter:
             tokens = await prompt_tokens(session, order[0].url, ask, self.settings.tokenize_timeout)
             if not isinstance(tokens, str):
                 self.learned(ask, tokens, order)
-        return self.choose(order, tokens, estimated_tokens(body))
+        return self.choose(order, tokens if isinstance(tokens, str) else Prompt(tokens), estimated_tokens(body))
 
 
 async def prompt_tokens(session: aiohttp.ClientSession, url: str, ask: dict, timeout: float) -> list[int] | str:

@@ -141,3 +141,15 @@ def test_any_order_of_stores_and_removals_matches_the_held_blocks(seed, nodes, s
         path = _path(tree, node)
         expected = next((i for i, n in enumerate(path) if n not in held), len(path))
         assert matched(index, [t for n in path for t in [n] * BS]) == expected
+
+
+@pytest.mark.unit
+def test_the_keys_it_gave_named_blocks_stop_at_the_first_it_lacks():
+    index = PrefixIndex(max_blocks=100)
+    index.store(chain(0, 4))
+    names = [("GPU", b"h%d" % (i * BS)) for i in range(6)]
+    keys = list(iter_keys(PROMPT, BS))
+    assert index.keys_of(names) == keys[:4]
+    assert index.keys_of(names, 2) == keys[2:4]
+    index.remove(BlockRemoved([b"h%d" % BS], medium="GPU"))
+    assert index.keys_of(names) == keys[:1], "a block removed ends the run, its children indexed or not"

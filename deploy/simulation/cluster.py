@@ -1,0 +1,305 @@
+"""One simulation: a trace through N engines of one configuration behind a routing policy, in simulated time.
+
+The driver reads the trace ahead (`read_ahead` requests at most in memory), issues each request when it arrives
+(open loop: its `arrival_s`; closed loop: `client_s` plus its `think_s` after its conversation's previous answer),
+routes it with the policy (deploy/simulation/routes.py), and lets the engines (deploy/simulation/engine.py) run up
+to the next arrival. Their events feed the router's indexes and the proxy's load count as they happen, and the
+answers start the conversations' next turns. As P/D prefills (`held`), an engine's answer is one token; the
+decode leg that follows is the cost model's (the KV read, then `decode_token_s` per output token), on a decode
+that never runs out of room.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from deploy.simulation import engine as E
+from deploy.simulation import routes
+from deploy.simulation.costs import CostModel
+from deploy.simulation.state import EngineConfig, EngineState
+from deploy.simulation.trace import Request
+
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass
+class Result:
+    """What one simulation measured (simulated seconds; host seconds in `host_s`)."""
+
+    requests: int = 0
+    answered: int = 0
+    query_tokens: int = 0
+    """Prompt tokens of first admissions (vLLM's prefix-cache queries)."""
+    hit_tokens: int = 0
+    """Of those, found cached (vLLM's prefix-cache hits)."""
+    computed_tokens: int = 0
+    """Tokens the engines computed in prefill (a preempted request's output too, when it is computed again)."""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    late: int = 0
+    """Closed-loop requests issued later than their conversation allowed (their line was beyond the read-ahead)."""
+    makespan_s: float = 0.0
+    busy_s: list[float] = field(default_factory=list)
+    engine_queries: list[int] = field(default_factory=list)
+    engine_hits: list[int] = field(default_factory=list)
+    engine_steps: list[int] = field(default_factory=list)
+    ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    tpot_s: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    """Per answer of two tokens or more: the mean time between its tokens."""
+    host_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def summary(self, ttft_slo_s: float | None = None) -> dict:
+        """The figures; goodput counts the answers whose TTFT met `ttft_slo_s` (all of them without one)."""
+        ttft = self.ttft_s.astype(np.float64)
+        span = self.makespan_s or float("nan")
+        good = len(ttft) if ttft_slo_s is None else int((ttft <= ttft_slo_s).sum())
+        return {
+            "requests": self.requests, "answered": self.answered, "hit_rate": self.hit_rate,
+            "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens,
+            "prefill_tokens_computed": self.computed_tokens,
+            "prefill_saved": 1 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "preemptions": self.preemptions, "evictions": self.evictions, "late_arrivals": self.late,
+            "makespan_s": self.makespan_s, "requests_per_s": self.answered / span, "goodput_rps": good / span,
+            "prompt_tokens_per_s": self.prompt_tokens / span,
+            **{f"{name}_p{q}_s": float(np.percentile(values, q)) if len(values) else float("nan")
+               for name, values in (("ttft", ttft), ("tpot", self.tpot_s.astype(np.float64))) for q in (50, 99)},
+            "engine_busy": [b / span for b in self.busy_s], "engine_query_tokens": self.engine_queries,
+            "engine_hit_tokens": self.engine_hits, "engine_steps": self.engine_steps,
+            "host_s": self.host_s,
+        }
+
+
+class _Arrivals:
+    """The trace's requests in the order they arrive, read ahead from the stream."""
+
+    def __init__(self, requests: Iterable[Request], read_ahead: int, client_s: float, dispatch_s: float):
+        self._it: Iterator[Request] = iter(requests)
+        self._read_ahead, self._client_s, self._dispatch_s = read_ahead, client_s, dispatch_s
+        self._front_free = 0.0
+        """When the front end (the proxy, or an engine's API server) can pass on the next request."""
+        self._open: deque[Request] = deque()
+        self._ready: list[tuple[float, int, Request]] = []
+        self._pending: dict[object, int] = {}
+        """A conversation -> its requests read and not answered yet (besides those queued behind them)."""
+        self._queued: dict[object, deque[Request]] = {}
+        """A conversation -> its closed-loop requests waiting for the previous answer."""
+        self._answered: dict[object, float] = {}
+        """A conversation with nothing pending -> when its last answer came (its next line not read yet)."""
+        self._buffered = 0
+        self._seq = 0
+        self._eof = False
+        self.now = 0.0
+        self.late = 0
+
+    def _fill(self) -> None:
+        while self._buffered < self._read_ahead and not self._eof:
+            r = next(self._it, None)
+            if r is None:
+                self._eof = True
+                return
+            self._buffered += 1
+            conv = r.conversation
+            if r.arrival_s is not None:
+                self._open.append(r)
+            elif conv is None:
+                self._ready_at(r, r.think_s)
+                continue
+            elif self._pending.get(conv) or conv in self._queued:
+                self._queued.setdefault(conv, deque()).append(r)
+                continue
+            else:
+                self._ready_at(r, self._answered.pop(conv, -self._client_s) + self._client_s + r.think_s)
+            if conv is not None:
+                self._pending[conv] = self._pending.get(conv, 0) + 1
+
+    def _ready_at(self, r: Request, t: float) -> None:
+        if t < self.now:
+            self.late += 1
+            t = self.now
+        self._seq += 1
+        heapq.heappush(self._ready, (t, self._seq, r))
+
+    def next_time(self) -> float:
+        """When the next request reaches the engines: it arrives, and the front end has passed on the one before."""
+        self._fill()
+        t = self._open[0].arrival_s if self._open else np.inf
+        if self._ready:
+            t = min(t, self._ready[0][0])
+        return max(t, self._front_free)
+
+    def pop(self, t: float) -> Request:
+        """The request that reaches the engines at t (`next_time`): open loop first on a tie."""
+        self.now = t
+        if self._open and (not self._ready or self._open[0].arrival_s <= self._ready[0][0]):
+            r = self._open.popleft()
+        else:
+            r = heapq.heappop(self._ready)[2]
+        self._buffered -= 1
+        self._front_free = t + self._dispatch_s
+        return r
+
+    def answered(self, conv, t: float) -> None:
+        if conv is None:
+            return
+        left = self._pending[conv] - 1
+        if left:
+            self._pending[conv] = left
+            return
+        queue = self._queued.get(conv)
+        if queue:
+            r = queue.popleft()
+            if not queue:
+                del self._queued[conv]
+            self._ready_at(r, t + self._client_s + r.think_s)
+        else:
+            del self._pending[conv]
+            self._answered[conv] = t
+
+
+@dataclass(slots=True)
+class _InFlight:
+    request: Request
+    engine: int
+    leg_tokens: int
+    pull_s: float
+
+
+class Simulation:
+    """`engines` engines of `config`, in KVPP `mode` (for its costs), behind `policy`."""
+
+    def __init__(self, config: EngineConfig, engines: int, policy: str, costs: CostModel, mode: str,
+                 read_ahead: int = 1 << 16, progress: str | None = None, total: int | None = None, seed: int = 0,
+                 log: list[dict] | None = None):
+        if engines < 1:
+            raise ValueError(f"needs at least one engine, got {engines}")
+        if read_ahead < 1:
+            raise ValueError(f"read-ahead must be >= 1 request, got {read_ahead}")
+        self.policy = routes.policy(policy, engines, config.block_size)
+        self.config = config = replace(config, cache_events=self.policy.name == "cache-aware")
+        self.costs = costs
+        self.state = EngineState(config, engines, costs.coefficients(mode, config.held))
+        self.read_ahead, self.progress, self.total = read_ahead, progress, total
+        self._flight: dict[int, _InFlight] = {}
+        self._rng = np.random.default_rng(seed)
+        self._log = log
+        """Where each answered request's story goes, if anywhere (its line, engine, times and hits)."""
+        self._last_answer = 0.0
+        self._ttft: list[float] = []
+        self._tpot: list[float] = []
+
+    def run(self, requests: Iterable[Request]) -> Result:
+        started = time.perf_counter()
+        state, costs, cfg = self.state, self.costs, self.config
+        arrivals = _Arrivals(requests, self.read_ahead, costs.client_s, costs.dispatch_s)
+        result = Result()
+        follow_s = costs.client_s + ((costs.pull_s + costs.decode_token_s) if cfg.held else 0.0)
+        last_report = started
+        while True:
+            t = arrivals.next_time()
+            stop, reached = state.advance(t, follow_s)
+            self._events(result, arrivals)
+            if stop != E.STOP_TIME:
+                continue
+            if t == np.inf:
+                break
+            self._issue(arrivals.pop(t), t, result)
+            if self.progress is not None and time.perf_counter() - last_report > PROGRESS_EVERY_S:
+                last_report = time.perf_counter()
+                self._report(result, t, last_report - started)
+        result.late = arrivals.late
+        result.makespan_s = max(float(state.ef[:, E.F_CLOCK].max()), self._last_answer)
+        result.busy_s = state.ef[:, E.F_BUSY].tolist()
+        result.engine_queries = state.es[:, E.E_QUERY_TOKENS].tolist()
+        result.engine_hits = state.es[:, E.E_HIT_TOKENS].tolist()
+        result.engine_steps = state.es[:, E.E_STEPS].tolist()
+        result.preemptions = int(state.es[:, E.E_PREEMPTIONS].sum())
+        result.evictions = int(state.es[:, E.E_EVICTIONS].sum())
+        result.computed_tokens = int(state.es[:, E.E_PREFILL_TOKENS].sum())
+        result.ttft_s = np.array(self._ttft, np.float32)
+        result.tpot_s = np.array(self._tpot, np.float32)
+        result.host_s = time.perf_counter() - started
+        return result
+
+    def _issue(self, r: Request, t: float, result: Result) -> None:
+        state = self.state
+        max_out = 1 if self.config.held else r.output
+        row = state.new_request(r.hashes, r.prompt, max_out)
+        engine, leg_tokens = self.policy.choose(r.prompt, r.hashes)
+        self.policy.backends[engine].queued_tokens += leg_tokens
+        pull = 0.0
+        if self.config.held:
+            pull = self.costs.pull_s + self.costs.pull_token_s * r.prompt
+            if self.costs.pull_cv > 0:
+                pull *= self._rng.gamma(1 / self.costs.pull_cv ** 2, self.costs.pull_cv ** 2)
+        state.enqueue(row, engine, t, pull)
+        self._flight[row] = _InFlight(r, engine, leg_tokens, pull)
+        result.requests += 1
+        result.prompt_tokens += r.prompt
+        result.output_tokens += r.output
+
+    def _events(self, result: Result, arrivals: _Arrivals) -> None:
+        state, costs, policy = self.state, self.costs, self.policy
+        ev, evt = state.events()
+        if not len(ev):
+            return
+        held = self.config.held
+        rows, times = ev.tolist(), evt.tolist()
+        i, n = 0, len(rows)
+        while i < n:
+            kind, e, x, a, b = rows[i]
+            if kind == E.EV_REMOVED:  # a run of evictions on one engine: one BlockRemoved
+                j = i + 1
+                while j < n and rows[j][0] == E.EV_REMOVED and rows[j][1] == e:
+                    j += 1
+                policy.removed(e, [row[2] for row in rows[i:j]])
+                i = j
+                continue
+            if kind == E.EV_STORED:
+                off = int(state.rq[x, E.R_OFF])
+                policy.stored(e, state.pool[off + a:off + a + b], int(state.pool[off + a - 1]) if a else None)
+            elif kind == E.EV_FINISHED:
+                t = times[i]
+                flight = self._flight[x]
+                r = flight.request
+                policy.backends[e].queued_tokens -= flight.leg_tokens
+                if held:
+                    first = t + flight.pull_s + costs.decode_token_s
+                    answer = first + costs.decode_token_s * (r.output - 1)
+                else:
+                    answer, first = t, float(state.rf[x, E.T_FIRST])
+                self._last_answer = max(self._last_answer, answer)
+                if self._log is not None:
+                    self._log.append({"index": r.index, "conversation": r.conversation, "engine": e,
+                                      "arrival_s": float(state.rf[x, E.T_ARRIVAL]), "first_token_s": first,
+                                      "answer_s": answer, "hit_tokens": int(state.rq[x, E.R_FIRST_HITS]),
+                                      "leg_tokens": flight.leg_tokens})
+                self._ttft.append(first - float(state.rf[x, E.T_ARRIVAL]))
+                if r.output > 1:
+                    self._tpot.append((answer - first) / (r.output - 1))
+                result.answered += 1
+                result.query_tokens += int(state.rq[x, E.R_QUERY])
+                result.hit_tokens += int(state.rq[x, E.R_FIRST_HITS])
+                arrivals.answered(r.conversation, answer)
+            elif kind == E.EV_RELEASED:
+                state.release(x)
+                del self._flight[x]
+            i += 1
+        state.clear_events()
+
+    def _report(self, result: Result, t: float, host_s: float) -> None:
+        total = f"/{self.total:,}" if self.total else ""
+        print(f"[simulate] {self.progress}: {result.answered:,}{total} answered, {t:,.0f} s simulated, hit rate "
+              f"{result.hit_rate:.3f}, {host_s:.0f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,116 @@
+"""Which prefill a request goes to: `kvpp proxy`'s own choice, driven by the simulated engines.
+
+Round-robin is the proxy's `Rotation`; the cache-aware policy is its `PrefixRouter`, whose per-prefill
+`PrefixIndex` is fed the simulated engines' KV cache events (`BlockStored`, `BlockRemoved`, vLLM's wire structs)
+as they happen, and whose load is the prompt tokens of the prefill legs in flight, counted as the proxy counts
+them. The simulated blocks carry hashes, not text, so each block reaches the router as `block_size` stand-in
+token ids (its hash, then zeros): two blocks get the same router key exactly when they are the same block, which
+is all the router's choice depends on. A prompt's keys are those its blocks got in the indexes; past the first
+block no index holds, no instance can match, so the router is given a key none holds there and no further.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from deploy.services.kv_events import BlockRemoved, BlockStored
+from deploy.services.prefix_index import Prompt
+from deploy.services.proxy import Rotation
+from deploy.services.routing import PrefixRouter, PrefixRouting
+
+POLICIES = ("round-robin", "cache-aware")
+MEDIUM = "GPU"
+"""What vLLM names an instance's own cache in its events."""
+UNHELD = b""
+"""A key no index holds (their keys are 16-byte digests)."""
+
+
+def url(engine: int) -> str:
+    return f"http://prefill-{engine}"
+
+
+class _SimPrompt(Prompt):
+    """A simulated prompt: its length and its blocks' hashes; its router keys come from the indexes."""
+
+    def __init__(self, length: int, hashes: np.ndarray, policy: CacheAware):
+        self.length, self.hashes, self.policy = length, hashes, policy
+
+    def __len__(self) -> int:
+        return self.length
+
+    def keys(self, block_size: int) -> Iterator[bytes]:
+        if block_size != self.policy.block_size:
+            raise ValueError(f"an index of {block_size}-token blocks in a simulation of {self.policy.block_size}")
+        return iter(self.policy.keys(self.hashes[:self.length // block_size]))
+
+
+class RoundRobin:
+    """The proxy's rotation: each request to the next prefill in turn."""
+
+    name = "round-robin"
+
+    def __init__(self, engines: int):
+        self.rotation = Rotation("prefill", [url(i) for i in range(engines)])
+        self._index = {b.url: i for i, b in enumerate(self.rotation.backends)}
+        self.backends = self.rotation.backends
+
+    def choose(self, prompt: int, hashes: np.ndarray) -> tuple[int, int]:
+        """(engine, the leg's tokens for the proxy's load count)."""
+        return self._index[self.rotation.order()[0].url], 0
+
+    def stored(self, engine: int, hashes: np.ndarray, parent: int | None) -> None:
+        pass
+
+    def removed(self, engine: int, block_hashes: list[int]) -> None:
+        pass
+
+
+class CacheAware(RoundRobin):
+    """The proxy's cache-aware choice (`kvpp proxy --kv-events`), its indexes fed by the simulated engines."""
+
+    name = "cache-aware"
+
+    def __init__(self, engines: int, block_size: int):
+        super().__init__(engines)
+        self.block_size = block_size
+        self.router = PrefixRouter(self.backends, PrefixRouting(tuple(f"sim://{i}" for i in range(engines))),
+                                   CollectorRegistry())
+        self._indexes = [self.router.streams[b.url].index for b in self.backends]
+
+    def choose(self, prompt: int, hashes: np.ndarray) -> tuple[int, int]:
+        leg = self.router.choose(self.rotation.order(), _SimPrompt(prompt, hashes, self), prompt)[0]
+        return self._index[leg.backend.url], leg.tokens
+
+    def keys(self, hashes: np.ndarray) -> list[bytes]:
+        """The router keys of a chain of blocks, first to last, as the indexes gave them, up to the first block no
+        index holds, which gets UNHELD. The indexes give a block the same key, so one pass over them extends the
+        chain as far as the longest run any of them holds."""
+        names = [(MEDIUM, h) for h in hashes.tolist()]
+        keys: list[bytes] = []
+        for index in self._indexes:
+            keys += index.keys_of(names, len(keys))
+            if len(keys) == len(names):
+                return keys
+        return keys + [UNHELD]
+
+    def stored(self, engine: int, hashes: np.ndarray, parent: int | None) -> None:
+        tokens = np.zeros(len(hashes) * self.block_size, np.int64)
+        tokens[::self.block_size] = hashes
+        self._indexes[engine].store(BlockStored(block_hashes=hashes.tolist(), parent_block_hash=parent,
+                                                token_ids=array("q", tokens.tobytes()), block_size=self.block_size,
+                                                medium=MEDIUM))
+
+    def removed(self, engine: int, block_hashes: list[int]) -> None:
+        self._indexes[engine].remove(BlockRemoved(block_hashes=block_hashes, medium=MEDIUM))
+
+
+def policy(name: str, engines: int, block_size: int) -> RoundRobin:
+    if name == "round-robin":
+        return RoundRobin(engines)
+    if name == "cache-aware":
+        return CacheAware(engines, block_size)
+    raise ValueError(f"unknown policy {name!r}; use {' or '.join(POLICIES)}")
