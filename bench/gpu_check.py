@@ -11,15 +11,15 @@ figures, or "skipped"/"failed" with the reason, and the next part runs anyway:
 - mooncake_pool: mooncake_master on loopback and the pool client (connectors.store.backends.mooncake),
   put from and get into device memory, bytes compared;
 - broadcast: two ranks (gloo: NCCL refuses two ranks on one GPU) run kvpp_core.broadcast over device
-  tensors, steps that reference 10% of the blocks (packed where kvpp_core.packing.choose packs them) and
+  tensors, steps that reference 10% of the blocks (exactly those, where kvpp_core.packing.choose moves them so) and
   steps that move every block; every staging slot must hold its owner's bytes after each layer;
 - copy: one MLA layer's pages (16-token blocks of 576 bf16 values) at 4K/32K/128K tokens of history:
   one device copy of the whole layer, the scattered history blocks as coalesced ranges against one
   copy per block, and a CUDA-IPC copy out of another process's memory; each >= 3 repeats, interleaved,
   min/median/max;
 - packing: issue 37's kernels at 32K/128K tokens, 100/50/10% of the blocks referenced, contiguous,
-  scattered or in runs (bench/packing.py's layouts): the ranges sent before it, one gather of exactly the
-  referenced blocks and its placement (kvpp_core.packing.LayerPack: int64 rows; placement as bytes for
+  scattered or in runs (bench/packing.py's layouts): the ranges sent before it, the referenced runs copied as
+  they lie, one gather of exactly the referenced blocks and its placement (kvpp_core.packing.LayerPack: int64 rows; placement as bytes for
   comparison), one copy of the packed bytes standing in for the collective, and the whole layer; what
   `choose` picks and whether that met the issue's targets (never above the whole layer, at most half of it
   at 10%); a copy call's fixed cost against kvpp_core.packing.DEVICE_CALL_BYTES; bytes compared.
@@ -297,7 +297,7 @@ def broadcast(device: torch.device, dry_run: bool) -> dict:
     received = {r: o["bytes_received"] for r, o in out.items()}
     return {"transport": "torch.distributed (gloo)", "layers": layers, "blocks": blocks, "page_bytes": PAGE_BYTES,
             "step_seconds": steps, "bytes_received": received,
-            "referenced_steps_packed": all(o["whole_layers"] == 2 * foreign for o in out.values()),
+            "referenced_steps_exact": all(o["whole_layers"] == 2 * foreign for o in out.values()),
             "bytes_checked": True}
 
 
@@ -387,7 +387,7 @@ def copy_pages(device: torch.device, dry_run: bool) -> dict:
 def packing(device: torch.device, dry_run: bool) -> dict:
     """Per layer size and referenced blocks, the modes interleaved within each repeat (the first warms up)."""
     from bench.packing import configurations, label, ranges_before, referenced
-    from kvpp_core.packing import LayerPack, StepBlocks, call_bytes, choose
+    from kvpp_core.packing import LayerPack, Move, StepBlocks, call_bytes, choose
 
     report: dict = {"page_bytes": PAGE_BYTES, "call_bytes_assumed": call_bytes(device),
                     "collective": "one device copy of the packed bytes stands in for it (one GPU: no NCCL pair)"}
@@ -408,6 +408,7 @@ def packing(device: torch.device, dry_run: bool) -> dict:
             modes: dict[str, Callable[[], None]] = {
                 "whole": lambda: dst.copy_(src),
                 "ranges": lambda ranges=ranges: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in ranges],
+                "runs": lambda runs=step.runs: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in runs],
                 "gather": lambda index=index: sent.gather(index, buffer),
                 "move": lambda k=k: received[:k].copy_(buffer[:k]),
                 "place": lambda index=index: got.place(index, received),
@@ -425,13 +426,13 @@ def packing(device: torch.device, dry_run: bool) -> dict:
                 raise AssertionError(f"{tokens} tokens, {label(fraction, layout)}: placed blocks differ from the owner's")
             runs = {m: v[1:] for m, v in figures.items()}
             packed = [g + m + p for g, m, p in zip(runs["gather"], runs["move"], runs["place"])]
-            packs = choose(step, blocks, PAGE_BYTES, device, packed=True)
-            chosen = packed if packs else runs["whole"]
+            move = choose(step, blocks, PAGE_BYTES, device, collective=True)
+            chosen = {Move.PACKED: packed, Move.RUNS: runs["runs"], Move.WHOLE: runs["whole"]}[move]
             over_whole = [c / w for c, w in zip(chosen, runs["whole"])]
             entry["configs"][label(fraction, layout)] = {
                 "referenced_blocks": len(step), "range_blocks": sum(len(r) for r in ranges),
                 **{f"{m}_s": _spread(v) for m, v in runs.items()}, "packed_s": _spread(packed),
-                "choice": "packed" if packs else "whole", "chosen_over_whole": _spread(over_whole),
+                "choice": move.value, "chosen_over_whole": _spread(over_whole),
                 "packed_over_whole": _spread([p / w for p, w in zip(packed, runs["whole"])]),
                 "bytes_checked": True,
             }

@@ -12,9 +12,12 @@ coalesced ranges), packed, whole, and as KVPP now chooses; and where a receiver 
       contiguous block ids;
     - `whole`: the whole layer, one collective or one copy;
     - `kvpp`: KVPP's broadcasters themselves (kvpp_core.broadcast.LayerBroadcaster, kvpp_core.shm_broadcast:
-      flags, waits and all), given the step's block ids: they move the referenced blocks or the whole layer,
-      whichever moves and touches less (kvpp_core.packing.choose); `kvpp_whole`: the same not given them, so
-      moving every block: the whole-layer copy the issue's targets compare with.
+      flags, waits and all), given the step's block ids: they move the whole layer, the referenced runs as they
+      lie or (gloo) a pack, whichever moves and touches least (kvpp_core.packing.choose; `kvpp_moved` names
+      it); `kvpp_whole`: the same not given them, so moving every block: the whole-layer copy the issue's
+      targets compare with.
+  Before the configurations, the two ranks time a gloo broadcast of 8 bytes (`collective_call_s`): a
+  collective's fixed cost, against what kvpp_core.packing.COLLECTIVE_CALL_BYTES assumes.
   A step moves one layer each way (per layer: the slower rank's step over 2). The modes run interleaved within
   each round (the order rotated), `--steps` steps each; every ratio is taken within a round, reported as
   min/median/max over `--rounds`. Every mode's delivery is checked once per configuration: the referenced
@@ -119,7 +122,7 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
 
     from kvpp_core.allocation import CacheLayer, place
     from kvpp_core.broadcast import LayerBroadcaster
-    from kvpp_core.packing import LayerPack, StepBlocks, pack_buffer_bytes
+    from kvpp_core.packing import LayerPack, StepBlocks, choose, pack_buffer_bytes
     from kvpp_core.shm_broadcast import ShmGroup
 
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -178,7 +181,7 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
             bc.before_layer(lid)
         bc.end_step()
 
-    report = {"configs": {}}
+    report = {"configs": {}, "collective_call_s": _collective_call_s(dist, max(50, cfg["steps"] * 10))}
     for fraction, layout_name in configurations():
         ids = referenced(n, fraction, layout_name, seed=int(fraction * 1000))
         step, index = StepBlocks(ids), torch.tensor(ids, dtype=torch.int64)
@@ -218,11 +221,24 @@ def _rank(rank: int, port: int, cfg: dict, results) -> None:  # noqa: C901 (one 
             rounds.append(got)
         report["configs"][label(fraction, layout_name)] = {
             "fraction": fraction, "layout": layout_name, "referenced_blocks": len(step), "runs": len(step.runs),
-            "range_blocks": sum(len(r) for r in ranges_before(ids)), "checked": checked, "rounds": rounds}
+            "range_blocks": sum(len(r) for r in ranges_before(ids)), "checked": checked, "rounds": rounds,
+            "moves": {transport: choose(step, n, PAGE_BYTES, torch.device("cpu"), transport == "gloo").value
+                      for transport in TRANSPORTS}}
     report["pack_buffer_bytes"] = gloo_bc.pack_buffer_bytes
     results.put((rank, report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collective_call_s(dist, calls: int) -> float:
+    """A gloo broadcast's fixed cost between the two ranks: the median of `calls` broadcasts of 8 bytes."""
+    tiny, seconds = torch.zeros(8, dtype=torch.uint8), []
+    for _ in range(calls + 5):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.broadcast(tiny, src=0)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[5:])
 
 
 def layer_part(history_tokens: int, steps: int, rounds: int) -> dict:
@@ -236,8 +252,12 @@ def layer_part(history_tokens: int, steps: int, rounds: int) -> dict:
 def _layer_figures(out: dict, blocks: int) -> dict:
     """Per configuration and transport: each mode's time per layer (a step moves one layer each way: its slower
     rank's step over 2) and bytes per layer received, ratios within a round, the bytes check."""
+    from kvpp_core.packing import COLLECTIVE_CALL_BYTES
+
     layer_bytes = blocks * PAGE_BYTES
+    call_s = max(out[r]["collective_call_s"] for r in range(WORLD))
     figures = {"blocks": blocks, "layer_bytes": layer_bytes, "pack_buffer_bytes": out[0]["pack_buffer_bytes"],
+               "collective_call_s": call_s, "collective_call_bytes_assumed": COLLECTIVE_CALL_BYTES["cpu"],
                "configs": {}}
     for name, cfg0 in out[0]["configs"].items():
         per_rank = [out[r]["configs"][name] for r in range(WORLD)]
@@ -251,8 +271,11 @@ def _layer_figures(out: dict, blocks: int) -> dict:
             moved = {"ranges": ranges_blocks * PAGE_BYTES, "packed": k * PAGE_BYTES, "whole": layer_bytes,
                      "kvpp_whole": layer_bytes, "kvpp": kvpp["kvpp_bytes"]}
             whole = kvpp["kvpp_whole_layers"] > 0
+            if whole != (cfg0["moves"][transport] == "whole"):
+                raise AssertionError(f"{name}, {transport}: the broadcaster moved {'whole' if whole else 'exactly'}, "
+                                     f"kvpp_core.packing.choose says {cfg0['moves'][transport]}")
             entry[transport] = {
-                "kvpp_moved": "whole" if whole else "referenced blocks",
+                "kvpp_moved": cfg0["moves"][transport],
                 "kvpp_bytes_as_chosen": kvpp["kvpp_bytes"] == (layer_bytes if whole else k * PAGE_BYTES),
                 "modes": {mode: {"layer_s": spread(values), "bytes": moved[mode]} for mode, values in layer_s.items()},
                 "over_whole": {mode: spread(v / w for v, w in zip(layer_s[mode], layer_s["whole"])) for mode in MODES},
@@ -260,6 +283,8 @@ def _layer_figures(out: dict, blocks: int) -> dict:
                 "kvpp_over_ranges": spread(c / r for c, r in zip(layer_s["kvpp"], layer_s["ranges"])),
             }
         figures["configs"][name] = entry
+    whole_s = figures["configs"]["100%"]["gloo"]["modes"]["whole"]["layer_s"]["median"]
+    figures["collective_call_bytes_measured"] = call_s * layer_bytes / whole_s
     return figures
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvpp_core.ownership import RankLayout
-from kvpp_core.packing import PACK_BOUND_BYTES, LayerPack, StepBlocks, choose, pack_buffer_bytes
+from kvpp_core.packing import PACK_BOUND_BYTES, LayerPack, Move, StepBlocks, choose, pack_buffer_bytes
 
 
 class KvppBroadcastError(RuntimeError):
@@ -170,11 +170,12 @@ class LayerBroadcaster:
         if errors:
             raise errors[0]
 
-    def _exact(self, layer_id: int, packed: bool) -> bool:
-        """Whether this step moves only its referenced blocks of the layer (kvpp_core.packing.choose)."""
+    def _move(self, layer_id: int, collective: bool) -> Move:
+        """How this step moves the layer: whole, or only its referenced blocks (kvpp_core.packing.choose)."""
         step = self._step
         assert not callable(step)
-        return choose(step, self.num_blocks, self._packs[layer_id].layer_page_bytes, self._device, packed)
+        pack = self._packs[layer_id]
+        return choose(step, self.num_blocks, pack.layer_page_bytes, self._device, collective, len(pack.page_bytes))
 
     def _count_received(self, layer_id: int, blocks: int | None) -> None:
         """A foreign layer's bytes moved into this rank: `blocks` of it, or (None) all of it."""
@@ -198,14 +199,18 @@ class LayerBroadcaster:
 
     def _issue(self, layer_id: int, started: float) -> None:
         """Start a layer's transfer; a transfer that progresses without the forward from here on is in
-        flight from `started` (`_issued`). A packed layer that fits its buffer goes in one collective, placed at
-        its wait; a bigger one goes chunk after chunk right here, so that every rank issues the group's
-        collectives in the same order whatever its prefetch depth."""
+        flight from `started` (`_issued`). Runs go one collective each, straight between the owner's pages and
+        the staging slot. A packed layer that fits its buffer goes in one collective, placed at its wait; a
+        bigger one goes chunk after chunk right here, so that every rank issues the group's collectives in the
+        same order whatever its prefetch depth."""
         self._issued[layer_id] = started
         src = self.group_ranks[self.layout.owner_of(layer_id)]
-        if not self._exact(layer_id, packed=True):
-            self._pending[layer_id] = [self._broadcast(layer_id, pages, src) for pages in self._blocks[layer_id]]
-            self._count_received(layer_id, None)
+        move = self._move(layer_id, collective=True)
+        if move is not Move.PACKED:
+            runs = self._step.runs if move is Move.RUNS else (range(0, self.num_blocks),)
+            self._pending[layer_id] = [self._broadcast(layer_id, pages[r.start:r.stop], src)
+                                       for r in runs for pages in self._blocks[layer_id]]
+            self._count_received(layer_id, len(self._step) if move is Move.RUNS else None)
             return
         if self._index is None:
             self._index = self._step.index.to(self._device)

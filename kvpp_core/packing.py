@@ -4,12 +4,14 @@ A step reads, per foreign layer, only the blocks holding its requests' history (
 the cache may be full of idle histories. The broadcasters (kvpp_core.broadcast, kvpp_core.shm_broadcast)
 move exactly those blocks, or the whole layer when that moves and touches fewer bytes (`choose`):
 
-- over a collective, the owner gathers the blocks of every cache of the layer into one packed buffer
-  (`gather`), one collective moves it (one per chunk past `PACK_BOUND_BYTES`), and each receiver places the
-  rows at the owner's block ids in its staging slot (`place`): three passes over the referenced bytes
-  against one over the whole layer;
-- through shared memory a receiver copies the blocks straight from its owner's pages, one copy per run of
-  contiguous block ids: one pass over the referenced bytes, plus each copy's fixed cost.
+- `Move.PACKED`, over a collective: the owner gathers the blocks of every cache of the layer into one packed
+  buffer (`gather`), one collective moves it (one per chunk past `PACK_BOUND_BYTES`), and each receiver places
+  the rows at the owner's block ids in its staging slot (`place`): three passes over the referenced bytes
+  against one over the whole layer, and one collective call;
+- `Move.RUNS`: each run of contiguous block ids as it lies, one collective (or, through shared memory, one copy
+  straight from the owner's pages) per run and cache: one pass over the referenced bytes, plus each call's fixed
+  cost. It wins where a step's blocks lie in few runs (half a layer in one run), where a pack's three passes
+  would lose to the whole layer.
 
 Rows are moved as int64 where a page allows (index kernels are several times slower on byte rows: on an
 H200 `index_copy_` of a 128K-token layer's rows took 93 µs as int64, 420 µs as bytes; BRIEF section 11).
@@ -17,6 +19,7 @@ H200 `index_copy_` of a 128K-token layer's rows took 93 µs as int64, 420 µs as
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -29,17 +32,31 @@ PACK_BOUND_BYTES = 256 << 20
 """The largest packed buffer of one layer in flight (vLLM's GPU KVPP bounds its own at 256 MiB); a layer
 whose referenced blocks take more moves as several chunks, one collective each."""
 CALL_BYTES = {"cpu": 64 << 10}
-"""A copy or collective call's fixed cost, in bytes it could have copied instead. On this project's CPU hosts a
-torch copy call costs about 3.5 µs, 12-53 KiB at the copy's bandwidth (bench/results/packing.json, `calls`),
-rounded up: in doubt, a layer moves whole."""
+"""A copy call's fixed cost, in bytes it could have copied instead. On this project's CPU hosts a torch copy call
+costs about 3.5 µs, 12-53 KiB at the copy's bandwidth (bench/results/packing.json, `calls`), rounded up: in
+doubt, a layer moves whole."""
+COLLECTIVE_CALL_BYTES = {"cpu": 2 << 20}
+"""The same for one collective call between processes on a CPU host: a gloo broadcast of a few bytes between
+two ranks takes 0.2-0.8 ms, 0.6-2 MiB at its 2.8 GB/s (bench/results/packing.json, `calls`), rounded up."""
 DEVICE_CALL_BYTES = 16 << 20
-"""The same on device memory (a kernel launch, or a collective's latency, of ~8 µs at ~2 TB/s), from the H200
-figures of issue 37 (16 range copies of a 128K-token layer: 203 µs, one whole-layer copy: 79 µs); the GPU
-check's packing part measures it."""
+"""A call's fixed cost on device memory (a kernel launch, or a collective's latency, of ~8 µs at ~2 TB/s), from
+the H200 figures of issue 37 (16 range copies of a 128K-token layer: 203 µs, one whole-layer copy: 79 µs); the
+GPU check's packing part measures it."""
 
 
-def call_bytes(device: torch.device) -> int:
-    return CALL_BYTES.get(device.type, DEVICE_CALL_BYTES)
+def call_bytes(device: torch.device, collective: bool = False) -> int:
+    """A copy's (or, `collective`, a collective's) fixed cost on `device`, in bytes."""
+    if device.type != "cpu":
+        return DEVICE_CALL_BYTES
+    return (COLLECTIVE_CALL_BYTES if collective else CALL_BYTES)[device.type]
+
+
+class Move(enum.Enum):
+    """How a layer's blocks travel in a step (see the module's docstring)."""
+
+    WHOLE = "whole"
+    RUNS = "runs"
+    PACKED = "packed"
 
 
 class StepBlocks:
@@ -64,18 +81,20 @@ class StepBlocks:
 
 
 def choose(step: StepBlocks | None, num_blocks: int, layer_page_bytes: int, device: torch.device,
-           packed: bool) -> bool:
-    """Whether a layer moves only `step`'s blocks (True) or whole (False): whichever moves and touches fewer
-    bytes, a call's fixed cost counted as `call_bytes`. `packed`: over a collective (gather, collective,
-    placement: `PACK_PASSES` passes, one call each) or else run by run (one pass, a call per run).
-    `layer_page_bytes` is one block of every cache of the layer. None (blocks not known): whole."""
+           collective: bool, caches: int = 1) -> Move:
+    """How a layer moves this step: whichever of the whole layer, its referenced runs and (over a collective) a
+    pack moves and touches the fewest bytes, each call's fixed cost counted in bytes (`call_bytes`); a tie goes
+    to the whole layer. `layer_page_bytes` is one block of every cache of the layer, `caches` how many caches
+    (one call each per run, or per whole layer). None (blocks not known): whole."""
     if step is None:
-        return False
-    call = call_bytes(device)
-    whole = num_blocks * layer_page_bytes + call
-    if packed:
-        return PACK_PASSES * (len(step) * layer_page_bytes + call) < whole
-    return len(step) * layer_page_bytes + len(step.runs) * call < whole
+        return Move.WHOLE
+    call = call_bytes(device, collective)
+    referenced = len(step) * layer_page_bytes
+    cost = {Move.WHOLE: num_blocks * layer_page_bytes + caches * call,
+            Move.RUNS: referenced + len(step.runs) * caches * call}
+    if collective:
+        cost[Move.PACKED] = PACK_PASSES * referenced + call + 2 * caches * call_bytes(device)
+    return min(cost, key=cost.__getitem__)
 
 
 def chunk_blocks(layer_page_bytes: int, bound: int = PACK_BOUND_BYTES) -> int:
@@ -85,7 +104,7 @@ def chunk_blocks(layer_page_bytes: int, bound: int = PACK_BOUND_BYTES) -> int:
 
 def pack_buffer_bytes(num_blocks: int, layer_page_bytes: int, bound: int = PACK_BOUND_BYTES) -> int:
     """One packed buffer: the most blocks `choose` packs (fewer than a third of the layer, since packing
-    passes three times over them), capped at the bound; a layer's bigger pack goes in chunks."""
+    passes three times over them and moves whole past that), capped at the bound; a bigger pack goes in chunks."""
     most = math.ceil(num_blocks / PACK_PASSES)
     return min(most, chunk_blocks(layer_page_bytes, bound)) * layer_page_bytes
 

@@ -41,6 +41,7 @@ from kvpp_core.allocation import CacheLayer, Placement, place
 from kvpp_core.broadcast import BroadcastStats, KvppBroadcastError, LayerBroadcaster
 from kvpp_core.config import KvppConfigError
 from kvpp_core.ownership import RankLayout, rank_layout
+from kvpp_core.packing import Move
 
 logger = logging.getLogger("vllm.kvpp.shm_broadcast")  # the logger vLLM's init_logger hands out
 
@@ -430,7 +431,7 @@ class ShmLayerBroadcaster(PeerWaits, LayerBroadcaster):
         or the whole layer where that copies fewer bytes (kvpp_core.packing.choose)."""
         ready = 2 * pos + _HEADER
         self._await(layer_id, owner, lambda f=self._shm.flags[owner]: f[ready] >= self._epoch, "publish")
-        exact = self._exact(layer_id, packed=False)
+        exact = self._move(layer_id, collective=False) is Move.RUNS
         runs = self._step.runs if exact else (range(0, self.num_blocks),)
         for dst, src in zip(self._blocks[layer_id], self._sources[layer_id]):
             for r in runs:

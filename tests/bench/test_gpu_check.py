@@ -33,7 +33,7 @@ def test_dry_run_drives_every_part_and_checks_the_bytes(tmp_path):
     assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(PARTS, "ok"), parts
     assert parts["mooncake_transfer"]["bytes_checked"] and parts["mooncake_pool"]["bytes_checked"]
     broadcast = parts["broadcast"]
-    assert broadcast["bytes_checked"] and broadcast["referenced_steps_packed"]
+    assert broadcast["bytes_checked"] and broadcast["referenced_steps_exact"]
     # Per rank, 2 foreign layers of 64 blocks: twice every block, twice the 6 referenced (10%).
     assert broadcast["bytes_received"] == dict.fromkeys(("0", "1"), 2 * 2 * (64 + 6) * 16 * 576 * 2)
     for tokens in (256, 512, 1024):
@@ -47,8 +47,8 @@ def test_dry_run_drives_every_part_and_checks_the_bytes(tmp_path):
         assert list(entry["configs"]) == ["100%", "50% contiguous", "50% scattered", "50% runs", "10% contiguous",
                                           "10% scattered", "10% runs"]
         for config in entry["configs"].values():
-            assert config["bytes_checked"] and config["choice"] in ("packed", "whole")
-            for mode in ("whole", "ranges", "gather", "move", "place", "place_bytes", "packed"):
+            assert config["bytes_checked"] and config["choice"] in ("packed", "runs", "whole")
+            for mode in ("whole", "ranges", "runs", "gather", "move", "place", "place_bytes", "packed"):
                 assert config[f"{mode}_s"]["n"] == 5 and config[f"{mode}_s"]["min"] > 0
         assert entry["configs"]["100%"]["choice"] == "whole"
 

@@ -1,6 +1,6 @@
 """LayerBroadcaster over real torch.distributed gloo process groups, 2-4 ranks in separate processes: every
-layer byte-identical on every rank, a step's referenced blocks packed (in chunks past the buffer's bound) or,
-when it references too many, the whole layer; a dead rank fails the step."""
+layer byte-identical on every rank, a step's referenced blocks packed (in chunks past the buffer's bound), sent
+as the one run they lie in, or, when it references too many, the whole layer; a dead rank fails the step."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ pytestmark = pytest.mark.integration
 
 NUM_BLOCKS = 24
 PAGE = 16 << 10  # bytes per block and layer: an MLA block's order of size (16 tokens x 576 bf16 values: 18 KiB)
-REFERENCED = {"narrow": [20, 1, 2, 1], "wide": list(range(0, 24, 2)), "chunked": [20, 1, 2, 1]}
+REFERENCED = {"narrow": [20, 1, 2, 1], "wide": list(range(0, 24, 2)), "chunked": [20, 1, 2, 1], "run": list(range(1, 13))}
 """A step's block ids per scenario (unsorted, one repeated, as requests sharing a prefix give them): narrow and
-chunked reference 3 of 24 blocks (packed), wide 12 (whole: a pack would pass three times over half the layer)."""
+chunked reference 3 of 24 blocks (packed), wide 12 scattered (whole: a pack would pass three times over half the
+layer, and a collective per block costs more), run 12 in one run (one collective of half the layer)."""
 
 
 @functools.cache
@@ -154,7 +155,16 @@ def test_a_step_moves_exactly_its_referenced_blocks_packed(scenario):
         assert report["pack_buffer_bytes"] == 2 * (2 if scenario == "chunked" else 8) * PAGE
 
 
-def test_a_step_referencing_half_the_layer_moves_it_whole():
+def test_a_step_referencing_half_the_layer_in_one_run_sends_that_run_alone():
+    out = _run(world=3, num_layers=5, scenario="run")
+    for rank, (status, report) in out.items():
+        assert status == "ok", report
+        foreign = 5 - len(report["owned"])
+        assert report["stats"]["bytes"] == 3 * foreign * 12 * PAGE
+        assert report["stats"]["whole_layers"] == 0
+
+
+def test_a_step_referencing_half_the_layer_scattered_moves_it_whole():
     out = _run(world=3, num_layers=5, scenario="wide")
     for rank, (status, report) in out.items():
         assert status == "ok", report
@@ -163,11 +173,11 @@ def test_a_step_referencing_half_the_layer_moves_it_whole():
         assert report["stats"]["whole_layers"] == 3 * foreign
 
 
-@pytest.mark.parametrize("scenario", ["die", "die-narrow", "die-chunked"])
+@pytest.mark.parametrize("scenario", ["die", "die-narrow", "die-chunked", "die-run"])
 def test_dead_rank_fails_the_step_on_every_survivor_within_bounded_time(scenario):
     """Bounded: both survivors answer (within _run's liveness deadline), with the failed layer, where a wait
-    without a timeout would hang and answer nothing; whether the layers move whole, packed, or packed in chunks
-    (each waited for as it is issued)."""
+    without a timeout would hang and answer nothing; whether the layers move whole, packed, packed in chunks
+    (each waited for as it is issued), or as a run."""
     out = _run(world=3, num_layers=6, scenario=scenario)
     assert sorted(out) == [0, 1], out
     for rank, (status, payload) in out.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpp_core.packing import (CALL_BYTES, PACK_PASSES, LayerPack, StepBlocks, call_bytes, choose,
+from kvpp_core.packing import (CALL_BYTES, PACK_PASSES, LayerPack, Move, StepBlocks, call_bytes, choose,
                                pack_buffer_bytes)
 
 pytestmark = pytest.mark.unit
@@ -22,27 +22,47 @@ def test_step_blocks_are_sorted_unique_ids_and_their_runs():
     assert StepBlocks([]).runs == () and StepBlocks([7]).runs == (range(7, 8),)
 
 
-@pytest.mark.parametrize("fraction, packed", [(0.10, True), (0.30, True), (0.34, False), (0.50, False), (1.0, False)])
-def test_a_collective_packs_while_three_passes_over_the_referenced_blocks_touch_less_than_the_layer(fraction, packed):
+@pytest.mark.parametrize("fraction, move", [(0.10, Move.PACKED), (0.30, Move.PACKED), (0.34, Move.WHOLE),
+                                            (0.50, Move.WHOLE), (1.0, Move.WHOLE)])
+def test_a_collective_packs_scattered_blocks_while_three_passes_over_them_touch_less_than_the_layer(fraction, move):
     blocks = 8192  # a 128K-token layer
-    step = StepBlocks(range(0, int(blocks * fraction) * 2, 2))  # scattered: runs do not matter to a pack
-    assert choose(step, blocks, PAGE, CPU, packed=True) is packed
+    step = StepBlocks(range(0, int(blocks * fraction) * 2, 2))  # scattered: a collective per block costs most
+    assert choose(step, blocks, PAGE, CPU, collective=True) is move
+
+
+def test_a_collective_sends_few_runs_as_they_lie_where_a_pack_would_lose_to_the_whole_layer():
+    blocks = 8192
+    assert choose(StepBlocks(range(4096)), blocks, PAGE, CPU, collective=True) is Move.RUNS  # half, one run
+    halves = StepBlocks([b for start in range(0, blocks, 512) for b in range(start, start + 256)])  # half, 16 runs
+    assert choose(halves, blocks, PAGE, CPU, collective=True) is Move.RUNS
+    shorter = StepBlocks([b for start in range(0, blocks, 128) for b in range(start, start + 64)])  # half, 64 runs
+    assert choose(shorter, blocks, PAGE, CPU, collective=True) is Move.WHOLE  # 64 calls cost more than half a layer
+    # Each run's call outweighs what it saves once runs are short: then a pack, or the whole layer.
+    assert choose(StepBlocks(range(0, 400, 2)), blocks, PAGE, CPU, collective=True) is Move.PACKED
+    # Two caches (an SFA layer's) are two calls per run.
+    assert choose(halves, blocks, PAGE, CPU, collective=True, caches=2) is Move.RUNS
+    assert choose(halves, blocks, PAGE // 8, CPU, collective=True, caches=2) is Move.WHOLE  # small pages: calls dominate
 
 
 def test_a_copy_run_by_run_pays_each_runs_call():
     blocks, call_pages = 2048, CALL_BYTES["cpu"] / PAGE
     contiguous = StepBlocks(range(1024))  # half the layer in one run: half the bytes
-    assert choose(contiguous, blocks, PAGE, CPU, packed=False)
+    assert choose(contiguous, blocks, PAGE, CPU, collective=False) is Move.RUNS
     # Every other block: half the bytes, but a call per block costs more than the other half.
-    assert call_pages > 1 and not choose(StepBlocks(range(0, blocks, 2)), blocks, PAGE, CPU, packed=False)
-    assert choose(StepBlocks(range(0, blocks // 5, 2)), blocks, PAGE, CPU, packed=False)  # 10%, in 205 runs
+    assert call_pages > 1 and choose(StepBlocks(range(0, blocks, 2)), blocks, PAGE, CPU, collective=False) is Move.WHOLE
+    assert choose(StepBlocks(range(0, blocks // 5, 2)), blocks, PAGE, CPU, collective=False) is Move.RUNS  # 205 runs
+    # Through shared memory nothing is packed, however scattered.
+    assert all(choose(StepBlocks(range(0, int(blocks * f) * 2, 2)), blocks, PAGE, CPU, collective=False)
+               is not Move.PACKED for f in (0.01, 0.1, 0.3))
 
 
 def test_blocks_not_known_move_the_whole_layer_and_tiny_layers_too():
-    assert not choose(None, 8192, PAGE, CPU, packed=True)
-    # A layer of 4 blocks: the fixed cost of three calls outweighs the three blocks a pack of one saves.
-    assert not choose(StepBlocks([3]), 4, PAGE, CPU, packed=True)
+    assert choose(None, 8192, PAGE, CPU, collective=True) is Move.WHOLE
+    # A layer of 4 blocks: its one referenced block as one run saves the bytes of three, a pack's three calls do not.
+    assert choose(StepBlocks([3]), 4, PAGE, CPU, collective=True) is Move.RUNS
+    assert choose(StepBlocks([1, 3]), 4, PAGE, CPU, collective=True) is Move.WHOLE  # two calls outweigh two blocks
     assert call_bytes(torch.device("cuda")) > call_bytes(CPU)
+    assert call_bytes(CPU, collective=True) > call_bytes(CPU)
 
 
 def test_a_pack_buffer_holds_a_third_of_the_layer_up_to_the_bound():
