@@ -35,9 +35,10 @@ CALL_BYTES = {"cpu": 64 << 10}
 """A copy call's fixed cost, in bytes it could have copied instead. On this project's CPU hosts a torch copy call
 costs about 3.5 µs, 12-53 KiB at the copy's bandwidth (bench/results/packing.json, `calls`), rounded up: in
 doubt, a layer moves whole."""
-COLLECTIVE_CALL_BYTES = {"cpu": 2 << 20}
-"""The same for one collective call between processes on a CPU host: a gloo broadcast of a few bytes between
-two ranks takes 0.2-0.8 ms, 0.6-2 MiB at its 2.8 GB/s (bench/results/packing.json, `calls`), rounded up."""
+COLLECTIVE_CALL_BYTES = {"cpu": 1 << 20}
+"""The same for one collective call between processes on a CPU host: a gloo broadcast of 8 bytes between two
+ranks took 0.15 ms, 0.45-0.51 MB at gloo's whole-layer rate (bench/results/packing.json, `layer`:
+`collective_call_s`), rounded up to about twice that."""
 DEVICE_CALL_BYTES = 16 << 20
 """A call's fixed cost on device memory (a kernel launch, or a collective's latency, of ~8 µs at ~2 TB/s), from
 the H200 figures of issue 37 (16 range copies of a 128K-token layer: 203 µs, one whole-layer copy: 79 µs); the

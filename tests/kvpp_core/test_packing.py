@@ -35,8 +35,8 @@ def test_a_collective_sends_few_runs_as_they_lie_where_a_pack_would_lose_to_the_
     assert choose(StepBlocks(range(4096)), blocks, PAGE, CPU, collective=True) is Move.RUNS  # half, one run
     halves = StepBlocks([b for start in range(0, blocks, 512) for b in range(start, start + 256)])  # half, 16 runs
     assert choose(halves, blocks, PAGE, CPU, collective=True) is Move.RUNS
-    shorter = StepBlocks([b for start in range(0, blocks, 128) for b in range(start, start + 64)])  # half, 64 runs
-    assert choose(shorter, blocks, PAGE, CPU, collective=True) is Move.WHOLE  # 64 calls cost more than half a layer
+    shorter = StepBlocks([b for start in range(0, blocks, 64) for b in range(start, start + 32)])  # half, 128 runs
+    assert choose(shorter, blocks, PAGE, CPU, collective=True) is Move.WHOLE  # 128 calls cost more than half a layer
     # Each run's call outweighs what it saves once runs are short: then a pack, or the whole layer.
     assert choose(StepBlocks(range(0, 400, 2)), blocks, PAGE, CPU, collective=True) is Move.PACKED
     # Two caches (an SFA layer's) are two calls per run.
