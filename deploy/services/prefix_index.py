@@ -137,8 +137,8 @@ class PrefixIndex:
         self.block_size: int | None = None
         self._entries: dict[Name, tuple[bytes, Name | None]] = {}
         """A name -> (its key, its parent's name; None: a first block)."""
-        self._held: dict[bytes, int] = {}
-        """A key -> how many indexed names have it (those with one or more: marked in `holders`)."""
+        self._twins: dict[bytes, int] = {}
+        """A key -> how many indexed names have it besides the first (a key held at all is marked in `holders`)."""
         self._children: dict[Name, int] = {}
         """A name -> indexed blocks whose parent it is (indexed itself or not)."""
         self._leaves: collections.OrderedDict[Name, None] = collections.OrderedDict()
@@ -162,15 +162,15 @@ class PrefixIndex:
         return self._firsts > 0
 
     def clear(self) -> None:
-        for key in self._held:
+        for key in {key for key, _ in self._entries.values()}:
             self._unmark(key)
-        for table in (self._entries, self._held, self._children, self._leaves, self._orphans, self._waiting):
+        for table in (self._entries, self._twins, self._children, self._leaves, self._orphans, self._waiting):
             table.clear()
         self._firsts = 0
         self.block_size = None
 
     def holds(self, key: bytes) -> bool:
-        return key in self._held
+        return bool(self.holders.by_key.get(key, 0) & self.bit)
 
     def keys_of(self, names: Sequence[Name], start: int = 0) -> list[bytes]:
         """The keys this index gave the blocks vLLM names `names[start:]`, up to the first it did not index."""
@@ -184,9 +184,9 @@ class PrefixIndex:
 
     def matched_blocks(self, keys: Iterable[bytes]) -> int:
         """How many of a prompt's first blocks (their keys, in order) this instance holds."""
-        held, n = self._held, 0
+        by_key, bit, n = self.holders.by_key, self.bit, 0
         for key in keys:
-            if key not in held:
+            if not by_key.get(key, 0) & bit:
                 break
             n += 1
         return n
@@ -230,7 +230,7 @@ class PrefixIndex:
     # -- indexed blocks --------------------------------------------------------------------------------
     def _index(self, name: Name, parent: Name | None, key: bytes) -> None:
         """Index `name` as the newest block, then every orphan that waited for it."""
-        entries, held, children, leaves = self._entries, self._held, self._children, self._leaves
+        entries, children, leaves = self._entries, self._children, self._leaves
         by_key, bit = self.holders.by_key, self.bit
         pending = [(name, parent, key)]
         while pending:
@@ -244,10 +244,11 @@ class PrefixIndex:
             if old is not None:
                 self._forget(name)
             entries[name] = entry
-            count = held.get(key, 0)
-            held[key] = count + 1
-            if not count:
-                by_key[key] = by_key.get(key, 0) | bit
+            holders = by_key.get(key, 0)
+            if holders & bit:
+                self._twins[key] = self._twins.get(key, 0) + 1
+            else:
+                by_key[key] = holders | bit
             if not children.get(name):
                 leaves[name] = None
             if parent is None:
@@ -270,7 +271,9 @@ class PrefixIndex:
             return
         key, parent = entry
         self._leaves.pop(name, None)
-        if _drop_one(self._held, key):
+        if key in self._twins:
+            _drop_one(self._twins, key)
+        else:
             self._unmark(key)
         if parent is None:
             self._firsts -= 1

@@ -139,8 +139,8 @@ class PrefixRouter:
         self.tokenizations = Counter("kvpp_proxy_tokenizations", "Prompts the proxy had a prefill tokenize "
                                      "(asked), and prompts it routed without (skipped: no instance may hold their "
                                      "first block).", ["outcome"], registry=registry)
-        for reason in FALLBACKS:
-            self.fallbacks.labels(reason)
+        self._hits = {url: self.hits.labels(url) for url in self.streams}
+        self._fallbacks = {reason: self.fallbacks.labels(reason) for reason in FALLBACKS}
         for outcome in ("asked", "skipped"):
             self.tokenizations.labels(outcome)
 
@@ -176,10 +176,10 @@ class PrefixRouter:
         if len(self._first_blocks) > FIRST_BLOCKS:
             self._first_blocks.popitem(last=False)
 
-    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, int]:
-        """Per instance, how many leading full blocks of the prompt it holds; keys are computed only while some
-        instance of a block size holds them all."""
-        matched = {b.url: 0 for b in order}
+    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, tuple[int, int]]:
+        """The instances holding some leading full blocks of the prompt: how many, and their block size. Keys are
+        computed only while some instance of a block size holds them all."""
+        matched: dict[str, tuple[int, int]] = {}
         by_size: dict[int, dict[int, str]] = collections.defaultdict(dict)  # block size -> an index's bit -> its URL
         for b in order:
             index = self.streams[b.url].index
@@ -187,7 +187,7 @@ class PrefixRouter:
                 by_size[index.block_size][index.bit] = b.url
         for size, urls in by_size.items():
             for bit, held in self.holders.runs(prompt.keys(size), sum(urls)).items():
-                matched[urls[bit]] = held
+                matched[urls[bit]] = held, size
         return matched
 
     def choose(self, order: list, prompt: Prompt | str, estimate: int) -> list[Leg]:
@@ -195,20 +195,19 @@ class PrefixRouter:
         queued prompt tokens plus what this prompt computes there. `prompt` may be a FALLBACKS reason instead,
         with `estimate` the prompt's guessed size."""
         if isinstance(prompt, str):
-            n, matched = estimate, {b.url: 0 for b in order}
+            n, matched = estimate, {}
         else:
             n, matched = len(prompt), self._matched(order, prompt)
         most = max(n - 1, 0)  # the last prompt token is always computed
-        streams = self.streams
-        legs = [Leg(b, n - min(matched[b.url] * (streams[b.url].index.block_size or 0), most)) for b in order]
+        saved = {url: min(held * size, most) for url, (held, size) in matched.items()}
+        legs = [Leg(b, n - saved.get(b.url, 0)) for b in order]
         best = min(legs, key=lambda leg: leg.backend.queued_tokens + leg.tokens)  # ties: the rotation's turn
-        held = matched[best.backend.url]
-        if held:
-            self.hits.labels(best.backend.url).inc()
-            self.hit_blocks.observe(held)
+        if best.backend.url in matched:
+            self._hits[best.backend.url].inc()
+            self.hit_blocks.observe(matched[best.backend.url][0])
         else:
-            reason = prompt if isinstance(prompt, str) else "overloaded" if any(matched.values()) else "miss"
-            self.fallbacks.labels(reason).inc()
+            reason = prompt if isinstance(prompt, str) else "overloaded" if matched else "miss"
+            self._fallbacks[reason].inc()
         return [best, *(leg for leg in legs if leg is not best)]
 
     async def legs(self, session: aiohttp.ClientSession, path: str, body: dict, order: list) -> list[Leg]:

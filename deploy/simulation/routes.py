@@ -7,7 +7,10 @@ them. The simulated blocks carry hashes, not text, so each block reaches the rou
 token ids (its hash, then zeros): two blocks get the same router key exactly when they are the same block, which
 is all the router's choice depends on. A prompt's keys are those its blocks got in the indexes, remembered while
 some engine caches the block (so each block's key is one lookup, not one per index); past the first block no index
-holds, no instance can match, so the router is given a key none holds there and no further.
+holds, no instance can match, so the router is given a key none holds there and no further. The remembered keys are
+all an index can hold unless an index kept a block aside as an orphan (its bound, `max_index_blocks`, below an
+engine's blocks, forgot the block's parent): it may index that block later, unseen, so from then on the indexes are
+asked for the keys past those remembered.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class CacheAware(RoundRobin):
         """A block's hash -> the key an index gave it when it was stored, while some engine caches it."""
         self._copies: dict[int, int] = {}
         """A block's hash -> the engines' cached blocks that have it."""
+        self._orphans = False
+        """Whether an index ever kept an orphan (then it may hold keys not remembered)."""
 
     def choose(self, prompt: int, hashes: np.ndarray) -> tuple[int, int]:
         leg = self.router.choose(self.rotation.order(), _SimPrompt(prompt, hashes, self), prompt)[0]
@@ -93,11 +98,14 @@ class CacheAware(RoundRobin):
     def keys(self, hashes: np.ndarray) -> list[bytes]:
         """The router keys of a chain of blocks, first to last, as the indexes gave them, up to the first block no
         index holds, which gets UNHELD. The indexes give a block the same key (its chain's), so the keys remembered
-        and one pass over the indexes for the rest extend the chain as far as the longest run any of them holds."""
+        and (after an orphan) one pass over the indexes for the rest extend the chain as far as the longest run any
+        of them holds."""
         keys = list(map(self._keys.get, hashes.tolist()))
         if None not in keys:
             return keys
         del keys[keys.index(None):]
+        if not self._orphans:
+            return keys + [UNHELD]
         names = [(MEDIUM, h) for h in hashes[len(keys):].tolist()]
         rest: list[bytes] = []
         for index in self._indexes:
@@ -117,6 +125,7 @@ class CacheAware(RoundRobin):
         for h in block_hashes:
             copies[h] = copies.get(h, 0) + 1
         known.update(zip(block_hashes, index.keys_of([(MEDIUM, h) for h in block_hashes])))
+        self._orphans = self._orphans or index.orphans > 0
 
     def removed(self, engine: int, block_hashes: list[int]) -> None:
         self._indexes[engine].remove(BlockRemoved(block_hashes=block_hashes, medium=MEDIUM))
