@@ -204,7 +204,7 @@ class Simulation:
     def run(self, requests: Iterable[Request]) -> Result:
         """Simulate `requests` to their answers. Python's cycle collector is off meanwhile: the run makes no cycles
         (its peak memory is the same without it), and the collector's passes over the millions of objects the
-        router's indexes hold cost a tenth of a cache-aware run."""
+        router's indexes hold cost 5-20% of a cache-aware run."""
         collecting = gc.isenabled()
         gc.disable()
         try:
