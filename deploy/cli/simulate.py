@@ -104,7 +104,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=cli_args.path, default=None, metavar="FILE.json", help="also write the JSON here")
     p.add_argument("--plot", type=cli_args.image_path, default=None, metavar="FILE.png",
                    help="also draw hit rate and goodput against KV memory, a line per mode")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar on a terminal, else a line every 5 s)")
     p.set_defaults(func=run)
 
 

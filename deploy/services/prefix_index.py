@@ -76,6 +76,47 @@ def _drop_one(counts: dict, key) -> bool:
     return True
 
 
+class Holders:
+    """Which instances hold each key, shared by the indexes of one router: matching a prompt looks each of its blocks
+    up once for all instances, not once per instance."""
+
+    def __init__(self):
+        self.by_key: dict[bytes, int] = {}
+        """A key -> the bits of the indexes that hold it (an index's `bit`)."""
+        self._slots = 0
+
+    def slot(self) -> int:
+        """A bit for a new index."""
+        bit = 1 << self._slots
+        self._slots += 1
+        return bit
+
+    def runs(self, keys: Iterable[bytes], bits: int) -> dict[int, int]:
+        """How many of a prompt's first blocks (their keys, in order) each index of `bits` holds, by its bit (those
+        holding none left out); `keys` is read up to the first block none of them holds."""
+        by_key, runs, n = self.by_key, {}, 0
+        for key in keys:
+            held = by_key.get(key, 0) & bits
+            if held != bits:
+                if n:
+                    _count(runs, bits & ~held, n)
+                bits = held
+                if not bits:
+                    return runs
+            n += 1
+        if n:
+            _count(runs, bits, n)
+        return runs
+
+
+def _count(runs: dict[int, int], bits: int, n: int) -> None:
+    """runs[bit] = n for each bit set in `bits`."""
+    while bits:
+        low = bits & -bits
+        runs[low] = n
+        bits ^= low
+
+
 @dataclass(frozen=True)
 class _Orphan:
     parent: Name
@@ -84,17 +125,20 @@ class _Orphan:
 
 
 class PrefixIndex:
-    """The full blocks one instance holds; at most `max_blocks` indexed and as many orphans waiting for a parent."""
+    """The full blocks one instance holds; at most `max_blocks` indexed and as many orphans waiting for a parent.
+    Its keys are also marked with its bit in `holders` (the router's, shared by its instances; by default its own)."""
 
-    def __init__(self, max_blocks: int):
+    def __init__(self, max_blocks: int, holders: Holders | None = None):
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
+        self.holders = Holders() if holders is None else holders
+        self.bit = self.holders.slot()
         self.block_size: int | None = None
         self._entries: dict[Name, tuple[bytes, Name | None]] = {}
         """A name -> (its key, its parent's name; None: a first block)."""
-        self._held: dict[bytes, int] = {}
-        """A key -> how many indexed names have it."""
+        self._twins: dict[bytes, int] = {}
+        """A key -> how many indexed names have it besides the first (a key held at all is marked in `holders`)."""
         self._children: dict[Name, int] = {}
         """A name -> indexed blocks whose parent it is (indexed itself or not)."""
         self._leaves: collections.OrderedDict[Name, None] = collections.OrderedDict()
@@ -118,13 +162,15 @@ class PrefixIndex:
         return self._firsts > 0
 
     def clear(self) -> None:
-        for table in (self._entries, self._held, self._children, self._leaves, self._orphans, self._waiting):
+        for key in {key for key, _ in self._entries.values()}:
+            self._unmark(key)
+        for table in (self._entries, self._twins, self._children, self._leaves, self._orphans, self._waiting):
             table.clear()
         self._firsts = 0
         self.block_size = None
 
     def holds(self, key: bytes) -> bool:
-        return key in self._held
+        return bool(self.holders.by_key.get(key, 0) & self.bit)
 
     def keys_of(self, names: Sequence[Name], start: int = 0) -> list[bytes]:
         """The keys this index gave the blocks vLLM names `names[start:]`, up to the first it did not index."""
@@ -138,9 +184,9 @@ class PrefixIndex:
 
     def matched_blocks(self, keys: Iterable[bytes]) -> int:
         """How many of a prompt's first blocks (their keys, in order) this instance holds."""
-        held, n = self._held, 0
+        by_key, bit, n = self.holders.by_key, self.bit, 0
         for key in keys:
-            if key not in held:
+            if not by_key.get(key, 0) & bit:
                 break
             n += 1
         return n
@@ -184,7 +230,8 @@ class PrefixIndex:
     # -- indexed blocks --------------------------------------------------------------------------------
     def _index(self, name: Name, parent: Name | None, key: bytes) -> None:
         """Index `name` as the newest block, then every orphan that waited for it."""
-        entries, held, children, leaves = self._entries, self._held, self._children, self._leaves
+        entries, children, leaves = self._entries, self._children, self._leaves
+        by_key, bit = self.holders.by_key, self.bit
         pending = [(name, parent, key)]
         while pending:
             name, parent, key = pending.pop()
@@ -197,7 +244,11 @@ class PrefixIndex:
             if old is not None:
                 self._forget(name)
             entries[name] = entry
-            held[key] = held.get(key, 0) + 1
+            holders = by_key.get(key, 0)
+            if holders & bit:
+                self._twins[key] = self._twins.get(key, 0) + 1
+            else:
+                by_key[key] = holders | bit
             if not children.get(name):
                 leaves[name] = None
             if parent is None:
@@ -220,13 +271,24 @@ class PrefixIndex:
             return
         key, parent = entry
         self._leaves.pop(name, None)
-        _drop_one(self._held, key)
+        if key in self._twins:
+            _drop_one(self._twins, key)
+        else:
+            self._unmark(key)
         if parent is None:
             self._firsts -= 1
             return
         if _drop_one(self._children, parent) and parent in self._entries:
             self._leaves[parent] = None
             self._leaves.move_to_end(parent, last=False)
+
+    def _unmark(self, key: bytes) -> None:
+        by_key = self.holders.by_key
+        rest = by_key[key] & ~self.bit
+        if rest:
+            by_key[key] = rest
+        else:
+            del by_key[key]
 
     def _trim(self) -> None:
         """Forget the least recent leaves until the index fits (with none, only a parent chain that loops, which

@@ -6,7 +6,8 @@ The prompt's tokens come from a prefill's own `/tokenize` (its tokenizer and cha
 request when it sends token ids. Only full blocks count, and the last prompt token is always computed. The
 tokenizer is asked only when some instance may hold the prompt's first block: a prompt whose leading text was
 tokenized before is known by it, and a prompt never seen needs an instance holding some first block. Keys are
-computed block by block and stop at the first block no instance holds.
+computed block by block, each looked up once for all instances (their indexes share one table of holders), and stop
+at the first block no instance holds.
 
 Every decision weighs load: an instance's cost is the prompt tokens this proxy's prefill legs in flight there
 still compute, plus what this prompt would compute there. Without tokens (no index yet, a prompt the proxy does
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import itertools
 import json
 import logging
 from collections.abc import Sequence
@@ -30,7 +30,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from deploy.services.event_stream import EventMetrics, EventStream
-from deploy.services.prefix_index import ROOT, PrefixIndex, Prompt, block_key
+from deploy.services.prefix_index import ROOT, Holders, PrefixIndex, Prompt, block_key
 
 logger = logging.getLogger("kvpp.proxy")
 
@@ -47,9 +47,6 @@ CHARS_PER_TOKEN = 4
 FINGERPRINT_CHARS_PER_TOKEN = 32
 """Leading prompt text that names its first block: this many characters per token of the largest block size, far
 more than any tokenizer puts into a token, so two prompts alike that far begin with the same first block."""
-KEY_BATCH = 8
-"""Block keys computed at once while matching a prompt (then as many as are known): fewer steps, at most twice the
-keys needed."""
 FIRST_BLOCKS = 1 << 16
 """Prompts whose first block the proxy remembers by their leading text (the least recently used forgotten)."""
 FULL_REPORT = {"kv_cache_report_mode": "full"}
@@ -124,8 +121,9 @@ class PrefixRouter:
                              "URL(s): give one per prefill, in the same order")
         self.settings = settings
         metrics = EventMetrics(registry)
-        self.streams = {b.url: EventStream(b.url, endpoint, PrefixIndex(settings.max_index_blocks), metrics,
-                                           settings.event_timeout, replays[i] if replays else None)
+        self.holders = Holders()
+        self.streams = {b.url: EventStream(b.url, endpoint, PrefixIndex(settings.max_index_blocks, self.holders),
+                                           metrics, settings.event_timeout, replays[i] if replays else None)
                         for i, (b, endpoint) in enumerate(zip(backends, settings.endpoints))}
         self._started = False
         """Every index had its first sync (or the wait for them ended)."""
@@ -141,8 +139,8 @@ class PrefixRouter:
         self.tokenizations = Counter("kvpp_proxy_tokenizations", "Prompts the proxy had a prefill tokenize "
                                      "(asked), and prompts it routed without (skipped: no instance may hold their "
                                      "first block).", ["outcome"], registry=registry)
-        for reason in FALLBACKS:
-            self.fallbacks.labels(reason)
+        self._hits = {url: self.hits.labels(url) for url in self.streams}
+        self._fallbacks = {reason: self.fallbacks.labels(reason) for reason in FALLBACKS}
         for outcome in ("asked", "skipped"):
             self.tokenizations.labels(outcome)
 
@@ -178,27 +176,18 @@ class PrefixRouter:
         if len(self._first_blocks) > FIRST_BLOCKS:
             self._first_blocks.popitem(last=False)
 
-    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, int]:
-        """Per instance, how many leading full blocks of the prompt it holds; keys are computed in growing batches,
-        only while some instance of a block size holds them all."""
-        matched = {b.url: 0 for b in order}
-        by_size: dict[int, list[tuple[str, PrefixIndex]]] = collections.defaultdict(list)
+    def _matched(self, order: Sequence, prompt: Prompt) -> dict[str, tuple[int, int]]:
+        """The instances holding some leading full blocks of the prompt: how many, and their block size. Keys are
+        computed only while some instance of a block size holds them all."""
+        matched: dict[str, tuple[int, int]] = {}
+        by_size: dict[int, dict[int, str]] = collections.defaultdict(dict)  # block size -> an index's bit -> its URL
         for b in order:
             index = self.streams[b.url].index
             if index.block_size is not None:
-                by_size[index.block_size].append((b.url, index))
-        for size, holders in by_size.items():
-            keys: list[bytes] = []
-            source = prompt.keys(size)
-            for url, index in holders:
-                held = index.matched_blocks(keys)
-                while held == len(keys):  # it holds every key known so far: more are needed, a batch at a time
-                    more = list(itertools.islice(source, max(KEY_BATCH, len(keys))))
-                    if not more:
-                        break
-                    keys += more
-                    held += index.matched_blocks(more)
-                matched[url] = held
+                by_size[index.block_size][index.bit] = b.url
+        for size, urls in by_size.items():
+            for bit, held in self.holders.runs(prompt.keys(size), sum(urls)).items():
+                matched[urls[bit]] = held, size
         return matched
 
     def choose(self, order: list, prompt: Prompt | str, estimate: int) -> list[Leg]:
@@ -206,20 +195,19 @@ class PrefixRouter:
         queued prompt tokens plus what this prompt computes there. `prompt` may be a FALLBACKS reason instead,
         with `estimate` the prompt's guessed size."""
         if isinstance(prompt, str):
-            n, matched = estimate, {b.url: 0 for b in order}
+            n, matched = estimate, {}
         else:
             n, matched = len(prompt), self._matched(order, prompt)
         most = max(n - 1, 0)  # the last prompt token is always computed
-        streams = self.streams
-        legs = [Leg(b, n - min(matched[b.url] * (streams[b.url].index.block_size or 0), most)) for b in order]
+        saved = {url: min(held * size, most) for url, (held, size) in matched.items()}
+        legs = [Leg(b, n - saved.get(b.url, 0)) for b in order]
         best = min(legs, key=lambda leg: leg.backend.queued_tokens + leg.tokens)  # ties: the rotation's turn
-        held = matched[best.backend.url]
-        if held:
-            self.hits.labels(best.backend.url).inc()
-            self.hit_blocks.observe(held)
+        if best.backend.url in matched:
+            self._hits[best.backend.url].inc()
+            self.hit_blocks.observe(matched[best.backend.url][0])
         else:
-            reason = prompt if isinstance(prompt, str) else "overloaded" if any(matched.values()) else "miss"
-            self.fallbacks.labels(reason).inc()
+            reason = prompt if isinstance(prompt, str) else "overloaded" if matched else "miss"
+            self._fallbacks[reason].inc()
         return [best, *(leg for leg in legs if leg is not best)]
 
     async def legs(self, session: aiohttp.ClientSession, path: str, body: dict, order: list) -> list[Leg]:

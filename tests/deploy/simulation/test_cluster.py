@@ -110,3 +110,30 @@ def test_open_loop_requests_arrive_when_the_trace_says():
         [to_request(line, i, BS, BS) for i, line in enumerate(lines)])
     assert [x["arrival_s"] for x in sorted(log, key=lambda x: x["index"])] == [0.0, 1.0, 2.0, 3.0]
     assert np.isfinite([x["answer_s"] for x in log]).all()
+
+
+def test_past_an_index_bound_below_the_engines_blocks_the_router_sees_what_the_indexes_hold():
+    """An index bound below an engine's blocks forgets blocks the engine still caches (their keys stay remembered)
+    and keeps children of forgotten parents aside as orphans (from then on the indexes are asked past the keys
+    remembered): every prompt matches as it would with keys taken from the indexes alone."""
+    sim = Simulation(_engine(40, held=True), 2, "cache-aware", COSTS, "off")
+    policy, remembered = sim.policy, sim.policy.keys
+    for index in policy._indexes:
+        index.max_blocks = 4
+    holders, everyone = policy.router.holders, sum(index.bit for index in policy._indexes)
+    matches = []
+
+    def checked(hashes):
+        keys = remembered(hashes)
+        names = [("GPU", h) for h in hashes.tolist()]
+        indexed: list[bytes] = []
+        for index in policy._indexes:  # what the indexes alone give
+            indexed += index.keys_of(names, len(indexed))
+        matches.append(holders.runs(indexed, everyone))
+        assert holders.runs(keys, everyone) == matches[-1]
+        return keys
+
+    policy.keys = checked
+    result = sim.run(_conversations(8, 6))
+    assert result.evictions > 0 and policy._orphans, "the indexes forgot blocks and kept orphans"
+    assert any(matches), "some prompts matched"
