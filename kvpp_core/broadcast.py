@@ -4,8 +4,9 @@ Pure torch.distributed, no vLLM: the same object runs inside the engine and in t
 tests. Collectives are asynchronous so that the next layer's transfer overlaps this layer's
 compute; every rank issues them in the same order (execution order of the target layers), which
 is what keeps owners and receivers matched without any extra coordination. A layer moves as exactly
-the blocks the step references, packed into one buffer, or whole (kvpp_core.packing): every rank
-derives the same blocks and the same choice from the same scheduler output, so nothing else travels.
+the blocks the step references, packed into one buffer or run by run, or whole (kvpp_core.packing):
+every rank derives the same blocks and the same choice from the same scheduler output, so nothing else
+travels.
 """
 
 from __future__ import annotations
