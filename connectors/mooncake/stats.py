@@ -133,7 +133,7 @@ class MooncakeV2PromMetrics(CounterPromMetrics):
         "failures": ("vllm:mooncake_v2_failed_pulls", "Pulls that failed (load errors reported)."),
         "stalled": ("vllm:mooncake_v2_stalled_pulls",
                     "Failed pulls given up because their prefill made no progress within the stall bound."),
-        "retried": ("vllm:mooncake_v2_retried_reads", "Reads that failed at once and were issued again (once per pull)."),
+        "retried": ("vllm:mooncake_v2_retried_reads", "Reads that failed at once and were issued again (each retry counted)."),
         "seconds": ("vllm:mooncake_v2_transfer_seconds", "Seconds spent reading in the transfer engine."),
         **{f"{phase}_s": (f"vllm:mooncake_v2_{phase}_seconds", f"Pulled requests' time in phase: {doc}.")
            for phase, doc in PHASES.items()},

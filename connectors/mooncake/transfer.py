@@ -31,6 +31,13 @@ DEFAULT_MAX_ENTRY_BYTES = 1 << 20
 DEFAULT_LANES = 4  # Mooncake's TCP lanes per peer by default; MC_TCP_LANES_PER_PEER sets 1-16
 MAX_LANES = 16
 MIN_NAP_S, MAX_NAP_S = 50e-6, 250e-6
+MAX_RETRIES = 3
+"""Times a pull issues again the reads that failed at once. A prefill resumed after a stall still closes for a
+moment the connections its peer dropped, and a read meeting one fails at once (a clean-clone run: 2 of 162
+reads failed twice, right after a stall): so a failed read is issued again after a pause (RETRY_PAUSE_S, doubled
+each time) as long as some read landed since the last retry. A peer whose reads all fail (dead, refusing) fails
+the pull at its first retry."""
+RETRY_PAUSE_S = 0.02
 """Polling pause while no read ended: doubles from the first to the second. A lane whose read ended
 idles until the next poll, so the pause stays well under one 1 MiB read's time on a fast link
 (bench/pd_transfer.py measures the pull against raw reads)."""
@@ -231,19 +238,25 @@ class MooncakeTransfer:
 
     def read(self, peer_session: str, descs: Iterable[Desc], watch: StallWatch | None = None) -> Moved:
         """Pull every copy from the peer. Reads that fail at once (within half the stall bound of their
-        start: a refused or reset connection) are issued once more, Mooncake opening a fresh connection
-        for them; a pull that `watch` finds stalled, whose reads Mooncake dropped for making no progress
-        (they failed later than that), or whose prefill another pull found stalled, raises Stalled and
-        starts no further read. Every error carries the reads still in flight (`TransferError.drain`)."""
+        start: a refused or reset connection) are issued again after a pause, Mooncake opening a fresh
+        connection for them, while the peer lands other reads between (MAX_RETRIES); a pull that `watch`
+        finds stalled, whose reads Mooncake dropped for making no progress (they failed later than that),
+        or whose prefill another pull found stalled, raises Stalled and starts no further read. Every error
+        carries the reads still in flight (`TransferError.drain`)."""
         pieces = deque(cut_entries(coalesce(descs), self.max_entry_bytes))
         count, total = len(pieces), sum(d.length for d in pieces)
         flight: dict[int, tuple[Desc, float]] = {}  # batch id -> (the read, when it started)
-        retried, nap = 0, MIN_NAP_S
+        pausing: list[Desc] = []  # failed reads waiting for their retry at `due`
+        retried = rounds = landed = landed_at_retry = 0
+        nap, due = MIN_NAP_S, 0.0
         try:
-            while pieces or flight:
+            while pieces or flight or pausing:
                 if watch is not None and watch.progress.stalled:
                     raise Stalled(f"another pull from the prefill at {peer_session} found it stalled; "
-                                  f"{count - len(pieces) - len(flight)} of {count} reads done")
+                                  f"{landed} of {count} reads done")
+                if pausing and self._clock() >= due:
+                    pieces.extendleft(reversed(pausing))
+                    pausing = []
                 while pieces and self._take(peer_session):
                     d = pieces.popleft()
                     flight[self._submit(peer_session, d)] = (d, self._clock())
@@ -253,6 +266,7 @@ class MooncakeTransfer:
                     if rc in (1, -1):
                         (done if rc == 1 else failed).append(flight.pop(batch_id))
                 now = self._clock()
+                landed += len(done)
                 if done and watch is not None:
                     watch.progressed(now)
                 in_flight = sum(d.length for d, _ in flight.values())
@@ -261,13 +275,14 @@ class MooncakeTransfer:
                     raise Stalled(f"no read from {peer_session} landed within the pull's stall bound "
                                   f"({watch.bound_s:g} s plus {in_flight} bytes in flight at the measured rate)"
                                   + (f", {len(failed)} dropped by Mooncake for no progress" if dropped else "")
-                                  + f"; {count - len(pieces) - len(flight) - len(failed)} of {count} reads done")
-                if failed and retried:
+                                  + f"; {landed} of {count} reads done")
+                if failed and rounds and (landed == landed_at_retry or rounds >= MAX_RETRIES):
                     raise TransferError(f"{len(failed)} reads from {peer_session} failed again after a retry "
-                                        f"of {retried} (of {count} reads)")
+                                        f"({rounds} retries of {retried} reads; {landed} of {count} reads done)")
                 if failed:
-                    retried = len(failed)
-                    pieces.extendleft(d for d, _ in reversed(failed))
+                    rounds, retried, landed_at_retry = rounds + 1, retried + len(failed), landed
+                    pausing += [d for d, _ in failed]
+                    due = now + RETRY_PAUSE_S * 2 ** (rounds - 1)
                 if done or failed:
                     nap = MIN_NAP_S
                 else:

@@ -4,6 +4,7 @@ peers bounded, nothing landing after a given-up pull's reads ended, reads after 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -18,7 +19,8 @@ import zmq
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
 from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
-from connectors.mooncake.transfer import Desc, MooncakeTransfer, Stalled, TransferError, coalesce, cut_entries
+from connectors.mooncake.transfer import (MAX_RETRIES, RETRY_PAUSE_S, Desc, MooncakeTransfer, Stalled, TransferError,
+                                          coalesce, cut_entries)
 from deploy.services.ports import free_port_range
 from testbed.mooncake_peer import TOKEN, layer_name, pages
 from tests.helpers.mooncake_peers import handle, make_puller
@@ -414,6 +416,29 @@ def test_a_read_failing_at_once_is_issued_once_more(fake_engine):
     moved = te.read("peer:1", _pieces(5))
     assert moved.retried == 1 and len(engine.started) == 6 and engine.started.count(engine.started[1]) == 2
     assert te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_a_read_failing_again_while_others_land_is_issued_again_after_a_pause(fake_engine):
+    """A prefill resumed after a stall: a read meets a connection still closing, twice, while the others land."""
+    second = 1 << 21  # the second read fails, and its first reissue
+    te, engine = fake_engine(lambda i, polls: -1 if engine.started[i - 1] == second
+                             and engine.started[:i].count(second) <= 2 else 1)
+    started = time.monotonic()
+    moved = te.read("peer:1", _pieces(8))
+    assert moved.retried == 2 and len(engine.started) == 10 and engine.started.count(second) == 3
+    assert time.monotonic() - started >= RETRY_PAUSE_S * 3  # paused 1x, then 2x, before the reissues
+    assert te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_a_read_that_keeps_failing_fails_the_pull_after_the_last_retry(fake_engine):
+    ticks = itertools.count()
+    te, engine = fake_engine(lambda i, polls: -1 if engine.started[i - 1] == 2 << 21 else 1,  # read 2, every time
+                             clock=lambda: next(ticks) * 0.01)  # 10 ms a look: the others keep landing meanwhile
+    with pytest.raises(TransferError, match=f"failed again after a retry \\({MAX_RETRIES} retries"):
+        te.read("peer:1", _pieces(100))
+    assert engine.started.count(2 << 21) == MAX_RETRIES + 1 and te._in_flight == {}
 
 
 @pytest.mark.unit
