@@ -278,7 +278,8 @@ class MooncakeTransfer:
                                   + f"; {landed} of {count} reads done")
                 if failed and rounds and (landed == landed_at_retry or rounds >= MAX_RETRIES):
                     raise TransferError(f"{len(failed)} reads from {peer_session} failed again after a retry "
-                                        f"({rounds} retries of {retried} reads; {landed} of {count} reads done)")
+                                        f"(retry {rounds} of at most {MAX_RETRIES}, {retried} reads reissued; "
+                                        f"{landed} of {count} reads done)")
                 if failed:
                     rounds, retried, landed_at_retry = rounds + 1, retried + len(failed), landed
                     pausing += [d for d, _ in failed]

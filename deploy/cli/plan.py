@@ -123,8 +123,9 @@ def checked(given: PlanInput, staging: int | None) -> tuple[Mode, list]:
     launch rules for the setup (its errors raised)."""
     kvpp = parse_additional_config({ENABLE_KEY: True, **({} if staging is None else {STAGING_KEY: staging})})
     model, platform = given.model, given.platform
-    setup = KvppSetup(model, given.topology, enforce_eager=True, kvpp=kvpp, device=platform.device if platform else None,
-                      attention_backend=given.kernel, dtype=model.kv_dtype, block_size=given.block_size)
+    setup = KvppSetup(model, given.topology, enforce_eager=True, kvpp=kvpp,
+                      device=platform.device if platform else None, attention_backend=given.kernel,
+                      dtype=model.kv_dtype, block_size=given.block_size)
     warnings = raise_for_errors(validate(setup, connector_rules, platform.name if platform else None))
     return resolve_mode(setup), warnings
 

@@ -39,9 +39,9 @@ def test_a_collective_sends_few_runs_as_they_lie_where_a_pack_would_lose_to_the_
     assert choose(shorter, blocks, PAGE, CPU, collective=True) is Move.WHOLE  # 128 calls cost more than half a layer
     # Each run's call outweighs what it saves once runs are short: then a pack, or the whole layer.
     assert choose(StepBlocks(range(0, 400, 2)), blocks, PAGE, CPU, collective=True) is Move.PACKED
-    # Two caches (an SFA layer's) are two calls per run.
+    # Two caches (an SFA layer's) are two calls per run: with small pages the calls dominate.
     assert choose(halves, blocks, PAGE, CPU, collective=True, caches=2) is Move.RUNS
-    assert choose(halves, blocks, PAGE // 8, CPU, collective=True, caches=2) is Move.WHOLE  # small pages: calls dominate
+    assert choose(halves, blocks, PAGE // 8, CPU, collective=True, caches=2) is Move.WHOLE
 
 
 def test_a_copy_run_by_run_pays_each_runs_call():

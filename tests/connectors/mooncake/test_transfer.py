@@ -436,7 +436,8 @@ def test_a_read_that_keeps_failing_fails_the_pull_after_the_last_retry(fake_engi
     ticks = itertools.count()
     te, engine = fake_engine(lambda i, polls: -1 if engine.started[i - 1] == 2 << 21 else 1,  # read 2, every time
                              clock=lambda: next(ticks) * 0.01)  # 10 ms a look: the others keep landing meanwhile
-    with pytest.raises(TransferError, match=f"failed again after a retry \\({MAX_RETRIES} retries"):
+    last = f"failed again after a retry \\(retry {MAX_RETRIES} of at most {MAX_RETRIES},"
+    with pytest.raises(TransferError, match=last):
         te.read("peer:1", _pieces(100))
     assert engine.started.count(2 << 21) == MAX_RETRIES + 1 and te._in_flight == {}
 
