@@ -101,6 +101,8 @@ class Limits:
 CONTROL_CONNECTIONS = 64
 PROBE_CONNECTIONS = 16
 """The /health prober's own pool: it must reach an instance even while every completion slot is taken."""
+EVENTS_RESTART_S = 1.0
+"""How long after the task running the KV event streams ended it is started again."""
 
 
 class BackendFailure(Exception):
@@ -254,15 +256,35 @@ class PDProxy:
             limit=self.limits.connections, limit_per_host=0, force_close=True))
         self._prober = asyncio.create_task(self._probe_loop())
         if self.router is not None:
-            self._events = asyncio.create_task(run_streams(list(self.router.streams.values())))
+            self._events = asyncio.create_task(self._follow_events())
 
     async def _stop(self, _app) -> None:
-        for task in (self._prober, self._events):
-            if task is not None:
-                task.cancel()
+        tasks = [task for task in (self._prober, self._events) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for session in (self._session, self._fresh, self._probe_session):
             if session is not None:
                 await session.close()
+
+    async def _follow_events(self) -> None:
+        """Run every prefill's KV event stream; should that task end for any reason, log it loudly, count it and
+        start it again. Whatever the streams were doing may be half done: every index is emptied and marked not
+        followed, and with a replay endpoint rebuilt (and trusted) by the first sync of the new task."""
+        streams = list(self.router.streams.values())
+        while True:
+            error: Exception | None = None
+            try:
+                await run_streams(streams)
+            except Exception as exc:
+                error = exc
+            why = "it returned" if error is None else _reason(error)
+            self.router.metrics.restarts.inc()
+            logger.error("the KV event streams' task ended (%s): no prefill's index is followed until it starts "
+                         "again in %g s", why, EVENTS_RESTART_S, exc_info=error)
+            for stream in streams:
+                stream.interrupted(f"the event streams' task ended ({why}), starting again in {EVENTS_RESTART_S:g} s")
+            await asyncio.sleep(EVENTS_RESTART_S)
 
     def _probe_client(self) -> aiohttp.ClientSession:
         if self._probe_session is None or self._probe_session.closed:
@@ -293,13 +315,17 @@ class PDProxy:
 
     # -- handlers ------------------------------------------------------------------------------
     async def handle_health(self, request: web.Request) -> web.Response:
-        """Shallow by default (the proxy is up); `?backends=1` also asks every backend's /health."""
+        """Shallow by default (the proxy is up); `?backends=1` also asks every backend's /health and, with
+        `--kv-events`, says for each prefill whether its index is followed, or why not (it is then routed by load;
+        the proxy still serves, so this alone does not make the answer a 503)."""
         info = {"status": "ok", "prefill": self.prefill.urls, "decode": self.decode.urls}
         if request.query.get("backends") not in ("1", "true"):
             return web.json_response(info)
         urls = self.prefill.urls + self.decode.urls
         results = await asyncio.gather(*(self._backend_ok(u) for u in urls))
         info["backends"] = dict(zip(urls, results))
+        if self.router is not None:
+            info["kv_indexes"] = {url: stream.health() for url, stream in self.router.streams.items()}
         healthy = all(r == "ok" for r in results)
         info["status"] = "ok" if healthy else "degraded"
         return web.json_response(info, status=200 if healthy else 503)

@@ -1,6 +1,7 @@
 """Cache-aware choice of a request's prefill: the instance whose cached prefix of the prompt, net of the prompt
 tokens already queued on it, leaves the least to compute. What each prefill holds comes from its KV cache events
-(deploy/services/event_stream.py, deploy/services/prefix_index.py).
+(deploy/services/event_stream.py, deploy/services/prefix_index.py); an index not trusted (from a break in its
+stream until a sync from the replay endpoint succeeds) is left out, and that prefill is weighed by load alone.
 
 The prompt's tokens come from a prefill's own `/tokenize` (its tokenizer and chat template), or from the
 request when it sends token ids. Only full blocks count, and the last prompt token is always computed. The
@@ -30,6 +31,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from deploy.services.event_stream import EventMetrics, EventStream
+from deploy.services.kv_events import MAX_TOKEN_ID
 from deploy.services.prefix_index import ROOT, Holders, PrefixIndex, Prompt, block_key
 
 logger = logging.getLogger("kvpp.proxy")
@@ -78,11 +80,16 @@ def tokenize_request(path: str, body: dict) -> dict | list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return {"prompt": prompt, **{k: body[k] for k in COMPLETION_KEYS if k in body}}
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and prompt and token_ids(prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) == 1:
         return tokenize_request(path, {**body, "prompt": prompt[0]})
     return None
+
+
+def token_ids(value: list) -> bool:
+    """Whether `value` is a list of token ids the index's keys can hold (vLLM refuses the others itself)."""
+    return all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)
 
 
 def estimated_tokens(body: dict) -> int:
@@ -120,7 +127,7 @@ class PrefixRouter:
             raise ValueError(f"--kv-events-replay names {len(replays)} endpoint(s) for {len(backends)} prefill "
                              "URL(s): give one per prefill, in the same order")
         self.settings = settings
-        metrics = EventMetrics(registry)
+        self.metrics = metrics = EventMetrics(registry)
         self.holders = Holders()
         self.streams = {b.url: EventStream(b.url, endpoint, PrefixIndex(settings.max_index_blocks, self.holders),
                                            metrics, settings.event_timeout, replays[i] if replays else None)
@@ -149,7 +156,10 @@ class PrefixRouter:
         self.streams[url].broke("down")
 
     def _indexes(self, order: Sequence) -> list[PrefixIndex]:
-        return [self.streams[b.url].index for b in order]
+        """The indexes of `order` routing may read: those trusted (an index that may have missed removals since its
+        last sync would attract prompts to an instance that no longer holds them)."""
+        streams = (self.streams[b.url] for b in order)
+        return [stream.index for stream in streams if stream.trusted]
 
     def should_tokenize(self, ask: dict, order: Sequence) -> bool:
         """Whether any of `order` may hold the first block of the prompt `ask` names (then its tokens are worth a
@@ -182,9 +192,9 @@ class PrefixRouter:
         matched: dict[str, tuple[int, int]] = {}
         by_size: dict[int, dict[int, str]] = collections.defaultdict(dict)  # block size -> an index's bit -> its URL
         for b in order:
-            index = self.streams[b.url].index
-            if index.block_size is not None:
-                by_size[index.block_size][index.bit] = b.url
+            stream = self.streams[b.url]
+            if stream.trusted and stream.index.block_size is not None:
+                by_size[stream.index.block_size][stream.index.bit] = b.url
         for size, urls in by_size.items():
             for bit, held in self.holders.runs(prompt.keys(size), sum(urls)).items():
                 matched[urls[bit]] = held, size
@@ -245,6 +255,6 @@ async def prompt_tokens(session: aiohttp.ClientSession, url: str, ask: dict, tim
         logger.debug("tokenize on %s failed: %s", url, exc)
         return "tokenize"
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+    if not isinstance(tokens, list) or not token_ids(tokens):
         return "tokenize"
     return tokens

@@ -4,6 +4,7 @@ and every case the index cannot decide is routed by turn, counted by reason, and
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -34,10 +35,12 @@ def publishers(n):
 
 
 def stored(tokens):
-    """The BlockStored vLLM sends for a prompt's full blocks (its own hashes: the proxy's keys do not use them)."""
+    """The BlockStored vLLM sends for a prompt's full blocks (sha256 hashes of each prefix, as vLLM's: the proxy's keys
+    do not use them)."""
     n = len(tokens) // BS
     return KVEventBatch(ts=time.time(), events=[BlockStored(
-        block_hashes=[f"{tokens[:(i + 1) * BS]}".encode() for i in range(n)], parent_block_hash=None,
+        block_hashes=[hashlib.sha256(f"{tokens[:(i + 1) * BS]}".encode()).digest() for i in range(n)],
+        parent_block_hash=None,
         token_ids=tokens[:n * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
 
 
@@ -72,7 +75,8 @@ def test_what_is_tokenized():
         {"prompt": "a b", "add_special_tokens": False}
     assert tokenize_request("/v1/completions", {"prompt": ["a b"]}) == {"prompt": "a b"}
     assert tokenize_request("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]  # no round trip
-    for batch in ({"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {}, {"prompt": [True]}):
+    for batch in ({"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {}, {"prompt": [True]}, {"prompt": [1, 2 ** 63]},
+                  {"prompt": [-1]}):  # token ids the index's keys cannot hold are not routed by prefix
         assert tokenize_request("/v1/completions", batch) is None
     assert tokenize_request("/v1/chat/completions", {"prompt": "x"}) is None
 
