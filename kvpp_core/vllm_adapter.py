@@ -144,8 +144,12 @@ def _build_context(worker, memory_bytes: int | None) -> WorkerContext | None:
     kvpp_rank = topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group)
     # Every rank, before its budget becomes blocks: the mode and the settings, the same on all of them.
     mode = agreement.agree(setup, layers, kvpp_rank, memory_bytes, get_world_group().cpu_group)
-    layout = rank_layout({c.layer_id for c in layers if c.layer_id is not None}, topology.group_size, kvpp_rank,
-                         mode.staging)
+    layout = rank_layout(
+        {c.layer_id for c in layers if c.layer_id is not None},
+        topology.group_size,
+        kvpp_rank,
+        mode.staging,
+    )
     timeout = _broadcast_timeout_s()
     group, ranks = _kvpp_group(topology, timeout)
     return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
