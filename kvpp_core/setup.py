@@ -8,6 +8,7 @@ from typing import Any
 
 from kvpp_core.config import KvppConfig
 from kvpp_core.cpu_backends import BACKENDS, host_has_amx, selected
+from kvpp_core.layer_settings import transport_choice
 from kvpp_core.model import ModelSpec, normalize_dtype
 from kvpp_core.topology import Topology
 
@@ -59,6 +60,8 @@ class KvppSetup:
     """Tokens per KV block as the engine runs them; None when unknown."""
     expert_parallel: bool = False
     """vLLM's --enable-expert-parallel."""
+    transport: str | None = None
+    """KVPP_BROADCAST_TRANSPORT as the launch's environment sets it (kvpp_core.layer_settings); None when unknown."""
     request: LaunchRequest = LaunchRequest()
 
 
@@ -136,5 +139,6 @@ def setup_from_vllm_config(vllm_config, kvpp: KvppConfig, request: LaunchRequest
         dtype=dtype,
         block_size=_block_size(vllm_config.cache_config, kernel),
         expert_parallel=parallel.enable_expert_parallel,
+        transport=transport_choice(),
         request=replace(request, attention_backend=None if backend is None else backend.name),
     )

@@ -40,15 +40,12 @@ import torch.distributed as dist
 from kvpp_core.allocation import CacheLayer, Placement, place
 from kvpp_core.broadcast import BroadcastStats, KvppBroadcastError, LayerBroadcaster
 from kvpp_core.config import KvppConfigError
+from kvpp_core.layer_settings import TRANSPORT_ENV, transport_choice
 from kvpp_core.ownership import RankLayout, rank_layout
 from kvpp_core.packing import Move
 
 logger = logging.getLogger("vllm.kvpp.shm_broadcast")  # the logger vLLM's init_logger hands out
 
-TRANSPORT_ENV = "KVPP_BROADCAST_TRANSPORT"
-TRANSPORTS = ("auto", "shm", "collective")
-"""auto: shared memory when the group's ranks share a CPU host, else the group's collective backend;
-shm: shared memory or fail at startup; collective: always gloo/NCCL/HCCL (for comparison)."""
 SHM_DIR = Path("/dev/shm")
 
 _MAGIC = 0x4B56505053484D31  # "KVPPSHM1"
@@ -67,14 +64,29 @@ def layer_flag(position: int) -> int:
 _POLL_CHECK_S = 0.05  # how often a waiter looks for a dead or aborted peer
 
 
-def transport_choice() -> str:
-    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower()
-    if value not in TRANSPORTS:
-        raise KvppConfigError(
-            f"{TRANSPORT_ENV}={value!r} is not a KVPP broadcast transport; use one of {', '.join(TRANSPORTS)} "
-            f"(auto picks shared memory for one-host CPU groups), or unset it"
-        )
-    return value
+def shm_identity() -> str:
+    """Whose `SHM_DIR` this rank maps: the kernel's boot id and the directory's file system. Ranks that report the
+    same map each other's segments; another host (another boot id) or another container's /dev/shm (another
+    tmpfs) reports another, however the ranks were started (Ray places ranks on hosts that --nnodes never names)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = platform.node()
+    try:
+        device = os.stat(SHM_DIR).st_dev
+    except OSError:
+        device = -1
+    return f"{boot}:{device}"
+
+
+def shm_space() -> tuple[int, int]:
+    """(free, size) in bytes of `SHM_DIR`: what a segment may still take, and the whole file system ((0, 0) where it is
+    missing or unreadable)."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0, 0
+    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
 
 
 def _pid_namespace() -> int:

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 from kvpp_core import ascend
 from kvpp_core.config import ENABLE_KEY, KvppConfig, KvppConfigError, Parsed, parse_additional_config
-from kvpp_core.modes import resolve as resolve_mode
 from kvpp_core.setup import KvppSetup, LaunchRequest, setup_from_vllm_config
 from kvpp_core.validation import Problem, error, raise_for_errors, validate
 
@@ -154,8 +153,6 @@ def check(vllm_config, connector_rules: ConnectorRules | None = None,
     warnings = raise_for_errors(validate(setup, lambda s: rules(s, settings), ascend.platform()))
     if kvpp.enabled and _latest is None:
         init_logger(f"vllm.{__name__}").info("KVPP implementation: %s", ascend.implementation())
-        if ascend.platform() is None:  # vllm-ascend's own KVPP reads its own keys
-            init_logger(f"vllm.{__name__}").info("KVPP mode: %s", resolve_mode(setup))
     for warning in warnings:
         if warning not in _logged:
             _logged.add(warning)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, ZERO_COPY, KvppConfigError
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA
 from kvpp_core.model import ModelSpec
-from kvpp_core.modes import zero_copy_obstacles
+from kvpp_core.modes import Obstacle, StartFacts, zero_copy_obstacles
 from kvpp_core.platforms import ASCEND
 from kvpp_core.setup import KvppSetup
 
@@ -49,7 +49,7 @@ def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Probl
         return connector_rules(setup)
     own = (_ascend_rules(setup) if platform == ASCEND.name
            else [*_graph_rules(setup), *_draft_rules(setup), *_cpu_rules(setup)])
-    return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *_zero_copy_rules(setup), *connector_rules(setup)]
+    return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *zero_copy_problems(setup), *connector_rules(setup)]
 
 
 def raise_for_errors(problems: Iterable[Problem]) -> list[Problem]:
@@ -200,14 +200,19 @@ def _ascend_rules(setup: KvppSetup) -> list[Problem]:
 _ZERO_COPY_FIX = f"set {STAGING_KEY} to 2 (staging buffers, any device and host layout)"
 
 
-def _zero_copy_rules(setup: KvppSetup) -> list[Problem]:
+def zero_copy_problems(setup: KvppSetup, facts: StartFacts | None = None) -> list[Problem]:
     """A launch that names zero-copy (kvpp_staging_buffers 0) where it cannot run (kvpp_core.modes): an error, or
-    a warning where the launch does not say (an engine then refuses it at start). A launch that names no mode
+    a warning where the launch does not say (an engine then refuses it at start where it cannot run). `facts`: what
+    an engine's ranks found at start, before sizing the KV cache (kvpp_core.agreement). A launch that names no mode
     gets zero-copy only where nothing stands in its way (kvpp_core.modes.resolve)."""
     if setup.kvpp.staging_buffers != ZERO_COPY or setup.topology.group_size == 1:
         return []
     option = f"additional_config.{STAGING_KEY}"
-    return [Problem("error", option, f"0 (zero-copy): {o.reason}; {_ZERO_COPY_FIX}") if o.known else
+    return [Problem("error", option, f"0 (zero-copy): {o.reason}; {_fixes(o)}") if o.known else
             Problem("warning", option, f"0 (zero-copy): {o.reason}: an engine refuses it at start where it cannot "
                                        f"run; there {_ZERO_COPY_FIX}")
-            for o in zero_copy_obstacles(setup)]
+            for o in zero_copy_obstacles(setup, facts)]
+
+
+def _fixes(obstacle: Obstacle) -> str:
+    return _ZERO_COPY_FIX if obstacle.remedy is None else f"{obstacle.remedy}, or {_ZERO_COPY_FIX}"

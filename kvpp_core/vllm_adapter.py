@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvpp_core import activation, ascend, metrics, runtime, zero_copy
+from kvpp_core import activation, agreement, ascend, layer_settings, metrics, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster
 from kvpp_core.config import KvppConfig
 from kvpp_core.modes import Mode
-from kvpp_core.modes import resolve as resolve_mode
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.setup import LaunchRequest
 from kvpp_core.shm_broadcast import ShmGroup
@@ -38,9 +37,6 @@ from kvpp_core.startup import (SUPPORTED_VLLM, ConnectorRules, check, checked, i
 from kvpp_core.topology import Topology
 
 BROADCAST_TIMEOUT_ENV = "KVPP_BROADCAST_TIMEOUT_S"
-WHOLE_CACHE_ENV = "KVPP_BROADCAST_WHOLE_CACHE"
-"""Set to 1 to broadcast every allocated block, not only the batch's history (the anchor's behaviour;
-for comparison in bench/broadcast.py)."""
 DEFAULT_BROADCAST_TIMEOUT_S = 120.0
 SPINNING_READERS_ENV = "KVPP_SHM_READERS_SPIN"
 """Set to 1 to keep vLLM's spinning shared-memory readers on CPU (for before/after in bench/pd_transfer.py)."""
@@ -107,7 +103,7 @@ class WorkerContext:
     group_ranks: tuple[int, ...]
     broadcast_timeout_s: float
     whole_cache: bool
-    """Broadcast every allocated block instead of the batch's history (KVPP_BROADCAST_WHOLE_CACHE=1)."""
+    """Broadcast every allocated block instead of the batch's history (kvpp_core.layer_settings.WHOLE_CACHE_ENV)."""
     memory_bytes: int | None = None
     """The KV budget vLLM measured for this rank (set by determine_available_memory)."""
     blocks: RequestBlocks = field(default_factory=lambda: RequestBlocks())
@@ -136,8 +132,8 @@ class WorkerContext:
                 "bytes_per_block": self.bytes_per_block, "memory_bytes": self.memory_bytes}
 
 
-def _build_context(worker) -> WorkerContext | None:
-    from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group
+def _build_context(worker, memory_bytes: int | None) -> WorkerContext | None:
+    from vllm.distributed.parallel_state import get_pcp_group, get_pp_group, get_tp_group, get_world_group
 
     setup = checked(worker.vllm_config).setup
     cfg, topology = setup.kvpp, setup.topology
@@ -145,28 +141,31 @@ def _build_context(worker) -> WorkerContext | None:
         return None
     pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
     layers = _cache_layers(worker)
-    mode = resolve_mode(setup)
+    kvpp_rank = topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group)
+    # Every rank, before its budget becomes blocks: the mode and the settings, the same on all of them.
+    mode = agreement.agree(setup, layers, kvpp_rank, memory_bytes, get_world_group().cpu_group)
     layout = rank_layout(
         {c.layer_id for c in layers if c.layer_id is not None},
         topology.group_size,
-        topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group),
+        kvpp_rank,
         mode.staging,
     )
     timeout = _broadcast_timeout_s()
     group, ranks = _kvpp_group(topology, timeout)
     return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
-                         timeout, os.environ.get(WHOLE_CACHE_ENV) == "1")
+                         timeout, layer_settings.whole_cache())
 
 
 _NO_CONTEXT = object()
 
 
-def worker_context(worker) -> WorkerContext | None:
+def worker_context(worker, memory_bytes: int | None = None) -> WorkerContext | None:
     """The worker's context, built on first use (a collective call: every rank reaches it together,
-    from determine_available_memory or initialize_from_config); None when KVPP is off."""
+    from determine_available_memory, with the KV budget it measured, or initialize_from_config); None
+    when KVPP is off."""
     found = worker.__dict__.get("_kvpp_context", _NO_CONTEXT)
     if found is _NO_CONTEXT:
-        found = worker.__dict__["_kvpp_context"] = _build_context(worker)
+        found = worker.__dict__["_kvpp_context"] = _build_context(worker, memory_bytes)
     return found
 
 
@@ -307,7 +306,7 @@ def _patch_determine_available_memory(orig):
     @functools.wraps(orig)
     def determine_available_memory(self) -> int:
         available = orig(self)
-        ctx = worker_context(self)
+        ctx = worker_context(self, available)
         if ctx is None:
             return available
         ctx.memory_bytes = available

@@ -34,15 +34,16 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def run_engine(job: Job, env: Mapping[str, str] | None = None, timeout: float = 900,
-               log: Path | None = None, roots: Sequence[Path] = (ROOT,)) -> dict:
+               log: Path | None = None, roots: Sequence[Path] = (ROOT,), wrap: Sequence[str] = ()) -> dict:
     """The result of one run of `job` (its output also in `log`, if given), or RuntimeError with the end of
     its output. Each worker gets one OpenMP core, the TP ranks of a stage different ones (PP stages take
-    turns); `env` adds to the environment; `roots`: where the driver imports from (testbed.scripts.script_env)."""
+    turns); `env` adds to the environment; `roots`: where the driver imports from (testbed.scripts.script_env);
+    `wrap`: a command the driver runs under (it ends by running its arguments: a mount namespace's, say)."""
     bind = "|".join(str(i % 2) for i in range(job.engine.workers))
     with tempfile.TemporaryDirectory(prefix="kvpp-engine-job-") as tmp:
         path = Path(tmp) / "job.json"
         path.write_bytes(msgspec.json.encode(job))
-        proc = run_in_group(script_argv("engine_run", str(path)), timeout=timeout,
+        proc = run_in_group([*wrap, *script_argv("engine_run", str(path))], timeout=timeout,
                             env=script_env({"VLLM_CPU_OMP_THREADS_BIND": bind, **(env or {})}, roots))
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)

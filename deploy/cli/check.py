@@ -25,8 +25,10 @@ def run(args: argparse.Namespace) -> int:
     warnings = [f for f in findings if f.severity != "error"]
     for finding in errors + warnings:
         print(cli_args.printable(str(finding)), file=sys.stderr)
-    for where, mode in kvpp_modes(args.spec):
+    for where, mode, shm in kvpp_modes(args.spec):
         print(cli_args.printable(f"{where}: KVPP mode {mode}"))
+        if shm is not None:
+            print(cli_args.printable(f"{where}: /dev/shm: {shm}"))
     if not errors:
         print(f"{args.spec}: ok ({len(warnings)} warning{'s' * (len(warnings) != 1)})")
     return code

@@ -11,7 +11,7 @@ from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, parse_additional_config
 from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
-from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode
+from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode, shm_needed, shm_note
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU, Platform
 from kvpp_core.topology import RUNNERS, Topology
 from kvpp_core.setup import KvppSetup
@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpp: warning: {problem}", file=sys.stderr)
     if args.json:
         print(json.dumps(dict(plan.to_json(), model_mtp_layers=given.shipped_mtp, platform=platform and platform.name,
-                              mode_reason=mode.reason, warnings=[str(p) for p in warnings]), indent=2))
+                              mode_reason=mode.reason, shm_needed_bytes=shm_needed(plan) if plan.zero_copy else None,
+                              warnings=[str(p) for p in warnings]), indent=2))
     else:
         print(format_plan(plan, given.shipped_mtp, mode, platform is None))
     if args.plot:
@@ -172,6 +173,7 @@ def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode, platform_unkno
         *([f"            (--platform {VLLM_CPU.name} plans what an engine there runs naming no mode)"]
           if platform_unknown and plan.staging and mode.reason != NAMED else []),
         f"            {plan.mode}",
+        *([f"  /dev/shm  {shm_note(shm_needed(plan), mode.reason == NAMED)}"] if plan.zero_copy else []),
         "",
     ]
     header = ("stage", "rank", "owned layers", "mtp", "staging", "bytes/block off", "bytes/block on",

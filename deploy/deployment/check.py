@@ -16,7 +16,10 @@ from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuMlaBackend
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
-from kvpp_core.modes import Mode, resolve as resolve_mode
+from kvpp_core.capacity import plan_capacity
+from kvpp_core.config import ZERO_COPY
+from kvpp_core.layer_settings import TRANSPORT_ENV, transport_choice
+from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode, shm_needed, shm_note
 from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.setup import KvppSetup
@@ -118,6 +121,10 @@ def _instance_setup(instance: ResolvedInstance, model: ModelSpec | None) -> tupl
         kvpp = parse_additional_config(instance.additional_config)
     except KvppConfigError as exc:
         return None, out + [_error(where, "additional_config", str(exc))]
+    try:
+        transport = transport_choice(instance.env)
+    except KvppConfigError as exc:
+        return None, out + [_error(where, f"env {TRANSPORT_ENV}", str(exc))]
     engine = instance.engine
     if engine.flag_problems:
         return None, out + [_error(where, f"extra_args {flag}", why) for flag, why in engine.flag_problems]
@@ -135,13 +142,14 @@ def _instance_setup(instance: ResolvedInstance, model: ModelSpec | None) -> tupl
                       speculative_method=engine.speculative_method, nnodes=len(inst.hosts),
                       device=engine.device, attention_backend=engine.kernel,
                       draft_attention_backend=engine.draft_kernel, dtype=dtype, block_size=engine.block_size,
-                      expert_parallel=inst.ep, request=engine.request)
+                      expert_parallel=inst.ep, transport=transport, request=engine.request)
     return setup, out
 
 
-def kvpp_modes(path: str) -> list[tuple[str, Mode]]:
-    """The KVPP mode each KVPP instance of the spec at `path` runs, and why (kvpp_core.modes); none where the spec
-    does not load or an instance's launch cannot be read (`run_check` says why)."""
+def kvpp_modes(path: str) -> list[tuple[str, Mode, str | None]]:
+    """The KVPP mode each KVPP instance of the spec at `path` runs, and why (kvpp_core.modes), with what zero-copy
+    asks of its hosts' /dev/shm; none where the spec does not load or an instance's launch cannot be read
+    (`run_check` says why)."""
     try:
         resolved = resolve(load_spec(path))
     except SpecError:
@@ -151,8 +159,30 @@ def kvpp_modes(path: str) -> list[tuple[str, Mode]]:
     for instance in resolved.instances:
         setup, _ = _instance_setup(instance, model)
         if setup is not None and setup.kvpp.enabled:
-            modes.append((instance.instance.where, resolve_mode(setup)))
+            mode = resolve_mode(setup)
+            note = shm_note(_shm_needed(instance, setup), mode.reason == NAMED) if mode.zero_copy else None
+            modes.append((instance.instance.where, mode, note))
     return modes
+
+
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""vllm-cpu's KV budget per rank in GiB (0 or unset: its own default)."""
+
+
+def _shm_needed(instance: ResolvedInstance, setup: KvppSetup) -> int | None:
+    """The /dev/shm zero-copy takes on the instance's busiest host, where the spec gives the KV budget
+    (memory.kv_cache_memory_bytes, or VLLM_CPU_KVCACHE_SPACE in its env) and the block size."""
+    inst = instance.instance
+    space = str(instance.env.get(CPU_KV_SPACE_ENV, "0"))
+    budget = inst.memory.kv_cache_memory_bytes or (int(space) << 30 if space.isdigit() else 0)
+    if not budget or setup.block_size is None:
+        return None
+    model = setup.model.with_overrides(mtp_layers=setup.model.mtp_layers if setup.speculative_method else 0)
+    try:
+        plan = plan_capacity(model, setup.topology, budget, setup.block_size, ZERO_COPY)
+    except ValueError:
+        return None  # the instance's own findings say why
+    return shm_needed(plan, inst.dp, len(inst.hosts))
 
 
 def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[Finding]:

@@ -198,7 +198,7 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
     import connectors.mooncake.worker
     import connectors.store.worker
     from connectors import plugin
-    from kvpp_core import config, vllm_adapter
+    from kvpp_core import config, modes, vllm_adapter
     from connectors.mooncake import settings as mooncake_settings
     from connectors.store import settings as store_settings
 
@@ -228,10 +228,11 @@ def test_a_worker_start_up_parses_each_config_once(tiny_model, monkeypatch):
     assert (len(kvpp_parses), len(mooncake_parses), len(store_parses)) == (1, 1, 1)
 
     scheduler = MultiConnector(vllm_config, KVConnectorRole.SCHEDULER, None)
-    group = SimpleNamespace(rank_in_group=0)
-    for getter in ("get_pcp_group", "get_pp_group", "get_tp_group"):
+    group = SimpleNamespace(rank_in_group=0, cpu_group=None)
+    for getter in ("get_pcp_group", "get_pp_group", "get_tp_group", "get_world_group"):
         monkeypatch.setattr(parallel_state, getter, lambda: group)
     monkeypatch.setattr(vllm_adapter, "_kvpp_group", lambda topology, timeout_s: (None, (0, 1)))
+    monkeypatch.setattr(vllm_adapter.agreement, "agree", lambda setup, *ranks: modes.resolve(setup))  # no peers here
     caches = {f"model.layers.{i}.self_attn.attn": SimpleNamespace(page_size_bytes=1024) for i in range(16)}
     worker = SimpleNamespace(vllm_config=vllm_config,
                              model_runner=SimpleNamespace(get_kv_cache_spec=lambda: caches))

