@@ -105,7 +105,8 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
     model = model.with_overrides(mtp_layers=args.mtp, kv_dtype=args.kv_dtype)
     split = args.pp_layers
     pp = args.pp if args.pp is not None else (len(split) if split else 1)
-    topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner)
+    topo = Topology(tp=args.tp, pp=pp, pp_layers=split, pcp=args.pcp, runner=args.runner,
+                    kv_heads=model.replicated_kv_heads)
     if topo.group_size > MAX_GROUP or topo.group_size * topo.pp > MAX_RANKS:
         raise ValueError(f"{topo.describe()} gives {topo.group_size * topo.pp} ranks to tabulate; kvpp plan handles "
                          f"cache-replica groups of up to {MAX_GROUP} ranks and {MAX_RANKS} ranks in all")
@@ -152,20 +153,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bundle_terms(m: ModelSpec, tp: int) -> str:
+    """One layer's KV per token on one rank, and what makes it up."""
+    if m.attention == "gqa":
+        per_rank = m.kv_heads_per_rank(tp)
+        return (f"{m.num_kv_heads} KV heads x {m.head_dim}, KV {m.kv_dtype}; per rank at TP {tp} {per_rank} head(s) x "
+                f"(K + V) x {m.head_dim} x {m.dtype_bytes} B = {m.token_bytes(tp):,} B/token")
+    indexer = f" + indexer {m.indexer_dim}" if m.indexer_dim else ""
+    return (f"KV {m.kv_dtype}; bundle ({m.kv_lora_rank} + rope {m.rope_dim}{indexer}) x {m.dtype_bytes} B = "
+            f"{m.token_bytes():,} B/token")
+
+
 def format_plan(plan: CapacityPlan, shipped_mtp: int, mode: Mode, platform_unknown: bool = False) -> str:
     m, t = plan.model, plan.topology
-    indexer = f" + indexer {m.indexer_dim}" if m.indexer_dim else ""
     mtp_note = f"MTP layers served: {m.mtp_layers}"
     if shipped_mtp != m.mtp_layers:
         mtp_note += f" (the model ships {shipped_mtp}; pass --mtp {shipped_mtp} when serving with MTP)"
     memory = ", ".join(f"stage {s.stage}: {s.memory_bytes / GIB:.2f} GiB" for s in plan.stages)
     lines = [
         f"KVPP capacity plan for {m.name}",
-        f"  model     {m.num_layers} target layers, {m.attention.upper()}, KV {m.kv_dtype}; bundle "
-        f"({m.kv_lora_rank} + rope {m.rope_dim}{indexer}) x {m.dtype_bytes} B = {m.bundle_bytes_per_token:,} B/token; "
-        f"{mtp_note}",
-        f"  topology  {t.describe()}; cache-replica group = {t.group_size} rank(s) per PP stage",
-        f"  blocks    {plan.block_size} tokens = {m.page_bytes(plan.block_size):,} B per layer; "
+        f"  model     {m.num_layers} target layers, {m.attention.upper()}, {_bundle_terms(m, t.tp)}; {mtp_note}",
+        f"  topology  {t.describe()}",
+        f"  group     cache-replica groups: {t.describe_group()}"
+        + ("; each is laid out as the ranks below" if t.groups_per_stage > 1 else ""),
+        f"  blocks    {plan.block_size} tokens = {m.page_bytes(plan.block_size, t.tp):,} B per layer; "
         f"{plan.staging} staging buffer(s) per rank",
         f"  memory    KV memory per rank: {memory}",
         f"  mode      {mode}",
@@ -213,7 +224,8 @@ def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[i
         points = []
         for tp in sizes:
             try:
-                trial = Topology(tp=tp, pp=topo.pp, pp_layers=topo.pp_layers, pcp=topo.pcp, runner=topo.runner)
+                trial = Topology(tp=tp, pp=topo.pp, pp_layers=topo.pp_layers, pcp=topo.pcp, runner=topo.runner,
+                                 kv_heads=topo.kv_heads)
                 points.append((tp, plan_capacity(model, trial, memory, block_size, count).ratio))
             except ValueError:
                 continue
@@ -229,7 +241,7 @@ def plot_ratio_vs_tp(path: str, model: ModelSpec, topo: Topology, memory: list[i
     ax.set_ylim(bottom=0)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("TP size (cache-replica group = TP ranks of one PP stage)")
+    ax.set_xlabel("TP size (cache-replica group: the TP ranks of one PP stage holding the same KV)")
     ax.set_ylabel("KV capacity ratio, KVPP on / off")
     split = f", PP split {'/'.join(map(str, topo.pp_layers))}" if topo.pp_layers else (f", PP{topo.pp}" if topo.pp > 1 else "")
     ax.set_title(f"{model.name}: {model.num_layers} layers, MTP {model.mtp_layers}{split}")

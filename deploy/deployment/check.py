@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
-from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuMlaBackend
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuKernel
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
@@ -181,7 +181,7 @@ def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[
         f"--dtype bfloat16 on CPUs with AMX, else --attention-backend {CPU_MLA.name}"))]
 
 
-def _kernel_terms(kernel: CpuMlaBackend) -> str:
+def _kernel_terms(kernel: CpuKernel) -> str:
     """A CPU MLA kernel and what it runs (kvpp_core.cpu_backends)."""
     dtypes = " or ".join(kernel.dtypes) if kernel.dtypes else "any dtype"
     return (f"{kernel.name} ({dtypes}, blocks of {kernel.block_size(None)}, prefix cache "

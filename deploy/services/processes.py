@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuMlaBackend, host_has_amx
+from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuKernel, host_has_amx
 from kvpp_core.platforms import VLLM_CPU
 
 from connectors.common.hosts import host_url
@@ -343,7 +343,7 @@ class CpuEngine:
     """The kernel, dtype and block size of the project's CPU engines, named on every engine it starts: vllm-cpu
     otherwise picks its kernel by the host (AMX_MLA wherever AMX tiles exist), and AMX_MLA refuses fp32."""
 
-    kernel: CpuMlaBackend
+    kernel: CpuKernel
     dtype: str
 
     @property

@@ -159,15 +159,15 @@ def test_layer_split_must_add_up(tmp_path):
     assert _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 40])]))[2] == 0
 
 
-def test_non_mla_model_is_refused(tmp_path):
+def test_gqa_model_whose_heads_tp_does_not_replicate_is_refused(tmp_path):
     cfg = tmp_path / "llama"
     cfg.mkdir()
-    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4,
+    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512,
                                                  "num_attention_heads": 8, "torch_dtype": "bfloat16"}))
     spec = _spec([_prefill()])
     spec["model"] = {"path": str(cfg)}
     errors, _, _ = _check(tmp_path, spec)
-    assert any("error: prefill[0] (p): model:" in e and "MLA/SFA" in e for e in errors)
+    assert any("error: prefill[0] (p): tensor_parallel_size:" in e and "no KV head of" in e for e in errors)
 
 
 def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
