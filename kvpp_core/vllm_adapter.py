@@ -107,6 +107,8 @@ class WorkerContext:
     """The mode this engine runs (kvpp_core.modes): named by the launch, else the default where it runs."""
     topology: Topology
     pp_rank: int
+    replica_group: int
+    """Which of the stage's cache-replica groups this rank is in (a GQA model's KV head; 0 for MLA/SFA)."""
     layers: tuple[CacheLayer, ...]
     layout: RankLayout
     group: dist.ProcessGroup
@@ -138,7 +140,8 @@ class WorkerContext:
         return None if self.memory_bytes is None else self.memory_bytes // self.logical_bytes_per_block
 
     def report(self) -> dict:
-        return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks, "mode": self.mode.name,
+        return {"pp_rank": self.pp_rank, "replica_group": self.replica_group, "stage_blocks": self.stage_blocks,
+                "mode": self.mode.name,
                 "bytes_per_block": self.bytes_per_block, "memory_bytes": self.memory_bytes}
 
 
@@ -174,18 +177,19 @@ def _build_context(worker) -> WorkerContext | None:
         raise KvppConfigError("KVPP cannot shard this model's KV caches (enable_kvpp: remove it from "
                               "--additional-config):\n" + "\n".join(uncovered))
     pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
+    tp_rank = get_tp_group().rank_in_group
     layers = _cache_layers(worker)
     mode = resolve_mode(setup)
     layout = rank_layout(
         {c.layer_id for c in layers if c.layer_id is not None},
         topology.group_size,
-        topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group),
+        topology.kvpp_rank(pcp_rank, tp_rank),
         mode.staging,
     )
     timeout = _broadcast_timeout_s()
     group, ranks = _kvpp_group(topology, timeout)
-    return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
-                         timeout, os.environ.get(WHOLE_CACHE_ENV) == "1")
+    return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, topology.replica_group(tp_rank), layers,
+                         layout, group, ranks, timeout, os.environ.get(WHOLE_CACHE_ENV) == "1")
 
 
 _NO_CONTEXT = object()
@@ -361,7 +365,7 @@ def _patch_initialize_from_config(orig):
             return orig(self, kv_cache_config)
         layout = ctx.layout
         placement = place(ctx.layers, layout, kv_cache_config.num_blocks)
-        active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers})
+        active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers}, ctx.replica_group)
         shm = ShmGroup.negotiate(ctx.layers, layout, placement, ctx.group, ctx.group_ranks, self.device,
                                  zero_copy.REQUIRED_BY if layout.zero_copy else None)
         # Published before allocation: connectors read the layout in register_kv_caches.
@@ -405,7 +409,7 @@ def _metrics_record(worker, ctx: WorkerContext, num_blocks: int) -> metrics.Reco
     if not directory:
         return None
     return metrics.open_record(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
-                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
+                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off, ctx.replica_group)
 
 
 _metrics_collector: metrics.RecordCollector | None = None
