@@ -159,14 +159,32 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("kimi-k2", 61, 0, 512, 64, attention="mla", num_heads=64),
         # The project's offline test model (deploy/harness/tiny_model.py): fp32 so outputs compare exactly.
         ModelSpec("kvpp-tiny", 16, 0, 512, 64, kv_dtype="float32", attention="mla", num_heads=4),
-        # GQA models whose KV heads TP replicates at their usual TP sizes (values from their public config.json).
+        # GQA models whose KV heads TP replicates at their usual TP sizes. Values from each model's public Hugging Face
+        # config.json (repo, file), as the reader below takes them (tests/kvpp_core/test_model.py reads the same fields):
+        # Qwen/Qwen3-235B-A22B config.json: qwen3_moe, 94 layers, 64 heads, 4 KV heads, head_dim 128, bfloat16,
+        # use_sliding_window false, no MTP layers.
         _gqa("qwen3-235b-a22b", 94, heads=64, kv_heads=4, head_dim=128),
+        # meta-llama/Llama-3.1-405B config.json: llama, 126 layers, 128 heads, 8 KV heads, head_dim 128, bfloat16 (the
+        # first upload of July 2024 said 16 KV heads, each stored twice; Meta's fix of August 2024 says 8).
         _gqa("llama-3.1-405b", 126, heads=128, kv_heads=8, head_dim=128),
+        # zai-org/GLM-4.5, zai-org/GLM-4.6 and zai-org/GLM-4.7 config.json: glm4_moe, 92 layers, 96 heads, 8 KV heads,
+        # head_dim 128, bfloat16, num_nextn_predict_layers 1 (the three share this attention; the context differs).
         _gqa("glm-4.5", 92, heads=96, kv_heads=8, head_dim=128, mtp=1),
+        _gqa("glm-4.6", 92, heads=96, kv_heads=8, head_dim=128, mtp=1),
+        _gqa("glm-4.7", 92, heads=96, kv_heads=8, head_dim=128, mtp=1),
+        # MiniMaxAI/MiniMax-M2 config.json: minimax_m2, 62 layers (attn_type_list all 1: full attention), 48 heads,
+        # 8 KV heads, head_dim 128, sliding_window null; its 3 MTP modules (num_mtp_modules) are no next-n layers
+        # vLLM serves, so none is planned.
         _gqa("minimax-m2", 62, heads=48, kv_heads=8, head_dim=128),
-        _gqa("qwen3-next-80b-a3b", 48, heads=16, kv_heads=2, head_dim=256,
+        # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: qwen3_next, 48 layers, full_attention_interval 4 (12 full
+        # attention, 36 Gated DeltaNet), 16 heads, 2 KV heads, head_dim 256, bfloat16; its checkpoint ships one MTP layer,
+        # which the config does not count (vLLM's Qwen3NextMTP defaults to 1). KVPP refuses the hybrids; they are
+        # described so that plan and check say why.
+        _gqa("qwen3-next-80b-a3b", 48, heads=16, kv_heads=2, head_dim=256, mtp=1,
              mixed="36 of its 48 layers are linear_attention (Gated DeltaNet)"),
-        _gqa("qwen3.5-397b-a17b", 60, heads=32, kv_heads=2, head_dim=256,
+        # Qwen/Qwen3.5-397B-A17B config.json, text_config: qwen3_5_moe_text, 60 layers, full_attention_interval 4
+        # (15 full attention, 45 Gated DeltaNet), 32 heads, 2 KV heads, head_dim 256, bfloat16, mtp_num_hidden_layers 1.
+        _gqa("qwen3.5-397b-a17b", 60, heads=32, kv_heads=2, head_dim=256, mtp=1,
              mixed="45 of its 60 layers are linear_attention (Gated DeltaNet)"),
         # The project's offline GQA test model (deploy/harness/tiny_model.py, arch "gqa"): one KV head, fp32.
         _gqa("kvpp-tiny-gqa", 8, heads=4, kv_heads=1, head_dim=32, kv_dtype="float32"),
@@ -230,7 +248,8 @@ def _spec_from_dict(raw: Any, source: str, name: str) -> ModelSpec:
     except ValueError:
         raise ValueError(f"{source}: unsupported torch_dtype {dtype!r}") from None
     num_layers = get_int("num_hidden_layers")
-    mtp = get_int("num_nextn_predict_layers", 0)
+    # MTP layers: DeepSeek's, GLM's and Qwen3-Next's key, else Qwen3.5's.
+    mtp = get_int("num_nextn_predict_layers", 0) or get_int("mtp_num_hidden_layers", 0)
     heads = get_int("num_attention_heads", 0)
     has_latent = cfg.get("kv_lora_rank") is not None
     mixed = _mixed_layers(cfg, model_type, num_layers)

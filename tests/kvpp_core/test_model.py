@@ -176,6 +176,8 @@ def test_from_hf_dict_for_loaded_configs():
     ("qwen3-235b-a22b", 94, 64, 4, 128, 0),
     ("llama-3.1-405b", 126, 128, 8, 128, 0),
     ("glm-4.5", 92, 96, 8, 128, 1),
+    ("glm-4.6", 92, 96, 8, 128, 1),
+    ("glm-4.7", 92, 96, 8, 128, 1),
     ("minimax-m2", 62, 48, 8, 128, 0),
     ("kvpp-tiny-gqa", 8, 4, 1, 32, 0),
 ])
@@ -187,6 +189,42 @@ def test_gqa_presets(name, layers, heads, kv_heads, head_dim, mtp):
     # Past TP = n_kv every rank holds one head (K and V); below it, n_kv / TP heads.
     assert spec.token_bytes(2 * kv_heads) == 2 * head_dim * spec.dtype_bytes
     assert spec.page_bytes(128, kv_heads // 2 or 1) == 128 * 2 * head_dim * spec.dtype_bytes * (2 if kv_heads > 1 else 1)
+
+
+# The fields of each model's public Hugging Face config.json (repo, file) that the reader takes, as published.
+_LAYERS_OF_4 = ["linear_attention"] * 3 + ["full_attention"]
+PUBLIC_CONFIGS = {
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B config.json", dict(
+        model_type="qwen3_moe", num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        hidden_size=4096, sliding_window=None, use_sliding_window=False, max_window_layers=94, torch_dtype="bfloat16")),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B config.json", dict(
+        model_type="llama", num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8, head_dim=128,
+        hidden_size=16384, torch_dtype="bfloat16")),
+    **{f"glm-{v}": (f"zai-org/GLM-{v} config.json", dict(
+        model_type="glm4_moe", num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+        hidden_size=5120, num_nextn_predict_layers=1, torch_dtype="bfloat16")) for v in ("4.5", "4.6", "4.7")},
+    "minimax-m2": ("MiniMaxAI/MiniMax-M2 config.json", dict(
+        model_type="minimax_m2", num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+        hidden_size=3072, attn_type_list=[1] * 62, sliding_window=None, num_mtp_modules=3)),
+    "qwen3-next-80b-a3b": ("Qwen/Qwen3-Next-80B-A3B-Instruct config.json", dict(
+        model_type="qwen3_next", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        hidden_size=2048, full_attention_interval=4, torch_dtype="bfloat16")),
+    "qwen3.5-397b-a17b": ("Qwen/Qwen3.5-397B-A17B config.json", dict(model_type="qwen3_5_moe", text_config=dict(
+        model_type="qwen3_5_moe_text", num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+        hidden_size=4096, full_attention_interval=4, layer_types=_LAYERS_OF_4 * 15, mtp_num_hidden_layers=1,
+        dtype="bfloat16"))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_gqa_presets_are_what_the_reader_makes_of_the_public_configs(name):
+    source, config = PUBLIC_CONFIGS[name]
+    read, preset = ModelSpec.from_hf_dict(config, source), PRESETS[name]
+    fields = ("attention", "num_layers", "num_heads", "num_kv_heads", "head_dim", "kv_dtype", "hybrid")
+    assert [getattr(read, f) for f in fields] == [getattr(preset, f) for f in fields]
+    # Qwen3-Next's config counts no MTP layer (its checkpoint ships one, which vLLM's drafter defaults to).
+    assert read.mtp_layers == (0 if name == "qwen3-next-80b-a3b" else preset.mtp_layers)
+    assert read.mixed.split(" (")[0] == preset.mixed.split(" (")[0]
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
