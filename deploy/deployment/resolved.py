@@ -201,7 +201,7 @@ def _engine_facts(platform: Platform, inst: Instance, model: ModelSpec | None) -
     (speculative, compilation), problems = zip(*(_json_flag(args, flag) for flag in _JSON_FLAGS))
     backend = launch.flag_value(args, "--attention-backend")
     backend = backend and backend.upper()
-    kernel = _cpu_kernel(platform, backend, model)
+    kernel = cpu_kernel(platform, backend, model)
     draft_kernel = None
     if kernel is not None and speculative is not None:
         draft = (str(speculative.get("attention_backend") or AMX_MLA.name) if kernel.mla else kernel.name).upper()
@@ -223,7 +223,7 @@ def _engine_facts(platform: Platform, inst: Instance, model: ModelSpec | None) -
                               attention_backend=backend))
 
 
-def _cpu_kernel(platform: Platform, named: str | None, model: ModelSpec | None) -> CpuKernel | None:
+def cpu_kernel(platform: Platform, named: str | None, model: ModelSpec | None) -> CpuKernel | None:
     """The CPU kernel vLLM runs `model` on, where the spec tells (vLLM's rule, `vllm/platforms/cpu.py`): standard
     attention always on CPU_ATTN, an MLA model on the MLA kernel named (none named: each host picks); a model not
     known, on the kernel named."""
