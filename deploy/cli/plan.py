@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from kvpp_core.capacity import DEFAULT_BLOCK_SIZE, CapacityPlan, plan_capacity
 from kvpp_core.config import DEFAULT_STAGING, ENABLE_KEY, STAGING_KEY, ZERO_COPY, parse_additional_config
-from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS, CPU_ATTN
+from kvpp_core.cpu_backends import BACKENDS as CPU_KERNELS
 from kvpp_core.model import DTYPE_BYTES, PRESETS, ModelSpec, resolve_model
 from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode, zero_copy_obstacles
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU, Platform
