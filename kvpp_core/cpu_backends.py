@@ -46,8 +46,8 @@ class CpuKernel:
             out.append(("dtype", (
                 f"{self.name} runs {' or '.join(self.dtypes)} weights only and vLLM fails while packing "
                 f"{normalize_dtype(dtype)} ones"), (
-                f"set --dtype {self.dtypes[0]}, or --attention-backend {CPU_MLA.name} (any dtype, block size 16, "
-                "no prefix caching)")))
+                f"set --dtype {self.dtypes[0]}" + (f", or --attention-backend {CPU_MLA.name} (any dtype, block size 16, "
+                                                   "no prefix caching)" if self.mla else ""))))
         if block_size is not None and block_size % self.block_multiple:
             out.append(("block_size", f"{self.name} needs a block size that is a multiple of {self.block_multiple}, "
                         f"not {block_size}", f"set --block-size {self.default_block_size}"))
@@ -55,9 +55,9 @@ class CpuKernel:
 
 
 CPU_MLA = CpuKernel("CPU_MLA", dtypes=None, forced_block_size=16, block_multiple=16, default_block_size=16,
-                        prefix_caching=False)
+                    prefix_caching=False)
 AMX_MLA = CpuKernel("AMX_MLA", dtypes=("bfloat16",), forced_block_size=None, block_multiple=32,
-                        default_block_size=128, prefix_caching=True)
+                    default_block_size=128, prefix_caching=True)
 CPU_ATTN = CpuKernel("CPU_ATTN", dtypes=("float32", "bfloat16", "float16"), forced_block_size=None, block_multiple=32,
                      default_block_size=128, prefix_caching=True, mla=False)
 BACKENDS = {b.name: b for b in (CPU_MLA, AMX_MLA, CPU_ATTN)}

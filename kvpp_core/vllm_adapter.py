@@ -158,6 +158,11 @@ def _uncovered_gqa_caches(worker) -> list[str]:
             problems.append(f"{name} is a {type(spec).__name__} cache (sliding-window, chunked, sink, linear-attention "
                             "and Mamba caches, and hybrid KV cache groups, are not handled): only plain full attention")
             continue
+        windowed = [f"{field} {value}" for field in ("sliding_window", "attention_chunk_size")
+                    if (value := getattr(spec, field, None)) is not None]
+        if windowed:  # vLLM keeps such layers in FullAttentionSpec when its hybrid KV cache manager is off
+            problems.append(f"{name} attends over a window ({', '.join(windowed)}): only plain full attention is handled")
+            continue
         impl = type(getattr(forward_ctx.get(name), "impl", None))
         if not all(getattr(vars(impl).get(m), "kvpp_patch", False) for m in _GQA_HOOKED):
             problems.append(f"{name} runs on {impl.__name__}, a kernel KVPP does not cover: it wraps "

@@ -492,3 +492,6 @@ def test_a_gqa_cache_kvpp_cannot_shard_is_refused_one_line_each(gqa_hooks):
         "of CPUAttentionBackendImpl (vLLM's CPU attention) only",
     ]
     assert all("\n" not in p for p in problems)
+    windowed = FullAttentionSpec(**shape, sliding_window=64)  # what vLLM builds with its hybrid KV cache manager off
+    assert _uncovered_gqa_caches(_worker({names[0]: windowed}, {names[0]: impl})) == [
+        f"{names[0]} attends over a window (sliding_window 64): only plain full attention is handled"]
