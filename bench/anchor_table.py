@@ -297,7 +297,7 @@ def main() -> None:
             print("[anchor] broadcast vs copy bandwidth (no engine) ...", file=sys.stderr, flush=True)
             # The engines' KV rows: 512 latent + 64 rope in the engine's dtype.
             broadcast = broadcast_copy.measure(layers=a.layers, history_tokens=max(a.lengths),
-                                               row_bytes=spec.bundle_bytes_per_token)
+                                               row_bytes=spec.token_bytes())
         plans = {mode: plan_capacity(spec, Topology(tp=2), a.kv_mib << 20, block_size=engine.block_size,
                                      staging=MODES[mode] if MODES[mode] is not None else 2) for mode in a.modes}
         plans = {mode: plan.blocks_off if MODES[mode] is None else plan.blocks_on for mode, plan in plans.items()}

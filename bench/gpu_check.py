@@ -1,5 +1,5 @@
 """The GPU check: this project's transfer, pool and broadcast code on CUDA memory, and what copying MLA
-pages costs there, in one JSON report, within 10 minutes on one GPU and without a package registry.
+and GQA pages costs there, in one JSON report, within 10 minutes on one GPU and without a package registry.
 
 `bench/gpu_check.sh` runs it on the GPU host with what `bench/gpu_check_prepare.sh` fetched on a CPU
 host (the CUDA Mooncake wheel, msgspec, Mooncake's system libraries). Each part reports "ok" with its
@@ -22,7 +22,10 @@ figures, or "skipped"/"failed" with the reason, and the next part runs anyway:
   they lie, one gather of exactly the referenced blocks and its placement (kvpp_core.packing.LayerPack: int64 rows; placement as bytes for
   comparison), one copy of the packed bytes standing in for the collective, and the whole layer; what
   `choose` picks and whether that met the issue's targets (never above the whole layer, at most half of it
-  at 10%); a copy call's fixed cost against kvpp_core.packing.DEVICE_CALL_BYTES; bytes compared.
+  at 10%); a copy call's fixed cost against kvpp_core.packing.DEVICE_CALL_BYTES; bytes compared;
+- gqa_packing: the same kernels on a GQA rank's pages in vLLM's CPU attention layout ([blocks, kv_heads, block,
+  2 x head]) at the per-rank page size of Qwen3-235B-A22B at TP8 (one KV head of 128 bf16 values per rank, blocks
+  of 128 tokens: 64 KiB a page), at 32K/128K tokens; K and V written and checked through the kernel's own views.
 
 `--dry-run` runs every part on CPU tensors with small sizes (a test runs it), so the code paths are
 exercised where no GPU exists; its report says so, and none of its figures (targets included) is a GPU's.
@@ -50,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-PARTS = ("environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing")
+PARTS = ("environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing", "gqa_packing")
 BLOCK_TOKENS = 16
 PAGE_BYTES = BLOCK_TOKENS * (512 + 64) * 2  # one MLA block of one layer: kv_lora_rank + rope, bf16
 HISTORY_TOKENS = (4096, 32768, 131072)
@@ -58,6 +61,8 @@ DRY_HISTORY_TOKENS = (256, 512, 1024)
 PACKING_TOKENS = (32768, 131072)
 DRY_PACKING_TOKENS = (2048, 4096)
 REPEATS = 5
+GQA_MODEL, GQA_TP = "qwen3-235b-a22b", 8
+"""The GQA part's pages: Qwen3-235B-A22B at TP8, one KV head of 128 bf16 values per rank (each head on 2 ranks)."""
 BUNDLE_ENV = "KVPP_GPU_BUNDLE"
 
 
@@ -384,10 +389,70 @@ def copy_pages(device: torch.device, dry_run: bool) -> dict:
     return report
 
 
-def packing(device: torch.device, dry_run: bool) -> dict:
-    """Per layer size and referenced blocks, the modes interleaved within each repeat (the first warms up)."""
+def _pack_and_place(src: torch.Tensor, dst: torch.Tensor, device: torch.device, seed: int,
+                    holds_exactly: Callable[[torch.Tensor], bool]) -> dict:
+    """One layer's pages (`src`: the owner's, `dst`: a receiver's, each `[blocks, page bytes]` bytes), per
+    configuration of referenced blocks the modes interleaved within each repeat (the first warms up); then one
+    gather, move and placement of exactly the referenced blocks, which `holds_exactly(index)` checks in the
+    receiver's pages."""
     from bench.packing import configurations, label, ranges_before, referenced
-    from kvpp_core.packing import LayerPack, Move, StepBlocks, call_bytes, choose
+    from kvpp_core.packing import LayerPack, Move, StepBlocks, choose
+
+    blocks, page_bytes = src.shape
+    sent, got = LayerPack([src]), LayerPack([dst])
+    buffer = torch.empty(blocks * page_bytes, dtype=torch.uint8, device=device)
+    received = torch.empty_like(buffer)
+    one = _spread([_timed(lambda: dst[:1].copy_(src[:1]), device) for _ in range(REPEATS * 4)])
+    entry: dict = {"blocks": blocks, "layer_bytes": blocks * page_bytes, "configs": {}}
+    for fraction, layout in configurations():
+        ids = referenced(blocks, fraction, layout, seed=int(fraction * 1000) + seed)
+        step, ranges = StepBlocks(ids), ranges_before(ids)
+        index = torch.tensor(ids, device=device)
+        k = len(ids) * page_bytes
+        modes: dict[str, Callable[[], None]] = {
+            "whole": lambda: dst.copy_(src),
+            "ranges": lambda ranges=ranges: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in ranges],
+            "runs": lambda runs=step.runs: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in runs],
+            "gather": lambda index=index: sent.gather(index, buffer),
+            "move": lambda k=k: received[:k].copy_(buffer[:k]),
+            "place": lambda index=index: got.place(index, received),
+            "place_bytes": lambda index=index, k=k: dst.index_copy_(0, index, received[:k].view(-1, page_bytes)),
+        }
+        figures: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(REPEATS + 1):
+            for mode, work in modes.items():
+                figures[mode].append(_timed(work, device))
+        dst.zero_()
+        sent.gather(index, buffer)
+        received.copy_(buffer)
+        got.place(index, received)
+        if not holds_exactly(index):
+            raise AssertionError(f"{blocks} blocks, {label(fraction, layout)}: placed blocks differ from the owner's")
+        runs = {m: v[1:] for m, v in figures.items()}
+        packed = [g + m + p for g, m, p in zip(runs["gather"], runs["move"], runs["place"])]
+        move = choose(step, blocks, page_bytes, device, collective=True)
+        chosen = {Move.PACKED: packed, Move.RUNS: runs["runs"], Move.WHOLE: runs["whole"]}[move]
+        over_whole = [c / w for c, w in zip(chosen, runs["whole"])]
+        entry["configs"][label(fraction, layout)] = {
+            "referenced_blocks": len(step), "range_blocks": sum(len(r) for r in ranges),
+            **{f"{m}_s": _spread(v) for m, v in runs.items()}, "packed_s": _spread(packed),
+            "choice": move.value, "chosen_over_whole": _spread(over_whole),
+            "packed_over_whole": _spread([p / w for p, w in zip(packed, runs["whole"])]),
+            "bytes_checked": True,
+        }
+    worst = max(c["chosen_over_whole"]["median"] for c in entry["configs"].values())
+    at10 = max(c["chosen_over_whole"]["median"] for name, c in entry["configs"].items() if name.startswith("10%"))
+    whole_bandwidth = entry["layer_bytes"] / statistics.median(runs["whole"])
+    entry["call_s"] = one
+    entry["call_bytes_measured"] = one["median"] * whole_bandwidth
+    entry["targets"] = {"chosen_over_whole_worst": worst, "never_above_whole": worst <= 1.0,
+                        "chosen_over_whole_at_10_percent_worst": at10, "half_at_10_percent": at10 <= 0.5}
+    return entry
+
+
+def packing(device: torch.device, dry_run: bool) -> dict:
+    """MLA pages (16-token blocks of 576 bf16 values), per layer size; bytes compared row by row."""
+    from kvpp_core.packing import call_bytes
 
     report: dict = {"page_bytes": PAGE_BYTES, "call_bytes_assumed": call_bytes(device),
                     "collective": "one device copy of the packed bytes stands in for it (one GPU: no NCCL pair)"}
@@ -395,62 +460,62 @@ def packing(device: torch.device, dry_run: bool) -> dict:
         blocks = tokens // BLOCK_TOKENS
         src = _pattern(blocks * PAGE_BYTES, tokens, device).view(blocks, PAGE_BYTES)
         dst = torch.zeros_like(src)
-        sent, got = LayerPack([src]), LayerPack([dst])
-        buffer = torch.empty(blocks * PAGE_BYTES, dtype=torch.uint8, device=device)
-        received = torch.empty_like(buffer)
-        one = _spread([_timed(lambda: dst[:1].copy_(src[:1]), device) for _ in range(REPEATS * 4)])
-        entry: dict = {"blocks": blocks, "layer_bytes": blocks * PAGE_BYTES, "configs": {}}
-        for fraction, layout in configurations():
-            ids = referenced(blocks, fraction, layout, seed=int(fraction * 1000))
-            step, ranges = StepBlocks(ids), ranges_before(ids)
-            index = torch.tensor(ids, device=device)
-            k = len(ids) * PAGE_BYTES
-            modes: dict[str, Callable[[], None]] = {
-                "whole": lambda: dst.copy_(src),
-                "ranges": lambda ranges=ranges: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in ranges],
-                "runs": lambda runs=step.runs: [dst[r.start:r.stop].copy_(src[r.start:r.stop]) for r in runs],
-                "gather": lambda index=index: sent.gather(index, buffer),
-                "move": lambda k=k: received[:k].copy_(buffer[:k]),
-                "place": lambda index=index: got.place(index, received),
-                "place_bytes": lambda index=index, k=k: dst.index_copy_(0, index, received[:k].view(-1, PAGE_BYTES)),
-            }
-            figures: dict[str, list[float]] = {m: [] for m in modes}
-            for _ in range(REPEATS + 1):
-                for mode, work in modes.items():
-                    figures[mode].append(_timed(work, device))
-            dst.zero_()
-            sent.gather(index, buffer)
-            received.copy_(buffer)
-            got.place(index, received)
-            if not torch.equal(dst[index], src[index]) or int(dst.sum()) != int(dst[index].sum()):
-                raise AssertionError(f"{tokens} tokens, {label(fraction, layout)}: placed blocks differ from the owner's")
-            runs = {m: v[1:] for m, v in figures.items()}
-            packed = [g + m + p for g, m, p in zip(runs["gather"], runs["move"], runs["place"])]
-            move = choose(step, blocks, PAGE_BYTES, device, collective=True)
-            chosen = {Move.PACKED: packed, Move.RUNS: runs["runs"], Move.WHOLE: runs["whole"]}[move]
-            over_whole = [c / w for c, w in zip(chosen, runs["whole"])]
-            entry["configs"][label(fraction, layout)] = {
-                "referenced_blocks": len(step), "range_blocks": sum(len(r) for r in ranges),
-                **{f"{m}_s": _spread(v) for m, v in runs.items()}, "packed_s": _spread(packed),
-                "choice": move.value, "chosen_over_whole": _spread(over_whole),
-                "packed_over_whole": _spread([p / w for p, w in zip(packed, runs["whole"])]),
-                "bytes_checked": True,
-            }
-        worst = max(c["chosen_over_whole"]["median"] for c in entry["configs"].values())
-        at10 = max(c["chosen_over_whole"]["median"] for name, c in entry["configs"].items() if name.startswith("10%"))
-        whole_bandwidth = entry["layer_bytes"] / statistics.median(runs["whole"])
-        entry["call_s"] = one
-        entry["call_bytes_measured"] = one["median"] * whole_bandwidth
-        entry["targets"] = {"chosen_over_whole_worst": worst, "never_above_whole": worst <= 1.0,
-                            "chosen_over_whole_at_10_percent_worst": at10, "half_at_10_percent": at10 <= 0.5}
-        report[f"{tokens}_tokens"] = entry
+
+        def holds_exactly(index: torch.Tensor, src=src, dst=dst) -> bool:
+            return torch.equal(dst[index], src[index]) and int(dst.sum()) == int(dst[index].sum())
+
+        report[f"{tokens}_tokens"] = _pack_and_place(src, dst, device, 0, holds_exactly)
+    return report
+
+
+def _kv_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V caches in a CPU attention page tensor `[blocks, kv_heads, block, 2 x head]`, as vLLM's kernel
+    takes them (`vllm/v1/attention/backends/cpu_attn.py`: a view `[blocks, kv_heads, 2 x block, head]`, split in
+    two at dim 2)."""
+    blocks, heads, block, two_head = pages.shape
+    return pages.view(blocks, heads, 2 * block, two_head // 2).chunk(2, dim=2)
+
+
+def gqa_packing(device: torch.device, dry_run: bool) -> dict:
+    """A GQA rank's pages in vLLM's CPU attention layout, at the per-rank page size of GQA_MODEL at GQA_TP
+    (kvpp_core.model: its KV heads per rank, head size and dtype; CPU_ATTN's block size): K and V filled through
+    the kernel's own views, then the packing part's modes and one gather and placement of the referenced blocks,
+    checked through the K and V views of the receiver (every referenced block equal, every other block zero)."""
+    from kvpp_core.cpu_backends import CPU_ATTN
+    from kvpp_core.model import PRESETS
+    from kvpp_core.packing import call_bytes
+
+    model = PRESETS[GQA_MODEL]
+    block, heads, head = CPU_ATTN.default_block_size, model.kv_heads_per_rank(GQA_TP), model.head_dim
+    dtype = getattr(torch, model.kv_dtype)
+    page_bytes = heads * block * 2 * head * torch.tensor([], dtype=dtype).element_size()
+    if page_bytes != model.page_bytes(block, GQA_TP):
+        raise AssertionError(f"the kernel's page ({page_bytes} B) is not the planner's ({model.page_bytes(block, GQA_TP)} B)")
+    report: dict = {"model": model.name, "tp": GQA_TP, "replica_group_ranks": GQA_TP // model.num_kv_heads,
+                    "kv_heads_per_rank": heads, "head_dim": head, "dtype": model.kv_dtype, "block_size": block,
+                    "page_bytes": page_bytes, "layout": "[blocks, kv_heads, block, 2 x head] (vLLM's CPU attention)",
+                    "call_bytes_assumed": call_bytes(device)}
+    for tokens in DRY_PACKING_TOKENS if dry_run else PACKING_TOKENS:
+        blocks = tokens // block
+        src = torch.zeros(blocks, heads, block, 2 * head, dtype=dtype, device=device)
+        gen = torch.Generator().manual_seed(tokens)
+        for view in _kv_views(src):  # K, then V: finite values (a random byte pattern could hold NaNs)
+            view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
+        dst = torch.zeros_like(src)
+        src_bytes, dst_bytes = src.view(torch.uint8).view(blocks, page_bytes), dst.view(torch.uint8).view(blocks, page_bytes)
+
+        def holds_exactly(index: torch.Tensor, src=src, dst=dst, dst_bytes=dst_bytes) -> bool:
+            same = all(torch.equal(d[index], s[index]) for d, s in zip(_kv_views(dst), _kv_views(src)))
+            return same and int(dst_bytes.count_nonzero()) == int(dst_bytes[index].count_nonzero())
+
+        report[f"{tokens}_tokens"] = _pack_and_place(src_bytes, dst_bytes, device, 1, holds_exactly)
     return report
 
 
 # ---- driver ---------------------------------------------------------------------------------------
 RUNNERS: dict[str, Callable[[torch.device, bool], dict]] = {
     "environment": environment, "mooncake_transfer": mooncake_transfer, "mooncake_pool": mooncake_pool,
-    "broadcast": broadcast, "copy": copy_pages, "packing": packing,
+    "broadcast": broadcast, "copy": copy_pages, "packing": packing, "gqa_packing": gqa_packing,
 }
 
 

@@ -8,7 +8,7 @@ the replicated baseline.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvpp_core.config import ZERO_COPY
 from kvpp_core.model import ModelSpec
@@ -130,12 +130,13 @@ class CapacityPlan:
         topo["pp_layers"] = list(self.topology.pp_layers) if self.topology.pp_layers else None
         return dict(
             model=asdict(self.model),
-            topology=dict(topo, group_size=self.topology.group_size),
+            topology=dict(topo, group_size=self.topology.group_size, groups_per_stage=self.topology.groups_per_stage),
+            replica_group=self.topology.describe_group(),
             block_size=self.block_size,
             staging=self.staging,
             mode="zero-copy" if self.zero_copy else "staging",
-            bundle_bytes_per_token=self.model.bundle_bytes_per_token,
-            page_bytes=self.model.page_bytes(self.block_size),
+            bundle_bytes_per_token=self.model.token_bytes(self.topology.tp),
+            page_bytes=self.model.page_bytes(self.block_size, self.topology.tp),
             blocks_off=self.blocks_off,
             blocks_on=self.blocks_on,
             tokens_off=self.tokens_off,
@@ -161,17 +162,14 @@ def plan_capacity(
 
     `memory_bytes` is the KV memory free on each rank: one value for all, or one per PP stage.
     MTP caches count as `model.mtp_layers` replicated bundles on the last stage (use
-    `model.with_overrides(mtp_layers=0)` when serving without MTP).
+    `model.with_overrides(mtp_layers=0)` when serving without MTP). The cache-replica group comes from the model
+    (`topo.kv_heads` is set from it): a GQA model's is the TP ranks holding one KV head.
     """
-    if not model.supports_kvpp:
-        kind = "hybrid " + model.attention if model.hybrid else model.attention
-        raise ValueError(f"model {model.name} uses {kind} attention; KVPP plans only non-hybrid MLA/SFA models")
-    if model.num_heads and model.num_heads % topo.tp:
-        raise ValueError(
-            f"TP {topo.tp} does not divide the {model.num_heads} attention heads of {model.name}; "
-            f"choose a TP size that divides {model.num_heads}"
-        )
-    page = model.page_bytes(block_size)
+    problem = plan_problem(model, topo)
+    if problem:
+        raise ValueError(problem)
+    topo = replace(topo, kv_heads=model.replicated_kv_heads)
+    page = model.page_bytes(block_size, topo.tp)
     stage_ranges = topo.stage_layers(model.num_layers)
     if staging == ZERO_COPY and any(len(layers) < topo.group_size for layers in stage_ranges):
         raise ValueError(zero_copy_layer_problem(topo, stage_ranges))
@@ -205,6 +203,33 @@ def plan_capacity(
             f"without KVPP ({need} bytes); give each rank more memory"
         )
     return plan
+
+
+def plan_problem(model: ModelSpec, topo: Topology) -> str | None:
+    """Why KVPP has nothing to plan for `model` on `topo` (None when it has): a model whose layers KVPP does not
+    handle, a TP that splits heads unevenly, or a GQA model whose KV heads TP does not replicate."""
+    if not model.supports_kvpp:
+        if model.hybrid:
+            return (f"model {model.name} is hybrid: {model.mixed}; KVPP plans models whose every layer is one "
+                    "full-attention (or MLA/SFA) cache, and vLLM gives the other layers KV cache groups of their own")
+        return f"model {model.name} uses {model.attention} attention; KVPP plans MLA/SFA and GQA models"
+    if model.num_heads and model.num_heads % topo.tp:
+        return (f"TP {topo.tp} does not divide the {model.num_heads} attention heads of {model.name}; "
+                f"choose a TP size that divides {model.num_heads}")
+    heads = model.replicated_kv_heads
+    if heads is not None:
+        try:
+            model.kv_heads_per_rank(topo.tp)
+        except ValueError as exc:
+            return str(exc)
+        if topo.tp <= heads:
+            return (f"no KV head of {model.name} is replicated at TP {topo.tp}: its {heads} KV heads are split over "
+                    f"the TP ranks, {heads // topo.tp} per rank, and no two ranks hold the same one, so there is no "
+                    f"copy for KVPP to remove; KVPP pays off from TP {2 * heads} (each KV head on 2 ranks)")
+        if topo.pcp > 1:
+            return (f"PCP {topo.pcp} with a GQA model: KVPP's replica groups of GQA heads are TP ranks only; set "
+                    "--prefill-context-parallel-size 1")
+    return None
 
 
 def zero_copy_layer_shortage(topo: Topology, stage_ranges: Sequence[range]) -> str | None:

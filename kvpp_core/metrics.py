@@ -31,12 +31,13 @@ METRICS_DIR_ENV = "KVPP_METRICS_DIR"
 RECORDS_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 """Where record directories are made (memory-backed; None: the system's temporary directory)."""
 
-LABELS = ("model_name", "engine", "pp_stage", "kvpp_rank")
-"""`engine` is vLLM's engine index (the data-parallel rank), as on vLLM's own metrics."""
+LABELS = ("model_name", "engine", "pp_stage", "replica_group", "kvpp_rank")
+"""`engine` is vLLM's engine index (the data-parallel rank), as on vLLM's own metrics; `replica_group` the stage's
+cache-replica group (a GQA model's KV head when TP replicates several; 0 for MLA/SFA)."""
 
 _MAGIC = float(0x4B565050)  # "KVPP", exact as a float64; written last when a record is created
 SLOTS = (
-    "magic", "engine", "pp_stage", "kvpp_rank", "kv_blocks", "kv_blocks_kvpp_off",
+    "magic", "engine", "pp_stage", "replica_group", "kvpp_rank", "kv_blocks", "kv_blocks_kvpp_off",
     "steps", "broadcast_steps", "broadcast_layers", "broadcast_bytes", "broadcast_seconds",
     "broadcast_wait_seconds", "zero_copy_reads", "zero_copy_waits", "zero_copy_wait_seconds",
 )
@@ -104,10 +105,10 @@ class RecordWriter:
     """One worker's record, created at start (labels and block counts) and updated at each step's end."""
 
     def __init__(self, directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
-                 kv_blocks_kvpp_off: int | None) -> None:
+                 kv_blocks_kvpp_off: int | None, replica_group: int = 0) -> None:
         """Raises OSError when the record cannot be created, its page included: after that, every store
         into it lands in memory that exists."""
-        path = directory / f"rank-{engine}-{pp_stage}-{kvpp_rank}.rec"
+        path = directory / f"rank-{engine}-{pp_stage}-{replica_group}-{kvpp_rank}.rec"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             # Reserve the page now. A file only ftruncate'd is sparse: on a full /dev/shm (a tight
@@ -121,7 +122,8 @@ class RecordWriter:
         finally:
             os.close(fd)
         self._slots = memoryview(self._map).cast("d")
-        for name, value in (("engine", engine), ("pp_stage", pp_stage), ("kvpp_rank", kvpp_rank),
+        for name, value in (("engine", engine), ("pp_stage", pp_stage), ("replica_group", replica_group),
+                            ("kvpp_rank", kvpp_rank),
                             ("kv_blocks", kv_blocks),
                             ("kv_blocks_kvpp_off", float("nan") if kv_blocks_kvpp_off is None else kv_blocks_kvpp_off)):
             self._slots[_INDEX[name]] = value
@@ -133,11 +135,11 @@ class RecordWriter:
 
 
 def open_record(directory: Path, engine: int, pp_stage: int, kvpp_rank: int, kv_blocks: int,
-                kv_blocks_kvpp_off: int | None) -> RecordWriter | None:
+                kv_blocks_kvpp_off: int | None, replica_group: int = 0) -> RecordWriter | None:
     """This rank's record, or None (warned once) where it cannot be made: the rank then serves without
     metrics, since no failure of KVPP's metrics may stop or kill an engine."""
     try:
-        return RecordWriter(directory, engine, pp_stage, kvpp_rank, kv_blocks, kv_blocks_kvpp_off)
+        return RecordWriter(directory, engine, pp_stage, kvpp_rank, kv_blocks, kv_blocks_kvpp_off, replica_group)
     except OSError as exc:
         logger.warning(
             "KVPP engine %d stage %d rank %d: its metrics are off, /metrics lacks its vllm:kvpp_* samples "

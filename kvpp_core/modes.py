@@ -229,7 +229,9 @@ def shm_needed(plan: CapacityPlan, dp: int = 1, nnodes: int = 1) -> int:
     """The /dev/shm zero-copy takes on the busiest host of an instance planned by `plan` (a zero-copy plan) with `dp`
     replicas over `nnodes` hosts, each holding an equal run of its ranks (DP x PP x group, vLLM's order): the rule
     `start_obstacles` applies to an engine's ranks."""
-    per_rank = [rank_shm_bytes(plan.blocks_on, r.bytes_per_block_on) for s in plan.stages for r in s.ranks] * dp
+    groups = plan.topology.groups_per_stage  # a GQA stage holds a group per KV head, laid out alike
+    per_rank = [rank_shm_bytes(plan.blocks_on, r.bytes_per_block_on)
+                for s in plan.stages for _ in range(groups) for r in s.ranks] * dp
     per_host = max(1, len(per_rank) // max(1, nnodes))
     return max(sum(per_rank[i:i + per_host]) for i in range(0, len(per_rank), per_host))
 

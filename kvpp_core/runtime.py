@@ -25,6 +25,9 @@ class ActiveLayout:
     placement: Placement
     layer_ids: Mapping[str, int | None]
     """Every cache name of this rank -> decoder layer id, None for MTP/draft caches."""
+    replica_group: int = 0
+    """Which of the stage's cache-replica groups this rank is in: a GQA model's KV head (TP ranks holding another
+    head form other groups, with kvpp ranks of their own); 0 for MLA/SFA, whose stage is one group."""
 
     @property
     def kvpp_rank(self) -> int:
@@ -86,6 +89,7 @@ class KvppRuntime:
         layout = self.layout.rank_layout
         return {
             "kvpp_rank": layout.kvpp_rank,
+            "replica_group": self.layout.replica_group,
             "group_size": layout.group_size,
             "owned_layers": list(layout.owned),
             "mtp_caches": list(self.layout.mtp_layer_names),

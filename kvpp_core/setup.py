@@ -51,9 +51,9 @@ class KvppSetup:
     nnodes: int = 1
     """Hosts one instance spans (vLLM's --nnodes; a spec's hosts)."""
     attention_backend: str | None = None
-    """The CPU MLA kernel the target model runs on (kvpp_core.cpu_backends); None off CPU or when unknown."""
+    """The CPU attention kernel the target model runs on (kvpp_core.cpu_backends); None off CPU or when unknown."""
     draft_attention_backend: str | None = None
-    """The CPU MLA kernel of the MTP/draft caches, which vLLM picks apart from the target's."""
+    """The CPU attention kernel of the MTP/draft caches, which vLLM picks apart from the target's."""
     dtype: str | None = None
     """The model's compute (and KV cache) dtype; None when unknown."""
     block_size: int | None = None
@@ -64,6 +64,11 @@ class KvppSetup:
     """KVPP_BROADCAST_TRANSPORT as the launch's environment sets it (kvpp_core.layer_settings); None when unknown."""
     request: LaunchRequest = LaunchRequest()
 
+    def __post_init__(self) -> None:
+        # The cache-replica groups follow the model's KV (kvpp_core.topology): derived here once, for every setup.
+        if self.model is not None and self.topology.kv_heads != self.model.replicated_kv_heads:
+            object.__setattr__(self, "topology", replace(self.topology, kv_heads=self.model.replicated_kv_heads))
+
 
 def _pp_partition(value: str | None) -> tuple[int, ...] | None:
     """vLLM's explicit PP split (VLLM_PP_LAYER_PARTITION="38,40"), so stage layers match vLLM's."""
@@ -71,17 +76,17 @@ def _pp_partition(value: str | None) -> tuple[int, ...] | None:
 
 
 def _cpu_kernels(vllm_config) -> tuple[str | None, str | None]:
-    """The CPU MLA kernels of the target and of its drafter, chosen by vLLM's rule (None off CPU or MLA)."""
-    if vllm_config.device_config.device_type != "cpu" or not vllm_config.model_config.use_mla:
+    """The CPU attention kernels of the target and of its drafter, chosen by vLLM's rule (None off CPU)."""
+    if vllm_config.device_config.device_type != "cpu":
         return None, None
-    amx = host_has_amx()
+    amx, mla = host_has_amx(), vllm_config.model_config.use_mla
     target = vllm_config.attention_config.backend
-    kernel = selected(None if target is None else target.name, amx).name
+    kernel = selected(None if target is None else target.name, amx, mla).name
     speculative = vllm_config.speculative_config
     if speculative is None:
         return kernel, None
     draft = speculative.attention_backend
-    return kernel, selected(None if draft is None else draft.name, amx).name
+    return kernel, selected(None if draft is None else draft.name, amx, mla).name
 
 
 def _block_size(cache_config, kernel: str | None) -> int:

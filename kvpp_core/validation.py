@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvpp_core.capacity import plan_problem
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, ZERO_COPY, KvppConfigError
-from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_ATTN, CPU_MLA
 from kvpp_core.model import ModelSpec
 from kvpp_core.modes import Obstacle, StartFacts, zero_copy_obstacles
 from kvpp_core.platforms import ASCEND
@@ -34,8 +35,10 @@ class Problem:
         return f"{self.option}: {self.message}"
 
 
-KV_UPDATE_OP = "vllm::unified_mla_kv_cache_update"
-"""The custom op in which vLLM 0.32 writes an MLA layer's new KV, and in which KVPP delivers the layer."""
+KV_UPDATE_OPS = {"mla": "vllm::unified_mla_kv_cache_update", "sfa": "vllm::unified_mla_kv_cache_update",
+                  "gqa": "vllm::unified_kv_cache_update"}
+"""The custom op in which vLLM 0.32 writes a layer's new KV (MLA's, or standard attention's), and in which KVPP
+delivers the layer."""
 _GRAPH_SAFE_MODES = ("NONE", "PIECEWISE")
 
 
@@ -49,7 +52,7 @@ def validate(setup: KvppSetup, connector_rules: Callable[[KvppSetup], list[Probl
         return connector_rules(setup)
     own = (_ascend_rules(setup) if platform == ASCEND.name
            else [*_graph_rules(setup), *_draft_rules(setup), *_cpu_rules(setup)])
-    return [*_model_rules(setup.model), *_parallel_rules(setup), *own, *zero_copy_problems(setup), *connector_rules(setup)]
+    return [*_model_rules(setup), *_parallel_rules(setup), *own, *zero_copy_problems(setup), *connector_rules(setup)]
 
 
 def raise_for_errors(problems: Iterable[Problem]) -> list[Problem]:
@@ -66,16 +69,27 @@ def error(option: str, message: str) -> Problem:
     return Problem("error", option, message)
 
 
-def _model_rules(model: ModelSpec) -> list[Problem]:
-    problems = []
-    if model.attention not in ("mla", "sfa"):
+def _model_rules(setup: KvppSetup) -> list[Problem]:
+    """The model's: one kind of cache KVPP handles in every layer, and (GQA) KV heads that TP replicates."""
+    model, topo, problems = setup.model, setup.topology, []
+    if model.attention not in ("mla", "sfa", "gqa"):
         problems.append(error("model", (
-            f"{model.name} uses {model.attention} attention; KVPP supports only MLA/SFA models whose "
-            f"per-layer cache is identical on every TP rank (DeepSeek-V2/V3, Kimi-K2, GLM-5.x); {DISABLE}")))
+            f"{model.name} uses {model.attention} attention; KVPP supports MLA/SFA models (DeepSeek-V2/V3, Kimi-K2, "
+            f"GLM-5.x) and GQA models whose KV heads TP replicates; {DISABLE}")))
     if model.hybrid:
         problems.append(error("model", (
-            f"{model.name} is a hybrid model (it mixes non-MLA layers); KVPP supports only non-hybrid "
-            f"MLA/SFA models; {DISABLE}")))
+            f"{model.name} is a hybrid model: {model.mixed}; vLLM keeps those layers in KV cache groups of their own, "
+            f"which KVPP does not handle (it shards models whose every layer is one full-attention or MLA/SFA "
+            f"cache); {DISABLE}")))
+    if model.attention == "gqa" and not model.hybrid:
+        problem = plan_problem(model, topo)
+        if problem:
+            problems.append(error("tensor_parallel_size", f"{problem}; {DISABLE}"))
+        if setup.device not in (None, "cpu"):
+            problems.append(error("model", (
+                f"KVPP on a GQA model ({model.name}) runs on vLLM's CPU attention kernel ({CPU_ATTN.name}) only, whose "
+                f"pages hold a block's K and V heads in one run; this engine's KV cache is on {setup.device}, where "
+                f"no GQA kernel is covered; {DISABLE}")))
     return problems
 
 
@@ -89,7 +103,7 @@ def _parallel_rules(setup: KvppSetup) -> list[Problem]:
         problems.append(error("prefill_context_parallel_size", (
             f"KVPP with PCP {topo.pcp} needs Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1 or "
             "--prefill-context-parallel-size 1")))
-    if topo.group_size == 1 and topo.pcp == 1:
+    if topo.group_size == 1 and topo.pcp == 1 and topo.kv_heads is None:
         problems.append(Problem("warning", "tensor_parallel_size", (
             "TP=1 without PCP: a cache-replica group of one rank owns every layer and needs no staging, so "
             f"KVPP is inert (capacity ratio 1.0); use TP>1 (or PCP on runner V2) or {DISABLE}")))
@@ -113,10 +127,11 @@ def _graph_rules(setup: KvppSetup) -> list[Problem]:
             f"{shown} captures whole forward passes in CUDA graphs, whose replay skips KVPP's per-layer "
             "broadcast (layers would attend over stale KV); use "
             "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or add --enforce-eager"))]
-    if mode == "PIECEWISE" and setup.splitting_ops is not None and KV_UPDATE_OP not in setup.splitting_ops:
+    op = KV_UPDATE_OPS[setup.model.attention]
+    if mode == "PIECEWISE" and setup.splitting_ops is not None and op not in setup.splitting_ops:
         return [error("compilation_config.splitting_ops", (
-            f"piecewise CUDA graphs must split at {KV_UPDATE_OP} (KVPP delivers each layer there, outside "
-            f"the captured pieces); leave splitting_ops unset or add {KV_UPDATE_OP}, or add --enforce-eager"))]
+            f"piecewise CUDA graphs must split at {op} (KVPP delivers each layer there, outside "
+            f"the captured pieces); leave splitting_ops unset or add {op}, or add --enforce-eager"))]
     return []
 
 

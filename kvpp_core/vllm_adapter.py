@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kvpp_core import activation, agreement, ascend, layer_settings, metrics, runtime, zero_copy
 from kvpp_core.allocation import CacheLayer, Placement, bytes_per_block, logical_bytes_per_block, place
 from kvpp_core.broadcast import LayerBroadcaster
-from kvpp_core.config import KvppConfig
+from kvpp_core.config import KvppConfig, KvppConfigError
 from kvpp_core.modes import Mode
 from kvpp_core.ownership import RankLayout, rank_layout, target_layer
 from kvpp_core.setup import LaunchRequest
@@ -71,7 +71,8 @@ def _kvpp_group(topology: Topology, timeout_s: float) -> tuple[dist.ProcessGroup
     """A process group per cache-replica group, dedicated so broadcasts never queue behind TP collectives.
 
     Every rank creates every group, in the same order (torch.distributed requires it); ranks are laid
-    out ExternalDP x DP x PP x PCP x TP, so a group is a contiguous run of `topology.group_size` ranks.
+    out ExternalDP x DP x PP x PCP x TP, so a group is a contiguous run of `topology.group_size` ranks: an MLA
+    group holds its stage's TP group (and PCP ranks on runner V2), a GQA group the TP ranks of one KV head.
     """
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -83,7 +84,12 @@ def _kvpp_group(topology: Topology, timeout_s: float) -> tuple[dist.ProcessGroup
         group = dist.new_group(list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
         if me in ranks:
             mine = (group, ranks)
-    assert mine is not None and set(get_tp_group().ranks) <= set(mine[1]), "KVPP group must contain the TP group"
+    tp_ranks = set(get_tp_group().ranks)
+    assert mine is not None, "every rank belongs to a KVPP group"
+    if topology.kv_heads is None:
+        assert tp_ranks <= set(mine[1]), "an MLA KVPP group must contain the TP group"
+    else:
+        assert set(mine[1]) <= tp_ranks, "a GQA KVPP group must lie within the TP group"
     return mine
 
 
@@ -97,6 +103,8 @@ class WorkerContext:
     """The mode this engine runs (kvpp_core.modes): named by the launch, else the default where it runs."""
     topology: Topology
     pp_rank: int
+    replica_group: int
+    """Which of the stage's cache-replica groups this rank is in (a GQA model's KV head; 0 for MLA/SFA)."""
     layers: tuple[CacheLayer, ...]
     layout: RankLayout
     group: dist.ProcessGroup
@@ -128,8 +136,34 @@ class WorkerContext:
         return None if self.memory_bytes is None else self.memory_bytes // self.logical_bytes_per_block
 
     def report(self) -> dict:
-        return {"pp_rank": self.pp_rank, "stage_blocks": self.stage_blocks, "mode": self.mode.name,
+        return {"pp_rank": self.pp_rank, "replica_group": self.replica_group, "stage_blocks": self.stage_blocks,
+                "mode": self.mode.name,
                 "bytes_per_block": self.bytes_per_block, "memory_bytes": self.memory_bytes}
+
+
+def _uncovered_gqa_caches(worker) -> list[str]:
+    """A GQA model's caches KVPP cannot shard, one line each: a cache of another kind than plain full attention
+    (vLLM split the layers into several KV cache groups, or a layer slides a window, sinks or chunks), or a layer on a
+    kernel whose KV write and read KVPP does not wrap."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    problems = []
+    forward_ctx = worker.vllm_config.compilation_config.static_forward_context
+    for name, spec in worker.model_runner.get_kv_cache_spec().items():
+        if type(spec) is not FullAttentionSpec:
+            problems.append(f"{name} is a {type(spec).__name__} cache (sliding-window, chunked, sink, linear-attention "
+                            "and Mamba caches, and hybrid KV cache groups, are not handled): only plain full attention")
+            continue
+        windowed = [f"{field} {value}" for field in ("sliding_window", "attention_chunk_size")
+                    if (value := getattr(spec, field, None)) is not None]
+        if windowed:  # vLLM keeps such layers in FullAttentionSpec when its hybrid KV cache manager is off
+            problems.append(f"{name} attends over a window ({', '.join(windowed)}): only plain full attention is handled")
+            continue
+        impl = type(getattr(forward_ctx.get(name), "impl", None))
+        if not all(getattr(vars(impl).get(m), "kvpp_patch", False) for m in _GQA_HOOKED):
+            problems.append(f"{name} runs on {impl.__name__}, a kernel KVPP does not cover: it wraps "
+                            f"{' and '.join(_GQA_HOOKED)} of {_GQA_KERNEL[1]} (vLLM's CPU attention) only")
+    return problems
 
 
 def _build_context(worker, memory_bytes: int | None) -> WorkerContext | None:
@@ -139,9 +173,14 @@ def _build_context(worker, memory_bytes: int | None) -> WorkerContext | None:
     cfg, topology = setup.kvpp, setup.topology
     if not cfg.enabled:
         return None
+    uncovered = _uncovered_gqa_caches(worker) if topology.kv_heads is not None else []
+    if uncovered:
+        raise KvppConfigError("KVPP cannot shard this model's KV caches (enable_kvpp: remove it from "
+                              "--additional-config):\n" + "\n".join(uncovered))
     pcp_rank = get_pcp_group().rank_in_group if topology.pcp > 1 else 0
+    tp_rank = get_tp_group().rank_in_group
     layers = _cache_layers(worker)
-    kvpp_rank = topology.kvpp_rank(pcp_rank, get_tp_group().rank_in_group)
+    kvpp_rank = topology.kvpp_rank(pcp_rank, tp_rank)
     # Every rank, before its budget becomes blocks: the mode and the settings, the same on all of them.
     mode = agreement.agree(setup, layers, kvpp_rank, memory_bytes, get_world_group().cpu_group)
     layout = rank_layout(
@@ -152,8 +191,8 @@ def _build_context(worker, memory_bytes: int | None) -> WorkerContext | None:
     )
     timeout = _broadcast_timeout_s()
     group, ranks = _kvpp_group(topology, timeout)
-    return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, layers, layout, group, ranks,
-                         timeout, layer_settings.whole_cache())
+    return WorkerContext(cfg, mode, topology, get_pp_group().rank_in_group, topology.replica_group(tp_rank), layers,
+                         layout, group, ranks, timeout, layer_settings.whole_cache())
 
 
 _NO_CONTEXT = object()
@@ -330,7 +369,7 @@ def _patch_initialize_from_config(orig):
             return orig(self, kv_cache_config)
         layout = ctx.layout
         placement = place(ctx.layers, layout, kv_cache_config.num_blocks)
-        active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers})
+        active = runtime.ActiveLayout(layout, placement, {c.name: c.layer_id for c in ctx.layers}, ctx.replica_group)
         shm = ShmGroup.negotiate(ctx.layers, layout, placement, ctx.group, ctx.group_ranks, self.device,
                                  zero_copy.REQUIRED_BY if layout.zero_copy else None)
         # Published before allocation: connectors read the layout in register_kv_caches.
@@ -374,7 +413,7 @@ def _metrics_record(worker, ctx: WorkerContext, num_blocks: int) -> metrics.Reco
     if not directory:
         return None
     return metrics.open_record(Path(directory), worker.vllm_config.parallel_config.data_parallel_rank,
-                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off)
+                               ctx.pp_rank, ctx.layout.kvpp_rank, num_blocks, ctx.stage_blocks_off, ctx.replica_group)
 
 
 _metrics_collector: metrics.RecordCollector | None = None
@@ -531,6 +570,35 @@ def _patch_kv_read(orig):
     return forward_impl
 
 
+def _patch_gqa_kv_write(orig):
+    """Standard attention's new-token KV write (`do_kv_cache_update` of the kernel's impl, which vLLM calls from the
+    `vllm::unified_kv_cache_update` op in eager and compiled mode alike): the layer's history is delivered first
+    (staging), then the write runs, on the owner only under zero-copy."""
+
+    @functools.wraps(orig)
+    def do_kv_cache_update(self, layer, *args, **kwargs) -> None:
+        rt = runtime.current()
+        if rt is None:
+            return orig(self, layer, *args, **kwargs)
+        rt.before_layer(layer.layer_name)
+        rt.write_kv(layer.layer_name, lambda: orig(self, layer, *args, **kwargs))
+
+    return do_kv_cache_update
+
+
+def _patch_gqa_kv_read(orig):
+    """Zero-copy: a foreign layer's attention (the kernel impl's `forward`) waits for its owner's write."""
+
+    @functools.wraps(orig)
+    def forward(self, layer, *args, **kwargs):
+        rt = runtime.current()
+        if rt is not None:
+            rt.before_read(layer.layer_name)
+        return orig(self, layer, *args, **kwargs)
+
+    return forward
+
+
 def kvpp_stats(worker) -> dict:
     """Worker RPC (`collective_rpc("kvpp_stats")`): this rank's KVPP report, with the bytes the
     engine really allocated for KV, measured from the bound tensors' storage."""
@@ -589,11 +657,17 @@ def _polling_reader_wait(orig):
 
 
 _WORKER_METHODS = ("determine_available_memory", "initialize_from_config", "execute_model")
+_GQA_KERNEL = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")
+"""The standard-attention kernel KVPP covers: vLLM's CPU attention, whose page holds a block's K and V heads in one
+run ([num_blocks, kv_heads, block_size, 2 x head_size], layout LBHNC)."""
+_GQA_HOOKED = ("do_kv_cache_update", "forward")
 _PATCH_TARGETS: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("vllm.v1.worker.gpu_worker", "Worker", _WORKER_METHODS),
     ("vllm.v1.worker.cpu_worker", "CPUWorker", _WORKER_METHODS),
     ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", ("prepare_kv_cache_update",)),
     ("vllm.model_executor.models.deepseek_v2", "Indexer", ("forward",)),
+    (*_GQA_KERNEL, _GQA_HOOKED),
+    ("vllm.v1.kv_cache_interface", "FullAttentionSpec", ()),
     ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", ("wait",)),
     ("vllm.engine.arg_utils", "EngineArgs", ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling")),
     ("vllm.v1.kv_cache_interface", "KVCacheTensor", ("size", "layers", "layer_stride", "block_stride", "offset")),
@@ -732,6 +806,7 @@ def install(connector_rules: ConnectorRules) -> None:
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.models.deepseek_v2 import Indexer
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
@@ -757,3 +832,7 @@ def install(connector_rules: ConnectorRules) -> None:
     # Eager only (validation refuses SFA in compiled mode): the indexer writes its key cache inside
     # `vllm::sparse_attn_indexer`, which takes no layer object a patch could reach.
     _wrap(Indexer, "forward", lambda f: _patch_before_kv_write(f, lambda ix: ix.k_cache.prefix))
+    # Standard (GQA) attention: the kernel's KV write delivers the layer and is the owner's alone under zero-copy;
+    # its attention waits for the owner's write.
+    _wrap(CPUAttentionBackendImpl, "do_kv_cache_update", _patch_gqa_kv_write)
+    _wrap(CPUAttentionBackendImpl, "forward", _patch_gqa_kv_read)

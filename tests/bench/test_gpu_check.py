@@ -11,7 +11,9 @@ import pytest
 
 from tests.helpers.paths import REPO
 
-PARTS = ["environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing"]
+PARTS = ["environment", "mooncake_transfer", "mooncake_pool", "broadcast", "copy", "packing", "gqa_packing"]
+CONFIGS = ["100%", "50% contiguous", "50% scattered", "50% runs", "10% contiguous", "10% scattered", "10% runs"]
+MODES = ("whole", "ranges", "runs", "gather", "move", "place", "place_bytes", "packed")
 
 
 @pytest.mark.unit
@@ -41,16 +43,21 @@ def test_dry_run_drives_every_part_and_checks_the_bytes(tmp_path):
         assert entry["blocks"] == tokens // 16
         for mode in ("whole_layer", "coalesced_ranges", "per_block", "cuda_ipc"):
             assert entry[mode]["seconds"]["n"] == 5 and entry[mode]["seconds"]["min"] > 0
-    for tokens in (2048, 4096):
-        entry = parts["packing"][f"{tokens}_tokens"]
-        assert entry["blocks"] == tokens // 16 and set(entry["targets"]) >= {"never_above_whole", "half_at_10_percent"}
-        assert list(entry["configs"]) == ["100%", "50% contiguous", "50% scattered", "50% runs", "10% contiguous",
-                                          "10% scattered", "10% runs"]
-        for config in entry["configs"].values():
-            assert config["bytes_checked"] and config["choice"] in ("packed", "runs", "whole")
-            for mode in ("whole", "ranges", "runs", "gather", "move", "place", "place_bytes", "packed"):
-                assert config[f"{mode}_s"]["n"] == 5 and config[f"{mode}_s"]["min"] > 0
-        assert entry["configs"]["100%"]["choice"] == "whole"
+    gqa = parts["gqa_packing"]
+    # Qwen3-235B-A22B at TP8: one KV head per rank, on a group of 2 ranks; CPU_ATTN's 128-token blocks of K and V.
+    assert (gqa["model"], gqa["tp"], gqa["replica_group_ranks"], gqa["kv_heads_per_rank"], gqa["block_size"],
+            gqa["page_bytes"]) == ("qwen3-235b-a22b", 8, 2, 1, 128, 128 * 2 * 128 * 2)
+    for part, block in (("packing", 16), ("gqa_packing", 128)):
+        for tokens in (2048, 4096):
+            entry = parts[part][f"{tokens}_tokens"]
+            assert entry["blocks"] == tokens // block
+            assert set(entry["targets"]) >= {"never_above_whole", "half_at_10_percent"}
+            assert list(entry["configs"]) == CONFIGS
+            for config in entry["configs"].values():
+                assert config["bytes_checked"] and config["choice"] in ("packed", "runs", "whole")
+                for mode in MODES:
+                    assert config[f"{mode}_s"]["n"] == 5 and config[f"{mode}_s"]["min"] > 0
+            assert entry["configs"]["100%"]["choice"] == "whole"
 
 
 @pytest.mark.unit

@@ -114,7 +114,7 @@ def test_to_json_has_the_documented_keys():
         (dict(model=GLM, topo=Topology(tp=8), memory_bytes=-1), "positive number of bytes"),
         (dict(model=GLM, topo=Topology(tp=8), memory_bytes=1000), "less than one block without KVPP"),
         (dict(model=ModelSpec("llama", 32, 0, 0, 0, attention="mha"), topo=Topology(tp=8), memory_bytes=GIB),
-         "uses mha attention; KVPP plans only non-hybrid MLA/SFA"),
+         "uses mha attention; KVPP plans MLA/SFA and GQA models"),
     ],
 )
 def test_bad_plans_are_refused(kwargs, message):
@@ -175,3 +175,25 @@ def test_zero_copy_with_pp_and_mtp_counts_each_stage_alone():
 def test_zero_copy_refuses_a_stage_with_fewer_layers_than_ranks():
     with pytest.raises(ValueError, match="kvpp_staging_buffers 0 .* stage 1 \\(3 layers\\).*set kvpp_staging_buffers"):
         plan_capacity(GLM, Topology(tp=4, pp=2, pp_layers=(75, 3)), 60 * GIB, staging=0)
+
+
+def test_gqa_plan_shards_within_each_kv_heads_ranks():
+    """Qwen3-235B-A22B on TP8: 4 KV heads, each on 2 ranks; 94 layers over a group of 2 (47 each) plus 2 staging
+    slots against 94 replicated layers: 94 / 49 = 1.92x, and zero-copy's layer-granular limit 94 / 47 = 2x."""
+    model = PRESETS["qwen3-235b-a22b"]
+    plan = plan_capacity(model, Topology(tp=8), GIB, 128)
+    assert plan.topology.kv_heads == 4 and plan.topology.group_size == 2
+    assert [len(r.owned) for r in plan.stages[0].ranks] == [47, 47]
+    page = model.page_bytes(128, 8)
+    assert page == 128 * 2 * 128 * 2
+    assert plan.stages[0].ranks[0].bytes_per_block_on == 49 * page and plan.stages[0].ranks[0].bytes_per_block_off == 94 * page
+    assert plan.ratio == pytest.approx((GIB // (49 * page)) / (GIB // (94 * page)))
+    assert plan_capacity(model, Topology(tp=8), GIB, 128, staging=0).ratio == pytest.approx(2.0, abs=0.01)
+    assert "one per KV head" in plan.to_json()["replica_group"]
+
+
+def test_gqa_plan_is_refused_where_no_head_is_replicated():
+    with pytest.raises(ValueError, match="no KV head of qwen3-235b-a22b is replicated at TP 4"):
+        plan_capacity(PRESETS["qwen3-235b-a22b"], Topology(tp=4), GIB)
+    with pytest.raises(ValueError, match="is hybrid: 36 of its 48 layers are linear_attention"):
+        plan_capacity(PRESETS["qwen3-next-80b-a3b"], Topology(tp=8), GIB)

@@ -204,7 +204,7 @@ def test_a_rank_that_has_not_written_is_absent_and_an_empty_directory_exports_no
     assert _scrape(tmp_path) == {}  # the families exist, without samples
     assert _scrape(tmp_path / "removed") == {}  # the serving process removed it at exit
     metrics.RecordWriter(tmp_path, 0, 0, 0, kv_blocks=10, kv_blocks_kvpp_off=5)
-    (tmp_path / "rank-0-0-1.rec").write_bytes(bytes(metrics.RECORD_BYTES))  # being created: no magic yet
+    (tmp_path / "rank-0-0-0-1.rec").write_bytes(bytes(metrics.RECORD_BYTES))  # being created: no magic yet
     (tmp_path / "rank-0-0-2.rec").write_bytes(b"\1" * 8)  # truncated
     got = _scrape(tmp_path)
     assert got["vllm:kvpp_kv_blocks"] == {("0", "0", "0"): 10}
@@ -261,7 +261,7 @@ def test_a_full_or_read_only_shm_turns_a_ranks_metrics_off_with_one_warning_neve
     assert "rank 1: its metrics are off" in no_space and "No space left on device" in no_space
     assert "--shm-size" in no_space
     assert "rank 2: its metrics are off" in no_write and "Read-only file system" in no_write
-    assert got["files"] == ["fill", "rank-0-0-0.rec"], "a rank without a record leaves no file behind"
+    assert got["files"] == ["fill", "rank-0-0-0-0.rec"], "a rank without a record leaves no file behind"
     steps = {s.labels["kvpp_rank"]: s.value for f in text_string_to_metric_families(got["exposition"])
              for s in f.samples if s.name == "vllm:kvpp_steps_total"}
     assert steps == {"0": 8}
@@ -319,3 +319,15 @@ def test_an_engine_says_at_start_which_ranks_its_metrics_leave_out(tiny_model, m
     (off,) = start()
     assert "metrics (vllm:kvpp_*) are off for this engine" in off and str(tmp_path / "gone") in off
     assert metrics.METRICS_DIR_ENV not in os.environ and vllm_adapter._metrics_collector is None
+
+
+def test_ranks_of_two_gqa_replica_groups_keep_records_of_their_own(tmp_path):
+    """A GQA stage holds one group per KV head, each with its kvpp ranks 0..G-1: kvpp rank 0 of head 0 and of head 1
+    are two ranks, two records, told apart by the replica_group label."""
+    metrics.RecordWriter(tmp_path, 0, 0, 0, kv_blocks=512, kv_blocks_kvpp_off=256, replica_group=0)
+    metrics.RecordWriter(tmp_path, 0, 0, 0, kv_blocks=512, kv_blocks_kvpp_off=250, replica_group=1)
+    registry = CollectorRegistry()
+    registry.register(metrics.RecordCollector(tmp_path, "tiny-gqa"))
+    gains = {s.labels["replica_group"]: s.value for family in text_string_to_metric_families(
+        generate_latest(registry).decode()) for s in family.samples if s.name == "vllm:kvpp_capacity_gain"}
+    assert gains == {"0": 2.0, "1": 512 / 250}

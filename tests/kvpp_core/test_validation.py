@@ -6,7 +6,7 @@ from kvpp_core.config import KvppConfig, KvppConfigError
 from kvpp_core.model import PRESETS, ModelSpec
 from kvpp_core.setup import LaunchRequest
 from kvpp_core.topology import Topology
-from kvpp_core.validation import KV_UPDATE_OP, Problem, raise_for_errors
+from kvpp_core.validation import KV_UPDATE_OPS, Problem, raise_for_errors
 
 from tests.helpers.setups import GOOD_STORE_EXTRA, only, setup, validate
 
@@ -27,16 +27,47 @@ def test_nothing_is_checked_when_kvpp_is_off():
     assert validate(bad) == []
 
 
-def test_non_mla_model():
-    p = only(validate(setup(model=ModelSpec("llama-3", 32, 0, 0, 0, attention="mha"))))
+def test_unknown_attention_model():
+    p = only(validate(setup(model=ModelSpec("odd", 32, 0, 0, 0, attention="linear"))))
     assert (p.severity, p.option) == ("error", "model")
-    assert "llama-3 uses mha attention; KVPP supports only MLA/SFA" in p.message
+    assert "odd uses linear attention; KVPP supports MLA/SFA models" in p.message
     assert "remove enable_kvpp from --additional-config" in p.message
 
 
-def test_hybrid_model():
-    p = only(validate(setup(model=ModelSpec("kimi-linear", 27, 0, 512, 64, hybrid=True))))
-    assert p.option == "model" and "kimi-linear is a hybrid model" in p.message and "non-hybrid" in p.message
+def test_hybrid_model_names_what_it_mixes():
+    model = ModelSpec("kimi-linear", 27, 0, 512, 64, hybrid=True, mixed="20 of its 27 layers are linear_attention")
+    p = only(validate(setup(model=model)))
+    assert p.option == "model" and "kimi-linear is a hybrid model: 20 of its 27 layers are linear_attention" in p.message
+    assert "KV cache groups of their own" in p.message
+
+
+GQA = PRESETS["qwen3-235b-a22b"]
+
+
+def test_gqa_model_whose_heads_tp_replicates_passes_on_cpu():
+    assert validate(setup(model=GQA, topology=Topology(tp=8), device="cpu")) == []
+
+
+@pytest.mark.parametrize("model, tp, expected", [
+    (GQA, 4, "no KV head of qwen3-235b-a22b is replicated at TP 4"),
+    (GQA, 2, "2 per rank, and no two ranks hold the same one"),
+    (GQA, 6, "TP 6 does not divide the 64 attention heads"),
+    (ModelSpec("odd-gqa", 8, 0, 0, 0, attention="gqa", num_heads=12, num_kv_heads=4, head_dim=64), 6,
+     "TP 6 and the 4 KV heads of odd-gqa do not divide each other")])
+def test_gqa_model_without_replicated_heads_is_refused(model, tp, expected):
+    problems = [p for p in validate(setup(model=model, topology=Topology(tp=tp), device="cpu"))
+                if p.option == "tensor_parallel_size"]
+    assert problems and expected in problems[0].message and problems[0].severity == "error"
+
+
+def test_gqa_off_cpu_is_refused_naming_the_kernel():
+    p = only(validate(setup(model=GQA, topology=Topology(tp=8), device="cuda")))
+    assert p.option == "model" and "CPU_ATTN" in p.message and "cuda" in p.message
+
+
+def test_gqa_with_pcp_is_refused():
+    problems = validate(setup(model=GQA, topology=Topology(tp=8, pcp=2, runner="v2"), device="cpu"))
+    assert any("PCP 2 with a GQA model" in p.message for p in problems)
 
 
 MLA = PRESETS["deepseek-v3"]
@@ -46,7 +77,7 @@ MLA = PRESETS["deepseek-v3"]
 def test_compiled_mla_runs_without_full_graphs(mode):
     """KVPP's hook runs in the KV-update op, which runs as Python on every step unless a full graph is replayed."""
     assert validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode)) == []
-    assert validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode, splitting_ops=(KV_UPDATE_OP,))) == []
+    assert validate(setup(model=MLA, enforce_eager=False, cudagraph_mode=mode, splitting_ops=(KV_UPDATE_OPS["mla"],))) == []
 
 
 @pytest.mark.parametrize("mode", [None, "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
@@ -60,7 +91,7 @@ def test_full_cuda_graphs_refused(mode):
 def test_piecewise_graphs_must_split_at_the_kv_update():
     p = only(validate(setup(model=MLA, enforce_eager=False, cudagraph_mode="PIECEWISE",
                             splitting_ops=("vllm::unified_mla_attention_with_output",))))
-    assert p.option == "compilation_config.splitting_ops" and KV_UPDATE_OP in p.message
+    assert p.option == "compilation_config.splitting_ops" and KV_UPDATE_OPS["mla"] in p.message
 
 
 def test_eager_ignores_graph_settings():

@@ -327,3 +327,171 @@ def test_every_patch_target_exists_on_this_vllm_and_a_missing_one_refuses_kvpp_b
     monkeypatch.setattr(startup, "_adapter_gaps", missing)
     with pytest.raises(KvppConfigError, match="MLAAttention.prepare_kv_cache_update.*enable_kvpp"):
         startup.check_vllm_version()
+
+
+# ---- GQA: vLLM's CPU attention kernel, hooked on both releases ---------------------------------------------
+GQA_BLOCKS, GQA_BLOCK, GQA_HEAD = 4, 32, 32
+
+
+class _Delivery:
+    """A staging broadcaster's place in the runtime, narrowed to what the write hook calls: each delivery, with
+    whether the layer's cache was still untouched by this step's write when it came."""
+
+    def __init__(self, caches: dict[int, torch.Tensor]) -> None:
+        self.caches, self.delivered = caches, []
+
+    def before_layer(self, layer_id: int) -> None:
+        self.delivered.append((layer_id, bool(self.caches[layer_id].count_nonzero() == 0)))
+
+
+def _gqa_runtime(broadcaster):
+    """The real KvppRuntime over a layout of two target layers, their caches named as vLLM names them."""
+    from kvpp_core.runtime import KvppRuntime
+
+    names = {f"model.layers.{i}.self_attn.attn": i for i in range(2)}
+    return KvppRuntime(SimpleNamespace(layer_ids=names), broadcaster)
+
+
+def _cpu_attention():
+    """vLLM's own CPUAttentionBackendImpl and a layer of it; the kernel's C++ op (absent from vLLM 0.33.0's wheel
+    here) is replaced by a plain write of each new token's K and V into its block, so that only vLLM's Python runs."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)
+    impl.attn_type, impl.kv_cache_dtype = AttentionType.DECODER, "auto"
+    return impl
+
+
+def _write_slots(key, value, key_cache, value_cache, slot_mapping, isa, **scales):
+    for token, slot in enumerate(slot_mapping.tolist()):
+        block, offset = divmod(slot, GQA_BLOCK)
+        key_cache[block, :, offset] = key[token]
+        value_cache[block, :, offset] = value[token]
+
+
+def _layer(i: int):
+    return SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", isa="vec", _k_scale_float=1.0,
+                           _v_scale_float=1.0)
+
+
+def _new_tokens():
+    """Two new tokens, in blocks 1 and 2 (slots 33 and 70): [tokens, kv heads, head size], as vLLM passes them."""
+    return torch.randn(2, 1, GQA_HEAD), torch.randn(2, 1, GQA_HEAD), torch.tensor([33, 70])
+
+
+@pytest.fixture
+def gqa_hooks(monkeypatch):
+    """The adapter installed on this release (vLLM 0.32.0, or 0.33.0 in its contract tier), vLLM's kernel op
+    replaced as above, and the runtime left as found."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from connectors.launch import connector_rules
+    from kvpp_core import runtime, vllm_adapter
+
+    vllm_adapter.install(connector_rules)
+    monkeypatch.setattr(cpu_attn.ops, "cpu_attn_reshape_and_cache", _write_slots, raising=False)
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    return cpu_attn.CPUAttentionBackendImpl
+
+
+@pytest.mark.unit
+def test_the_gqa_hooks_wrap_cpu_attentions_kv_write_and_attention_on_this_vllm(gqa_hooks):
+    from kvpp_core import vllm_adapter
+
+    assert ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", ("do_kv_cache_update", "forward")) \
+        in vllm_adapter._PATCH_TARGETS
+    for method in ("do_kv_cache_update", "forward"):
+        hooked = vars(gqa_hooks)[method]
+        original = hooked.__wrapped__
+        assert hooked.kvpp_patch and not getattr(original, "kvpp_patch", False)
+        assert (original.__module__, original.__qualname__) == (
+            "vllm.v1.attention.backends.cpu_attn", f"CPUAttentionBackendImpl.{method}")
+
+
+@pytest.mark.unit
+def test_a_gqa_layer_is_delivered_before_its_new_tokens_are_written(gqa_hooks, monkeypatch):
+    """Staging: the write hook delivers the layer's history (before_layer), then vLLM's write runs, on every
+    rank; without KVPP (no runtime) the write is vLLM's alone."""
+    from kvpp_core import runtime
+
+    caches = {i: torch.zeros(GQA_BLOCKS, 1, GQA_BLOCK, 2 * GQA_HEAD) for i in range(2)}
+    delivery = _Delivery(caches)
+    impl = _cpu_attention()
+    key, value, slots = _new_tokens()
+    impl.do_kv_cache_update(_layer(0), key, value, caches[0], slots)
+    assert delivery.delivered == [] and caches[0].count_nonzero() > 0, "no runtime: vLLM's write alone"
+    caches[0].zero_()
+    monkeypatch.setattr(runtime, "_RUNTIME", _gqa_runtime(delivery))
+    for i in range(2):
+        impl.do_kv_cache_update(_layer(i), key, value, caches[i], slots)
+    assert delivery.delivered == [(0, True), (1, True)], "each layer delivered before its write"
+    for cache in caches.values():
+        k, v = cache.view(GQA_BLOCKS, 1, 2 * GQA_BLOCK, GQA_HEAD).chunk(2, dim=2)
+        assert torch.equal(k[1, :, 1], key[0]) and torch.equal(v[2, :, 6], value[1])
+        assert cache[0].count_nonzero() == 0 and cache[3].count_nonzero() == 0, "only the new tokens' blocks"
+
+
+@pytest.mark.unit
+def test_under_zero_copy_a_reader_skips_its_write_and_waits_before_reading(gqa_hooks, monkeypatch):
+    """kvpp rank 1 of a group of 2 owns layer 1: it writes layer 1's new tokens, skips layer 0's (its owner
+    writes them into the pages this rank reads in place), and asks before attending over either layer."""
+    from kvpp_core import runtime
+    from kvpp_core.zero_copy import ZeroCopyLayers
+
+    class Reads(ZeroCopyLayers):
+        asked: list[int] = []
+
+        def before_read(self, layer_id: int) -> None:
+            self.asked.append(layer_id)
+
+    reader = Reads(rank_layout(range(2), 2, 1, staging=0), None, 1.0)
+    monkeypatch.setattr(runtime, "_RUNTIME", _gqa_runtime(reader))
+    impl = _cpu_attention()
+    key, value, slots = _new_tokens()
+    caches = {i: torch.zeros(GQA_BLOCKS, 1, GQA_BLOCK, 2 * GQA_HEAD) for i in range(2)}
+    for i in range(2):
+        impl.do_kv_cache_update(_layer(i), key, value, caches[i], slots)
+    assert caches[0].count_nonzero() == 0 and caches[1].count_nonzero() > 0
+    output = torch.zeros(2, 4 * GQA_HEAD)
+    for i in range(2):  # no metadata: vLLM's forward returns the output untouched (its warm-up path)
+        assert impl.forward(_layer(i), torch.zeros(2, 4, GQA_HEAD), key, value, caches[i], None, output) is output
+    assert Reads.asked == [0, 1]
+
+
+def _worker(specs: dict, impls: dict):
+    forward_context = {name: SimpleNamespace(impl=impl) for name, impl in impls.items()}
+    return SimpleNamespace(model_runner=SimpleNamespace(get_kv_cache_spec=lambda: specs),
+                           vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
+                               static_forward_context=forward_context)))
+
+
+@pytest.mark.unit
+def test_a_gqa_cache_kvpp_cannot_shard_is_refused_one_line_each(gqa_hooks):
+    """Fail closed on this release: a sliding-window cache, or a layer on a kernel whose write and read KVPP does
+    not wrap, is named with its reason; plain full attention on CPU_ATTN passes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvpp_core.vllm_adapter import _uncovered_gqa_caches
+
+    class OtherKernelImpl(gqa_hooks):  # inherits the hooked methods but is not the class KVPP wraps
+        pass
+
+    shape = dict(block_size=GQA_BLOCK, num_kv_heads=1, head_size=GQA_HEAD, dtype=torch.float32)
+    full, window = FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=128)
+    impl = _cpu_attention()
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert _uncovered_gqa_caches(_worker({n: full for n in names}, {n: impl for n in names})) == []
+    problems = _uncovered_gqa_caches(_worker(
+        {names[0]: full, names[1]: window, names[2]: full},
+        {names[0]: impl, names[1]: impl, names[2]: OtherKernelImpl.__new__(OtherKernelImpl)}))
+    assert problems == [
+        f"{names[1]} is a SlidingWindowSpec cache (sliding-window, chunked, sink, linear-attention and Mamba caches, "
+        "and hybrid KV cache groups, are not handled): only plain full attention",
+        f"{names[2]} runs on OtherKernelImpl, a kernel KVPP does not cover: it wraps do_kv_cache_update and forward "
+        "of CPUAttentionBackendImpl (vLLM's CPU attention) only",
+    ]
+    assert all("\n" not in p for p in problems)
+    windowed = FullAttentionSpec(**shape, sliding_window=64)  # what vLLM builds with its hybrid KV cache manager off
+    assert _uncovered_gqa_caches(_worker({names[0]: windowed}, {names[0]: impl})) == [
+        f"{names[0]} attends over a window (sliding_window 64): only plain full attention is handled"]

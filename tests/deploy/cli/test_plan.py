@@ -170,3 +170,67 @@ def test_a_zero_copy_plan_says_what_it_asks_of_dev_shm(capsys):
     assert run_json(capsys, *tiny, "--staging", "2")["shm_needed_bytes"] is None
     assert main(["plan", *tiny, "--staging", "2"]) == 0
     assert "/dev/shm" not in capsys.readouterr().out
+
+
+# ---- every mode side by side, and GQA models: the replica group of one KV head ------------------------------
+def _modes(data):
+    return {m["name"]: m for m in data["modes"]}
+
+
+def test_every_mode_is_planned_side_by_side_for_mla_as_for_gqa(capsys):
+    """One code path: off, staging 2 and 1, zero-copy; the ratios are the layer-granular ones (layers over owned
+    layers plus staging buffers), zero-copy's marked where it cannot run."""
+    modes = _modes(run_json(capsys, "--model", "glm-5.2", "--tp", "8", "--platform", "vllm-cpu"))
+    assert list(modes) == ["KVPP off", "staging 2", "staging 1", "zero-copy"]
+    assert [modes[m]["ratio"] for m in modes] == pytest.approx([1.0, 78 / 12, 78 / 11, 78 / 10], rel=1e-3)
+    assert modes["zero-copy"]["runs"] is False and "glm-5.2 is SFA" in modes["zero-copy"]["note"]
+    assert all(modes[m]["runs"] for m in ("KVPP off", "staging 2", "staging 1"))
+
+
+@pytest.mark.parametrize("model, tp, layers, group, groups_shown, pairs", [
+    ("qwen3-235b-a22b", 8, 94, 2, "4 per PP stage, one per KV head: its 2 TP ranks (ranks 0-1, 2-3, 4-5, 6-7)", 4),
+    ("llama-3.1-405b", 16, 126, 2, "8 per PP stage, one per KV head: its 2 TP ranks (ranks 0-1, 2-3, 4-5, 6-7, ...)",
+     8),
+])
+def test_gqa_plan_gives_each_modes_capacity_with_the_group_named(capsys, model, tp, layers, group, groups_shown,
+                                                                 pairs):
+    data = run_json(capsys, "--model", model, "--tp", str(tp), "--platform", "vllm-cpu")
+    assert data["replica_group"].startswith(groups_shown)
+    assert data["replica_groups"] == [[2 * g, 2 * g + 1] for g in range(pairs)]
+    assert (data["topology"]["group_size"], data["topology"]["groups_per_stage"]) == (group, pairs)
+    assert (data["kernel"], data["block_size"], data["mode"]) == ("CPU_ATTN", 128, "zero-copy")
+    modes = _modes(data)
+    owned = layers // group
+    assert [modes[m]["ratio"] for m in modes] == pytest.approx(
+        [1.0, layers / (owned + 2), layers / (owned + 1), layers / owned], rel=2e-3)
+    assert all(modes[m]["runs"] for m in modes) and modes["KVPP off"]["tokens"] < modes["staging 2"]["tokens"] < \
+        modes["staging 1"]["tokens"] < modes["zero-copy"]["tokens"]
+    assert main(["plan", "--model", model, "--tp", str(tp), "--platform", "vllm-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"  group     cache-replica groups: {groups_shown}" in out
+    rows = out.split("modes at this memory")[1].splitlines()
+    assert [r.split()[0] for r in rows[2:6]] == ["KVPP", "staging", "staging", "zero-copy"]
+    assert rows[5].endswith("2.00x  *")  # zero-copy: the mode vllm-cpu runs naming none
+
+
+def test_qwen3_235b_at_tp4_is_refused_with_the_tp_that_pays_off(capsys):
+    assert main(["plan", "--model", "qwen3-235b-a22b", "--tp", "4"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "kvpp: error: tensor_parallel_size: no KV head of qwen3-235b-a22b is replicated at TP 4: its 4 KV heads are "
+        "split over the TP ranks, 1 per rank") and "KVPP pays off from TP 8" in err[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "qwen3-235b-a22b", "--tp", "8", "--attention-backend", "CPU_MLA"],
+     "--attention-backend: CPU_MLA is an MLA kernel, and qwen3-235b-a22b uses standard (GQA) attention"),
+    (["--model", "kvpp-tiny", "--tp", "2", "--attention-backend", "CPU_ATTN"],
+     "--attention-backend: CPU_ATTN is standard attention's kernel, and kvpp-tiny is an MLA model"),
+    (["--model", "kvpp-tiny-gqa", "--tp", "2", "--platform", "vllm-cpu", "--block-size", "48"],
+     "block_size: CPU_ATTN needs a block size that is a multiple of 32, not 48"),
+    (["--model", "qwen3-next-80b-a3b", "--tp", "8"], "is a hybrid model: 36 of its 48 layers are linear_attention"),
+])
+def test_gqa_plans_refuse_what_the_engine_would_not_run(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -46,3 +46,16 @@ def test_cache_aware_routing_needs_p_d_prefills(capsys):
     assert main(["simulate", *MODEL, "--synthetic", *WORK, "--prefills", "2", "--role", "colocated",
                  "--policy", "cache-aware"]) == 2
     assert "add --role prefill" in capsys.readouterr().err
+
+
+def test_a_gqa_preset_simulates_on_its_replica_groups_capacity(capsys):
+    """plan's model arguments: Qwen3-235B-A22B at TP8 on vllm-cpu holds twice KVPP off's blocks (each KV head on a
+    group of 2 ranks) and refuses TP4, where no head is replicated."""
+    gqa = ["--model", "qwen3-235b-a22b", "--tp", "8", "--platform", "vllm-cpu", "--block-size", "32"]
+    assert main(["simulate", *gqa, "--synthetic", *WORK, "--kv-gib", "0.05", "--modes", "off,staging,zero-copy",
+                 "--json", "--quiet"]) == 0
+    off, staging, zero_copy = json.loads(capsys.readouterr().out)["runs"]
+    assert off["blocks"] < staging["blocks"] < zero_copy["blocks"] <= 2 * off["blocks"] + 1
+    assert off["hit_rate"] < staging["hit_rate"]
+    assert main(["simulate", *gqa[:2], "--tp", "4", "--synthetic", *WORK, "--quiet"]) == 2
+    assert "no KV head of qwen3-235b-a22b is replicated at TP 4" in capsys.readouterr().err

