@@ -17,6 +17,7 @@ from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
 from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.modes import Mode, resolve as resolve_mode
+from connectors.mooncake.heads import runnable_tps, tp_pairing_problem
 from connectors.mooncake.ports import overlaps
 from kvpp_core.topology import Topology
 from kvpp_core.setup import KvppSetup
@@ -67,6 +68,7 @@ def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
         findings += _instance_findings(spec, instance, model)
     findings += _platform_findings(resolved, model)
     findings += _wiring_findings(spec)
+    findings += _pairing_findings(spec, model)
     findings += _host_findings(resolved)
     findings += _pool_layout_findings(resolved, model)
     findings += _family_findings(spec)
@@ -188,8 +190,8 @@ def _kernel_terms(kernel: CpuKernel) -> str:
             f"{'on' if kernel.prefix_caching else 'off'})")
 
 
-def _listed(instances: list[ResolvedInstance]) -> str:
-    names = [i.instance.where for i in instances]
+def _listed(instances: list[ResolvedInstance] | list[Instance]) -> str:
+    names = [i.instance.where if isinstance(i, ResolvedInstance) else i.where for i in instances]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
@@ -213,6 +215,26 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
     if spec.pool is not None and not any(i.uses_pool for i in spec.instances):
         out.append(_warning("pool", "pool", "no instance uses the pool (prefill instances do by default unless "
                             "uses_pool: false); remove the pool section or set uses_pool: true"))
+    return out
+
+
+def _pairing_findings(spec: Spec, model: ModelSpec | None) -> list[Finding]:
+    """Decode instances that cannot read some prefill's KV: the proxy pairs any prefill with any decode, and a decode
+    rank reads each layer from a prefill rank holding exactly its KV heads (connectors.mooncake.heads, the rule the
+    handshake applies). TP sizes vLLM cannot shard the model at are left to vLLM's own refusal."""
+    if model is None or not spec.disaggregated:
+        return []
+    heads = model.replicated_kv_heads
+    runnable = None if heads is None else set(runnable_tps(heads, max(i.tp for i in spec.instances)))
+    out = []
+    for decode in spec.decode:
+        for tp in dict.fromkeys(p.tp for p in spec.prefill):
+            if runnable is not None and not {tp, decode.tp} <= runnable:
+                continue
+            problem = tp_pairing_problem(heads, tp, decode.tp)
+            if problem is not None:
+                prefills = _listed([p for p in spec.prefill if p.tp == tp])
+                out.append(_error(decode.where, "tp", f"cannot read the KV cache of {prefills}: {problem}"))
     return out
 
 

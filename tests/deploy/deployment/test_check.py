@@ -170,6 +170,36 @@ def test_gqa_model_whose_heads_tp_does_not_replicate_is_refused(tmp_path):
     assert any("error: prefill[0] (p): tensor_parallel_size:" in e and "no KV head of" in e for e in errors)
 
 
+def _pairing(errors):
+    return [e for e in errors if ": tp: cannot read the KV cache of" in e]
+
+
+def test_a_gqa_decode_whose_heads_no_prefill_rank_holds_is_refused_naming_the_tp_sizes_that_map(tmp_path):
+    # Qwen3-235B-A22B (4 KV heads): a TP8 prefill holds one head per rank, a TP2 decode two per rank.
+    spec = _spec([_prefill(kv_port=37000), _prefill(name="p2", hosts=["h2"], kv_port=37000)],
+                 [_decode(tp=2)], model="qwen3-235b-a22b")
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1
+    assert _pairing(errors) == [
+        "error: decode[0] (d): tp: cannot read the KV cache of prefill[0] (p) and prefill[1] (p2): decode tp_rank 0 "
+        "(TP 2) holds KV heads 0-1, but no rank of the TP 8 prefill holds exactly those (they hold 0, 1, 2, 3): "
+        "MooncakeConnectorV2 reads each layer whole from one prefill rank holding the same KV heads. A TP 8 prefill "
+        "of this model (4 KV heads) feeds decodes of TP 4, 8, 12 or 16 (any multiple of 4): set the decode's TP to "
+        "one of them, or the prefill's TP to the decode's"]
+    spec["decode"][0]["tp"] = 4
+    assert _pairing(_check(tmp_path, spec)[0]) == []
+
+
+def test_the_gqa_deployment_of_the_issue_pairs_tp2_prefills_with_a_tp1_decode(tmp_path):
+    # The tiny GQA model's one KV head is on both ranks of a TP2 prefill: a TP1 decode reads it from either.
+    prefills = [_prefill(name=f"p{i}", tp=2, port=8000 + i, kv_port=37000 + 10 * i) for i in range(2)]
+    spec = _spec(prefills, [_decode(tp=1, port=8009, kv_port=37030)], model="kvpp-tiny-gqa")
+    errors, _, _ = _check(tmp_path, spec)
+    assert _pairing(errors) == []
+    # MLA caches map at any TP sizes.
+    assert _pairing(_check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(tp=3)]))[0]) == []
+
+
 def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
     spec = _spec([_prefill()])
     spec["model"] = {"path": "/nowhere/model"}
