@@ -16,6 +16,20 @@ import torch
 
 from kvpp_core.topology import Topology
 
+Heads = tuple[int, ...] | None
+"""The KV heads (global indices, a run) one TP rank holds; None: an MLA/SFA cache, which every rank holds whole."""
+
+
+def heads_text(heads: tuple[int, ...]) -> str:
+    """A run of KV heads as keys and messages name it: `3`, `0-3`."""
+    return f"{heads[0]}" if len(heads) == 1 else f"{heads[0]}-{heads[-1]}"
+
+
+def replica_heads(topology: Topology) -> tuple[Heads, ...]:
+    """The KV heads of each of a stage's cache-replica groups, in group order: (None,) for MLA/SFA, one run per group
+    of TP ranks holding the same heads for GQA (one group per rank where no head is replicated)."""
+    return tuple(_run(topology.kv_heads_of(g * topology.group_size)) for g in range(topology.groups_per_stage))
+
 
 def kv_topology(vllm_config) -> Topology:
     """The engine's TP split of its KV caches: a GQA model's KV heads over TP ranks (kvpp_core.topology), one cache
@@ -25,9 +39,12 @@ def kv_topology(vllm_config) -> Topology:
                     kv_heads=None if model.use_mla else model.get_total_num_kv_heads())
 
 
-def rank_kv_heads(vllm_config, tp_rank: int) -> tuple[int, ...] | None:
+def rank_kv_heads(vllm_config, tp_rank: int) -> Heads:
     """The KV heads (global indices) TP rank `tp_rank` holds; None for an MLA/SFA model."""
-    heads = kv_topology(vllm_config).kv_heads_of(tp_rank)
+    return _run(kv_topology(vllm_config).kv_heads_of(tp_rank))
+
+
+def _run(heads: range | None) -> Heads:
     return None if heads is None else tuple(heads)
 
 

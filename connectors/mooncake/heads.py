@@ -14,12 +14,11 @@ down to `unfed_rank`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from kvpp_core.topology import Topology
 
-Heads = tuple[int, ...] | None
-"""The KV heads (global indices) one TP rank holds; None: an MLA/SFA cache, which every rank holds whole."""
+from connectors.common.kv_caches import Heads, heads_text
 
 
 def rank_heads(num_kv_heads: int | None, tp: int) -> list[Heads]:
@@ -75,7 +74,7 @@ def pairing_problem(decode_tp: int, decode: Mapping[int, Heads], prefill_tp: int
     num_kv_heads = 1 + max(h for heads in (*decode.values(), *prefill.values()) for h in heads)
     held = sorted(set(prefill.values()))
     return (f"decode tp_rank {rank} (TP {decode_tp}) holds {_held(wanted)}, but no rank of the TP {prefill_tp} prefill "
-            f"holds exactly those (they hold {', '.join(map(_heads, held))}): MooncakeConnectorV2 reads each layer "
+            f"holds exactly those (they hold {', '.join(map(heads_text, held))}): MooncakeConnectorV2 reads each layer "
             f"whole from one prefill rank holding the same KV heads. A TP {prefill_tp} prefill of this model "
             f"({num_kv_heads} KV heads) feeds decodes of TP {fed_tps(num_kv_heads, prefill_tp)}: set the decode's TP "
             "to one of them, or the prefill's TP to the decode's")
@@ -88,11 +87,7 @@ def tp_pairing_problem(num_kv_heads: int | None, prefill_tp: int, decode_tp: int
                            dict(enumerate(rank_heads(num_kv_heads, prefill_tp))))
 
 
-def _heads(heads: Sequence[int]) -> str:
-    return f"{heads[0]}" if len(heads) == 1 else f"{heads[0]}-{heads[-1]}"
-
-
 def _held(heads: Heads) -> str:
     if heads is None:
         return "an MLA/SFA cache"
-    return f"KV head{'s' * (len(heads) > 1)} {_heads(heads)}"
+    return f"KV head{'s' * (len(heads) > 1)} {heads_text(heads)}"

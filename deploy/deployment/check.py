@@ -9,12 +9,13 @@ instances (shared hosts, P/D wiring, the pool).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpp_core.config import KvppConfigError, parse_additional_config
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_MLA, CpuKernel
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
+from connectors.common.kv_caches import replica_heads
 from kvpp_core.model import ModelSpec, resolve_model
 from kvpp_core.modes import Mode, resolve as resolve_mode
 from connectors.mooncake.heads import runnable_tps, tp_pairing_problem
@@ -315,6 +316,8 @@ _LAYOUT_FIX = {
     "block_size": "set the same memory.block_size on every instance",
     "kvpp": "set the same enable_kvpp on every instance",
     "group_size": "use the same tp (and pcp) on every KVPP instance",
+    "heads": "use TP sizes that give every rank the same KV heads on every instance (a GQA shard holds its rank's "
+             "heads)",
     "stages": "use the same pp, pp_layers and speculative (MTP) setting on every instance",
 }
 
@@ -376,7 +379,7 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
         return None
     cfg = read_store_settings(store.get("kv_connector_extra_config")).value
     try:
-        topo = _topology(inst)
+        topo = replace(_topology(inst), kv_heads=model.replicated_kv_heads)
         ranges = topo.stage_layers(model.num_layers)
     except ValueError:
         return None
@@ -386,7 +389,8 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
     mtp = model.mtp_layers if engine.speculative_method is not None else 0
     stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
     layout = KeyLayout(model=spec.model.path, kv_dtype=engine.kv_cache_dtype or engine.dtype or "auto",
-                       block_size=engine.block_size, kvpp=inst.enable_kvpp, group_size=topo.group_size, stages=stages)
+                       block_size=engine.block_size, kvpp=inst.enable_kvpp, group_size=topo.group_size, stages=stages,
+                       heads=replica_heads(topo))
     loads, saves = role_actions(store.get("kv_role"), cfg)
     return _PoolMember(inst, _pool_address(spec, cfg), layout, loads, saves)
 

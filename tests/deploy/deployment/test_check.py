@@ -350,6 +350,25 @@ def test_key_differences_follow_the_shard_split():
     assert key_differences(layout(True, 8), layout(False, 8)) == ["kvpp"]
     assert key_differences(layout(False, 8), layout(False, 8, ((0, 4), (4, 8)))) == ["stages"]
     assert key_differences(layout(False, 8), layout(False, 8, block_size=64, model="n")) == ["model", "block_size"]
+    # GQA: a TP1 and a TP2 engine of a one-KV-head model hold the same head, a TP2 and a TP4 of 8 heads do not.
+    assert key_differences(layout(False, 2, heads=((0,),)), layout(False, 1, heads=((0,),))) == []
+    assert key_differences(layout(False, 1, heads=((0, 1, 2, 3), (4, 5, 6, 7))),
+                           layout(False, 1, heads=((0, 1), (2, 3), (4, 5), (6, 7)))) == ["heads"]
+    assert key_differences(layout(True, 2, heads=((0,), (1,))), layout(True, 1, heads=((0,), (1,)))) == ["group_size"]
+
+
+def test_gqa_instances_sharing_a_pool_are_compared_by_the_kv_heads_their_ranks_hold(tmp_path):
+    # Qwen3-235B-A22B (4 KV heads) without KVPP: a TP8 and a TP4 prefill hold one head per rank and share every
+    # block; a TP2 prefill's ranks hold two heads each and share none.
+    spec = _spec([_pooled("a", "h1", enable_kvpp=False), _pooled("b", "h2", enable_kvpp=False, tp=4)], pool=POOL,
+                 model="qwen3-235b-a22b")
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+    spec["prefill"][1]["tp"] = 2
+    _, warnings, _ = _check(tmp_path, spec)
+    (layout,) = [w for w in warnings if ": pool: " in w]
+    assert "pool keys differ in heads (b: ((0, 1), (2, 3)), a: ((0,), (1,), (2,), (3,))): pooled" in layout
+    assert "use TP sizes that give every rank the same KV heads on every instance" in layout
 
 
 def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):
