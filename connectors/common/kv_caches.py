@@ -25,10 +25,16 @@ def heads_text(heads: tuple[int, ...]) -> str:
     return f"{heads[0]}" if len(heads) == 1 else f"{heads[0]}-{heads[-1]}"
 
 
+def heads_of(topology: Topology, tp_rank: int) -> Heads:
+    """The KV heads TP rank `tp_rank` holds (kvpp_core.topology); None for MLA/SFA."""
+    heads = topology.kv_heads_of(tp_rank)
+    return None if heads is None else tuple(heads)
+
+
 def replica_heads(topology: Topology) -> tuple[Heads, ...]:
     """The KV heads of each of a stage's cache-replica groups, in group order: (None,) for MLA/SFA, one run per group
     of TP ranks holding the same heads for GQA (one group per rank where no head is replicated)."""
-    return tuple(_run(topology.kv_heads_of(g * topology.group_size)) for g in range(topology.groups_per_stage))
+    return tuple(heads_of(topology, g * topology.group_size) for g in range(topology.groups_per_stage))
 
 
 def kv_topology(vllm_config) -> Topology:
@@ -40,12 +46,8 @@ def kv_topology(vllm_config) -> Topology:
 
 
 def rank_kv_heads(vllm_config, tp_rank: int) -> Heads:
-    """The KV heads (global indices) TP rank `tp_rank` holds; None for an MLA/SFA model."""
-    return _run(kv_topology(vllm_config).kv_heads_of(tp_rank))
-
-
-def _run(heads: range | None) -> Heads:
-    return None if heads is None else tuple(heads)
+    """The KV heads (global indices) TP rank `tp_rank` of the engine holds; None for an MLA/SFA model."""
+    return heads_of(kv_topology(vllm_config), tp_rank)
 
 
 def cache_groups_problem(vllm_config, kv_cache_config, connector: str) -> str | None:

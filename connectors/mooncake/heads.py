@@ -18,13 +18,13 @@ from collections.abc import Mapping
 
 from kvpp_core.topology import Topology
 
-from connectors.common.kv_caches import Heads, heads_text
+from connectors.common.kv_caches import Heads, heads_of, heads_text
 
 
 def rank_heads(num_kv_heads: int | None, tp: int) -> list[Heads]:
     """Every TP rank's KV heads, as vLLM splits them (None each for an MLA/SFA model: `num_kv_heads` None)."""
     topology = Topology(tp=tp, kv_heads=num_kv_heads)
-    return [None if heads is None else tuple(heads) for heads in map(topology.kv_heads_of, range(tp))]
+    return [heads_of(topology, rank) for rank in range(tp)]
 
 
 def head_sources(wanted: Heads, held: Mapping[int, Heads]) -> list[int]:

@@ -145,6 +145,10 @@ class WorkerMeta(_Versioned, tag="meta"):
                     )
 
     @property
+    def heads(self) -> tuple[int, ...] | None:
+        return None if self.kv_heads is None else tuple(self.kv_heads)
+
+    @property
     def te_session(self) -> str:
         return join_host_port(self.te_host, self.te_rpc_port)
 

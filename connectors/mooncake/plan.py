@@ -20,7 +20,7 @@ class IncompatiblePeerError(ValueError):
 
 
 def _heads_by_rank(remote: Sequence[WorkerMeta]) -> dict[int, tuple[int, ...] | None]:
-    return {peer.tp_rank: None if peer.kv_heads is None else tuple(peer.kv_heads) for peer in remote}
+    return {peer.tp_rank: peer.heads for peer in remote}
 
 
 def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta]) -> None:
@@ -44,8 +44,8 @@ def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta]) -> None:
                     f"decode {ours.block_len}"
                 )
     if remote:
-        mine = None if local.kv_heads is None else tuple(local.kv_heads)
-        problem = pairing_problem(local.tp_size, {local.tp_rank: mine}, remote[0].tp_size, _heads_by_rank(remote))
+        problem = pairing_problem(local.tp_size, {local.tp_rank: local.heads}, remote[0].tp_size,
+                                  _heads_by_rank(remote))
         if problem is not None:
             raise IncompatiblePeerError(f"prefill engine {remote[0].engine_id}: {problem}")
 
@@ -57,7 +57,7 @@ def choose_sources(local: WorkerMeta, remote: Sequence[WorkerMeta]) -> dict[str,
     Among several holders (MTP layers, KVPP off, a GQA head several ranks hold) the choice is spread by
     layer position so the reads of one request fan out over those prefill workers.
     """
-    sources = set(head_sources(None if local.kv_heads is None else tuple(local.kv_heads), _heads_by_rank(remote)))
+    sources = set(head_sources(local.heads, _heads_by_rank(remote)))
     holders: dict[str, list[tuple[WorkerMeta, LayerDesc]]] = {}
     for peer in sorted(remote, key=lambda m: (m.pp_rank, m.tp_rank)):
         if peer.tp_rank not in sources:
