@@ -69,7 +69,7 @@ def transport(tokens: int, repeat: int) -> dict:
         te = MooncakeTransfer("127.0.0.1")
         kv = torch.zeros((LAYERS, blocks, *BLOCK_SHAPE))
         te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
-        puller = Puller(te, local_meta(kv, "bench-decode", 0, 1, te), mla=True, timeout_s=10,
+        puller = Puller(te, local_meta(kv, "bench-decode", 0, 1, te), timeout_s=10,
                         consumer_id="bench/pp0/tp0", num_consumers=1)
         handle = PrefillHandle(remote_engine_id="peer", remote_request_id="bench", remote_token=TOKEN,
                                remote_host="127.0.0.1",

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from kvpp_core.capacity import plan_problem
 from kvpp_core.config import ENABLE_KEY, STAGING_KEY, ZERO_COPY, KvppConfigError
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_ATTN, CPU_MLA
-from kvpp_core.model import ModelSpec
 from kvpp_core.modes import Obstacle, StartFacts, zero_copy_obstacles
 from kvpp_core.platforms import ASCEND
 from kvpp_core.setup import KvppSetup

@@ -51,6 +51,8 @@ class PeerJob(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     owned: tuple[int, ...] | None = None
     """Layers to publish as KVPP owner; None: every layer, KVPP off."""
+    kv_heads: tuple[int, ...] | None = None
+    """The GQA KV heads it publishes it holds; None: an MLA cache."""
     holds: dict[str, str] = {}
     """Request id -> token of each hold taken at start."""
     hold_timeout: Seconds = 60.0
@@ -87,8 +89,9 @@ def pages(layers: int, blocks: int, seed: int) -> torch.Tensor:
 
 
 def local_meta(kv: torch.Tensor, engine_id: str, tp_rank: int, tp_size: int, te: MooncakeTransfer,
-               owned: set[int] | None = None) -> WorkerMeta:
-    """WorkerMeta of a [layers, blocks, 16, 576] tensor; `owned` publishes only those layers (KVPP)."""
+               owned: set[int] | None = None, kv_heads: tuple[int, ...] | None = None) -> WorkerMeta:
+    """WorkerMeta of a [layers, blocks, 16, 576] tensor; `owned` publishes only those layers (KVPP), `kv_heads` the
+    GQA KV heads it holds (None: an MLA cache)."""
     block_len = kv[0, 0].numel() * kv.element_size()
     layers = [
         LayerDesc(name=layer_name(i), base_addr=kv[i].data_ptr(), num_blocks=kv.shape[1], block_len=block_len,
@@ -97,7 +100,8 @@ def local_meta(kv: torch.Tensor, engine_id: str, tp_rank: int, tp_size: int, te:
     ]
     return WorkerMeta(version=PROTOCOL_VERSION, engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0,
                       pp_size=1, te_host=te.host, te_rpc_port=te.rpc_port, model=MODEL_KEY, dtype="float32",
-                      block_size=BLOCK_SHAPE[0], kvpp=owned is not None, layers=layers)
+                      block_size=BLOCK_SHAPE[0], kvpp=owned is not None,
+                      kv_heads=None if kv_heads is None else list(kv_heads), layers=layers)
 
 
 def main(job_json: str) -> int:
@@ -106,7 +110,7 @@ def main(job_json: str) -> int:
     te = MooncakeTransfer(job.host)
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
     owned = None if job.owned is None else set(job.owned)
-    meta = local_meta(kv, job.engine_id, job.tp_rank, job.tp_size, te, owned)
+    meta = local_meta(kv, job.engine_id, job.tp_rank, job.tp_size, te, owned, job.kv_heads)
     holds = HoldTable(job.hold_timeout, job.lease)
     for request_id, token in job.holds.items():
         holds.hold(request_id, job.hold_timeout, token)

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connectors.common.kv_caches import cache_groups_problem
 from connectors.common.names import MOONCAKE
 from connectors.common.startup import connector_settings
 from connectors.mooncake.messages import is_ident
@@ -40,11 +41,9 @@ class MooncakeConnectorV2(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         # startup refusals (KVPP on a consumer, KVPP + PCP, wrong role...), checked once per process
         settings = connector_settings(vllm_config, MOONCAKE, parse_mooncake_v2_settings)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(
-                "MooncakeConnectorV2 supports models with one KV cache group (MLA/SFA non-hybrid); "
-                f"this model has {len(kv_cache_config.kv_cache_groups)}"
-            )
+        problem = cache_groups_problem(vllm_config, kv_cache_config, MOONCAKE)
+        if problem is not None:
+            raise ValueError(problem)
         engine_id = vllm_config.kv_transfer_config.engine_id
         if not is_ident(engine_id):
             raise ValueError(f"kv_transfer_config.engine_id {engine_id!r} cannot travel in kv_transfer_params: "

@@ -19,7 +19,8 @@ import msgspec
 from connectors.common.hosts import host_problem, join_host_port
 from connectors.mooncake.ports import PortLayout
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: WorkerMeta names the KV heads a worker holds (GQA), and a layer's owner is its TP rank."""
 
 MAX_CLAIMS = 128
 """Claims per lease renewal; a decode batches its claims per prefill worker in messages this big."""
@@ -31,6 +32,7 @@ MAX_REPLY_BYTES = 4 << 20
 MAX_FANOUT = 1024
 """Most prefill workers (tp * pp * pcp) one handle may make a decode worker contact."""
 MAX_LAYERS = 8192
+MAX_KV_HEADS = 4096
 MAX_BLOCK_ID = (1 << 31) - 1
 EXTRA_BLOCKS = 4
 """Blocks a prefill may hold beyond its prompt (speculative lookahead slots)."""
@@ -83,8 +85,8 @@ class _Versioned(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class LayerDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where one layer's paged cache lives in the publishing worker's registered memory.
 
-    `owner` is the KVPP rank that persistently holds the layer (None: an MTP/draft layer or KVPP
-    off, i.e. every rank of the group holds it).
+    `owner` is the TP rank that persistently holds the layer, its KVPP owner within its cache-replica group
+    (None: an MTP/draft layer or KVPP off, i.e. every rank of the group holds it).
     """
 
     name: Ident
@@ -115,6 +117,10 @@ class WorkerMeta(_Versioned, tag="meta"):
     dtype: Text
     block_size: Positive
     kvpp: bool
+    kv_heads: Annotated[list[NonNeg], msgspec.Meta(min_length=1, max_length=MAX_KV_HEADS)] | None
+    """The KV heads (global indices, consecutive) this worker's caches hold, as vLLM splits a GQA model over TP
+    (`kvpp_core.topology.Topology.kv_heads_of`); None: an MLA/SFA cache, the same on every TP rank. A decode
+    worker reads each layer from a prefill worker holding exactly its heads (connectors.mooncake.heads)."""
     layers: Annotated[list[LayerDesc], msgspec.Meta(max_length=MAX_LAYERS)]
 
     def __post_init__(self) -> None:
@@ -124,6 +130,9 @@ class WorkerMeta(_Versioned, tag="meta"):
         if self.pp_rank >= self.pp_size:
             raise ValueError(f"pp_rank {self.pp_rank} outside pp_size {self.pp_size}")
         check_host(self.te_host, "te_host")
+        heads = self.kv_heads
+        if heads is not None and heads != list(range(heads[0], heads[0] + len(heads))):
+            raise ValueError(f"kv_heads {heads[:8]} are not consecutive head indices; vLLM gives each TP rank a run")
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError("duplicate layer names in published metadata")
@@ -131,9 +140,13 @@ class WorkerMeta(_Versioned, tag="meta"):
             for layer in self.layers:
                 if layer.owner is not None and layer.owner != self.tp_rank:
                     raise ValueError(
-                        f"KVPP worker {self.tp_rank} publishes layer {layer.name} owned by rank "
+                        f"KVPP worker {self.tp_rank} publishes layer {layer.name} owned by TP rank "
                         f"{layer.owner}; a KVPP rank publishes only its own persistent layers"
                     )
+
+    @property
+    def heads(self) -> tuple[int, ...] | None:
+        return None if self.kv_heads is None else tuple(self.kv_heads)
 
     @property
     def te_session(self) -> str:

@@ -1,15 +1,16 @@
 """Deciding what a decode worker reads from which prefill worker, and at which addresses.
 
-With KVPP on the prefill, a target layer is published only by its owner rank; MTP layers and, with
-KVPP off, every layer are published by every rank of the group. MLA caches are identical across
-TP ranks, so a decode worker of any TP size can take each layer from any rank that publishes it;
-non-MLA caches are split by heads and need the same TP rank on both sides.
+With KVPP on the prefill, a target layer is published only by its owner rank in each cache-replica group; MTP
+layers and, with KVPP off, every layer are published by every rank of the group. A decode worker takes each layer
+from a prefill worker holding exactly its KV heads (connectors.mooncake.heads: any rank for an MLA cache, the ranks
+of its KV head for a GQA one), so a decode of another TP size reads wherever the heads map.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from connectors.mooncake.heads import head_sources, pairing_problem
 from connectors.mooncake.messages import LayerDesc, WorkerMeta
 from connectors.mooncake.transfer import Desc
 
@@ -18,8 +19,13 @@ class IncompatiblePeerError(ValueError):
     """The prefill's published layout cannot feed this decode worker; the message says why."""
 
 
-def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool) -> None:
-    """Refuse a prefill whose model, dtype, block size or layer geometry differ from ours."""
+def _heads_by_rank(remote: Sequence[WorkerMeta]) -> dict[int, tuple[int, ...] | None]:
+    return {peer.tp_rank: peer.heads for peer in remote}
+
+
+def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta]) -> None:
+    """Refuse a prefill whose model, dtype, block size or layer geometry differ from ours, or none of whose
+    workers holds exactly this worker's KV heads."""
     for peer in remote:
         where = f"prefill engine {peer.engine_id} tp_rank {peer.tp_rank}"
         for key in ("model", "dtype", "block_size"):
@@ -29,11 +35,6 @@ def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool)
                     f"{getattr(local, key)!r}; prefill and decode must run the same model, dtype "
                     "and block size"
                 )
-        if not mla and peer.tp_size != local.tp_size:
-            raise IncompatiblePeerError(
-                f"{where} has tp_size {peer.tp_size}, this decode {local.tp_size}: only MLA caches "
-                "(identical on every TP rank) allow different TP sizes"
-            )
         mine = {layer.name: layer for layer in local.layers}
         for layer in peer.layers:
             ours = mine.get(layer.name)
@@ -42,19 +43,24 @@ def check_compatible(local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool)
                     f"{where}: layer {layer.name} has {layer.block_len} bytes per block, this "
                     f"decode {ours.block_len}"
                 )
+    if remote:
+        problem = pairing_problem(local.tp_size, {local.tp_rank: local.heads}, remote[0].tp_size,
+                                  _heads_by_rank(remote))
+        if problem is not None:
+            raise IncompatiblePeerError(f"prefill engine {remote[0].engine_id}: {problem}")
 
 
-def choose_sources(
-    local: WorkerMeta, remote: Sequence[WorkerMeta], mla: bool
-) -> dict[str, tuple[WorkerMeta, LayerDesc]]:
-    """For each local layer, the prefill worker (and its layer record) to read it from.
+def choose_sources(local: WorkerMeta, remote: Sequence[WorkerMeta]) -> dict[str, tuple[WorkerMeta, LayerDesc]]:
+    """For each local layer, the prefill worker (and its layer record) to read it from: one holding exactly
+    this worker's KV heads.
 
-    Among several holders (MTP layers, KVPP off) the choice is spread by layer position so the
-    reads of one request fan out over all prefill workers.
+    Among several holders (MTP layers, KVPP off, a GQA head several ranks hold) the choice is spread by
+    layer position so the reads of one request fan out over those prefill workers.
     """
+    sources = set(head_sources(local.heads, _heads_by_rank(remote)))
     holders: dict[str, list[tuple[WorkerMeta, LayerDesc]]] = {}
     for peer in sorted(remote, key=lambda m: (m.pp_rank, m.tp_rank)):
-        if not mla and peer.tp_rank != local.tp_rank:
+        if peer.tp_rank not in sources:
             continue
         for layer in peer.layers:
             holders.setdefault(layer.name, []).append((peer, layer))

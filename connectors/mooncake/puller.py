@@ -65,12 +65,11 @@ class ReadResult(NamedTuple):
 
 
 class Puller:
-    def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, mla: bool, timeout_s: float,
+    def __init__(self, transfer: MooncakeTransfer, local: WorkerMeta, timeout_s: float,
                  consumer_id: str, num_consumers: int, curve: CurveKeys | None = None) -> None:
         self.transfer = transfer
         self.local = local
         self.local_layers = {layer.name: layer for layer in local.layers}
-        self.mla = mla
         self.timeout_s = timeout_s
         self.consumer_id = consumer_id
         self.num_consumers = num_consumers
@@ -115,7 +114,7 @@ class Puller:
                     "another instance's kv_port range overlaps)"
                 )
             metas.append(meta)
-        check_compatible(self.local, metas, self.mla)
+        check_compatible(self.local, metas)
         if watch is not None:
             watch.progressed(time.monotonic())
         self._peers[self._key(handle)] = metas
@@ -194,7 +193,7 @@ class Puller:
         start = time.perf_counter()
         metas = self.peer_metas(handle, watch)
         handshake_s = time.perf_counter() - start
-        sources = choose_sources(self.local, metas, self.mla)
+        sources = choose_sources(self.local, metas)
         per_peer = build_descs(self.local_layers, sources, local_blocks, remote_blocks)
         start = time.perf_counter()
         nbytes = entries = retried = 0

@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from kvpp_core.runtime import active_layout
 
 from connectors.common.hosts import local_host
+from connectors.common.kv_caches import block_pages_problem, rank_kv_heads
 from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV, progress_timeout_s
 from connectors.mooncake.affinity import unpin_current_thread
 from connectors.mooncake.channel import PortInUseError, SideChannelServer
@@ -139,30 +140,35 @@ class MooncakeV2Worker:
             # Staging views alias each other and hold other ranks' layers: never publish them.
             keep = set(layout.persistent_layer_names)
             kv_caches = {n: t for n, t in kv_caches.items() if n in keep}
-            owners = {n: layout.layer_owner(n) for n in kv_caches}
+            # A persistent target layer is this rank's own: its owner in its cache-replica group.
+            owners = {n: self.tp_rank if layout.layer_owner(n) is not None else None for n in kv_caches}
         else:
             owners = {}
+        problem = block_pages_problem(self.vllm_config, kv_caches, "MooncakeConnectorV2")
+        if problem is not None:
+            raise ValueError(problem)
         layers, regions = describe_layers(kv_caches, owners)
         self.transfer.register(sorted(regions.items()))
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})
+        heads = rank_kv_heads(self.vllm_config, self.tp_rank)
         self._meta = WorkerMeta(
             version=PROTOCOL_VERSION, engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
             pp_rank=self.pp_rank, pp_size=self.vllm_config.parallel_config.pipeline_parallel_size,
             te_host=self.host, te_rpc_port=self.transfer.rpc_port,
             model=model_key(self.vllm_config), dtype=",".join(dtypes),
-            block_size=self.vllm_config.cache_config.block_size, kvpp=layout is not None, layers=layers,
+            block_size=self.vllm_config.cache_config.block_size, kvpp=layout is not None,
+            kv_heads=None if heads is None else list(heads), layers=layers,
         )
         self._responder.meta = self._meta
         parallel = self.vllm_config.parallel_config
         self._puller = Puller(
-            self.transfer, self._meta, mla=bool(self.vllm_config.model_config.use_mla),
-            timeout_s=self.settings.handshake_timeout_s,
+            self.transfer, self._meta, timeout_s=self.settings.handshake_timeout_s,
             consumer_id=f"{self.engine_id}/pp{self.pp_rank}/tp{self.tp_rank}",
             num_consumers=self.tp_size * parallel.pipeline_parallel_size, curve=self.curve,
         )
-        logger.info("MooncakeConnectorV2 tp_rank %d: %d layers published on %s:%d (KVPP %s), TE %s",
-                    self.tp_rank, len(layers), self.host, self.port, "on" if layout else "off",
-                    self.transfer.session)
+        logger.info("MooncakeConnectorV2 tp_rank %d: %d layers%s published on %s:%d (KVPP %s), TE %s",
+                    self.tp_rank, len(layers), "" if heads is None else f" of KV heads {list(heads)}", self.host,
+                    self.port, "on" if layout else "off", self.transfer.session)
 
     # ---- decode role -------------------------------------------------------------------------
 

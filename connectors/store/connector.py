@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
+from connectors.common.kv_caches import cache_groups_problem
 from connectors.common.names import STORE
 from connectors.common.startup import connector_settings
 from connectors.store.metadata import StoreMetadata
@@ -30,6 +31,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         # every problem of the launch at once, this connector's settings included, checked once per process
         settings = connector_settings(vllm_config, STORE, parse_store_settings)
+        problem = cache_groups_problem(vllm_config, kv_cache_config, STORE)
+        if problem is not None:
+            raise ValueError(problem)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "AscendStoreConnector: kv_load_failure_policy is %r; a pooled block that cannot be loaded "

@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from connectors.common.kv_caches import Heads, heads_text
+
 # v2: block hashes cover vLLM's extra keys; v1 objects (token ids only) are never matched.
 _CHAIN_ROOT = hashlib.sha256(b"kvpp-pool/v2").digest()
 HASH_HEX_LEN = 64
@@ -88,14 +90,21 @@ class CacheLayout:
 
 @dataclass(frozen=True)
 class ShardKey:
-    """The non-content part of a key: one (PP stage, owner rank) shard with its layer fingerprint."""
+    """The non-content part of a key: one (PP stage, KV heads, owner rank) shard with its layer fingerprint.
+
+    A GQA shard's key names the KV heads it holds (`h0`, `h0-3`): two heads of one layer are two objects, and ranks
+    of any TP size holding the same heads find the same object. An MLA/SFA shard (`heads` None) holds the one cache
+    every rank holds, and its key names no head.
+    """
 
     fingerprint: str
     pp_rank: int
     owner: int
+    heads: Heads = None
 
     def key(self, block_hash: str) -> str:
-        return f"kvpp/{self.fingerprint}/pp{self.pp_rank}/o{self.owner}/{block_hash}"
+        heads = "" if self.heads is None else f"h{heads_text(self.heads)}/"
+        return f"kvpp/{self.fingerprint}/pp{self.pp_rank}/{heads}o{self.owner}/{block_hash}"
 
     def keys(self, hashes: Iterable[str]) -> list[str]:
         return [self.key(h) for h in hashes]

@@ -1,7 +1,8 @@
-"""Which objects one pooled block consists of, for every PP stage.
+"""Which objects one pooled block consists of, for every PP stage and cache-replica group.
 
 A block is a hit only when every shard listed here exists; ownership comes from
-`kvpp_core.ownership`, never re-derived.
+`kvpp_core.ownership`, never re-derived, and the replica groups (the KV heads each holds) from
+`kvpp_core.topology` (connectors.common.kv_caches.replica_heads).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from kvpp_core.ownership import assign_owners
 
+from connectors.common.kv_caches import Heads
 from connectors.store.backends.base import Backend, Status
 from connectors.store.keys import CacheLayout, ShardKey
 
@@ -33,38 +35,39 @@ class Shard:
     pp_rank: int
     owner: int
     layers: tuple[int | str, ...]
+    heads: Heads = None
+    """The KV heads the shard's pages hold (a GQA replica group's); None: an MLA/SFA cache."""
 
 
-def stage_shards(stage: StageLayers, group_size: int, *, kvpp: bool, replicated: bool) -> list[Shard]:
-    """The shards one stage stores per block.
+def stage_shards(stage: StageLayers, group_size: int, *, kvpp: bool, heads: Sequence[Heads] = (None,)) -> list[Shard]:
+    """The shards one stage stores per block, for each of its cache-replica groups (`heads`: the KV heads of each,
+    (None,) for MLA/SFA, whose stage is one group) of `group_size` ranks holding the same cache.
 
-    kvpp: one shard per owner rank holding its owned layers plus the MTP caches; a rank with neither
-    stores nothing. Off and `replicated` (MLA: every TP rank holds identical caches): one shard for the
-    group (owner 0). Off and not replicated (per-rank heads): one shard per TP rank, all layers.
+    kvpp: one shard per owner rank of each group, holding its owned layers plus the MTP caches; a rank with
+    neither stores nothing. Off: one shard per group (owner 0), every layer: one copy of each distinct cache.
     """
     mtp = tuple(f"{MTP}{i}" for i in range(stage.mtp_caches))
-    if kvpp:
-        owners = assign_owners(stage.target_layers, group_size)
-        shards = []
+    if not kvpp:
+        layers = tuple(sorted(stage.target_layers)) + mtp
+        return [Shard(stage.pp_rank, 0, layers, group) for group in heads]
+    owners = assign_owners(stage.target_layers, group_size)
+    shards = []
+    for group in heads:
         for rank in range(group_size):
             layers = tuple(sorted(l for l, o in owners.items() if o == rank)) + mtp
             if layers:
-                shards.append(Shard(stage.pp_rank, rank, layers))
-        return shards
-    layers = tuple(sorted(stage.target_layers)) + mtp
-    if replicated:
-        return [Shard(stage.pp_rank, 0, layers)]
-    return [Shard(stage.pp_rank, rank, layers) for rank in range(group_size)]
+                shards.append(Shard(stage.pp_rank, rank, layers, group))
+    return shards
 
 
 def all_shards(
-    stages: Sequence[StageLayers], group_size: int, *, kvpp: bool, replicated: bool
+    stages: Sequence[StageLayers], group_size: int, *, kvpp: bool, heads: Sequence[Heads] = (None,)
 ) -> list[Shard]:
-    return [s for st in stages for s in stage_shards(st, group_size, kvpp=kvpp, replicated=replicated)]
+    return [s for st in stages for s in stage_shards(st, group_size, kvpp=kvpp, heads=heads)]
 
 
 def shard_keys(layout: CacheLayout, shards: Sequence[Shard]) -> list[ShardKey]:
-    return [ShardKey(layout.fingerprint(s.layers), s.pp_rank, s.owner) for s in shards]
+    return [ShardKey(layout.fingerprint(s.layers), s.pp_rank, s.owner, s.heads) for s in shards]
 
 
 def hit_blocks(exists: Mapping[ShardKey, Sequence[bool]]) -> int:

@@ -1,9 +1,10 @@
 """Worker side of the pool connector: this rank's shard of each block, saved and loaded in the background.
 
-Without KVPP an MLA block is identical on every TP rank, so TP rank 0 stores it once for the group and
-every rank loads it. With KVPP each rank stores its persistent caches (owned layers + MTP; staging
-never) as one object per block keyed by its kvpp rank, and loads land in those same persistent
-buffers before the request runs, so the normal broadcast feeds the other ranks.
+Without KVPP a block is identical on every rank of a cache-replica group (every TP rank for MLA, the TP
+ranks of one KV head for GQA), so the group's first rank stores it once for the group and every rank
+loads it. With KVPP each rank stores its persistent caches (owned layers + MTP; staging never) as one
+object per block keyed by its KV heads and kvpp rank, and loads land in those same persistent buffers
+before the request runs, so the normal broadcast feeds the other ranks of its group.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from vllm.logger import init_logger
 from kvpp_core.ownership import target_layer
 from kvpp_core.runtime import ActiveLayout, active_layout
 
+from connectors.common.kv_caches import block_pages_problem, kv_topology, rank_kv_heads, replica_heads
+from connectors.common.names import STORE
 from connectors.store.backends import Backend, Status, open_backend
 from connectors.store.settings import StoreSettings, role_actions
 from connectors.store.keys import CacheLayout
@@ -61,13 +64,12 @@ class StoreWorker:
         self._cfg = cfg
         self._loads, self._saves = role_actions(vllm_config.kv_transfer_config.kv_role, cfg)
         self._tp_rank = get_tensor_model_parallel_rank()
-        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._pp_rank = get_pp_group().rank_in_group
         self._pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self._dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._block_size = vllm_config.cache_config.block_size
         self._num_hidden = vllm_config.model_config.hf_text_config.num_hidden_layers
-        self._replicated = vllm_config.model_config.use_mla
+        self._topology = kv_topology(vllm_config)
         self._backend: Backend | None = None
         self._server: LookupServer | None = None
         self._stats = StoreStats()
@@ -94,11 +96,9 @@ class StoreWorker:
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if not self._replicated:
-            raise NotImplementedError(
-                "AscendStoreConnector pools MLA/SFA caches (identical on every TP rank); this model does "
-                "not use MLA. Use another connector for per-head KV caches"
-            )
+        problem = block_pages_problem(self._vllm_config, kv_caches, STORE)
+        if problem is not None:
+            raise ValueError(problem)
         layout = active_layout()
         self._kvpp = layout is not None
         names, layer_of = self._persistent_caches(kv_caches, layout)
@@ -114,16 +114,17 @@ class StoreWorker:
             block_size=self._block_size,
             page_bytes=self._pages.page_bytes,
         )
-        self._group = layout.group_size if layout else self._tp_size
+        self._group = layout.group_size if layout else self._topology.group_size
         owner = layout.kvpp_rank if layout else 0
         targets = layout.rank_layout.target_layers if layout else tuple(t for t in tags if isinstance(t, int))
         own_stage = StageLayers(self._pp_rank, tuple(targets), sum(1 for t in tags if isinstance(t, str)))
-        mine = [s for s in stage_shards(own_stage, self._group, kvpp=self._kvpp, replicated=True) if s.owner == owner]
+        heads = (rank_kv_heads(self._vllm_config, self._tp_rank),)
+        mine = [s for s in stage_shards(own_stage, self._group, kvpp=self._kvpp, heads=heads) if s.owner == owner]
         if mine and mine[0].layers != tags:
             raise RuntimeError(f"pool shard layers {mine[0].layers} differ from this rank's persistent caches {tags}")
         self._shard = shard_keys(self._layout, mine)[0] if mine else None
-        # Without KVPP the group's one copy is written by TP rank 0; every rank loads it.
-        self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank == 0)
+        # Without KVPP the group's one copy is written by its first TP rank; every rank of the group loads it.
+        self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank % self._group == 0)
 
         self._backend = open_backend(self._cfg, device_memory=first.device.type != "cpu")
         for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
@@ -132,7 +133,7 @@ class StoreWorker:
         self._thread.start()
         if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
             self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
-                                                                   kvpp=self._kvpp, replicated=True))
+                                                                   kvpp=self._kvpp, heads=replica_heads(self._topology)))
             self._server = LookupServer(LookupChannel(self._cfg.lookup_rpc_port, self._dp_rank), self.lookup)
         logger.info("pool connector: %s backend, kvpp=%s, shard=%s, %d caches x %d bytes per block, writes=%s",
                     self._cfg.backend, self._kvpp, self._shard, len(caches), self._pages.page_bytes, self._writes)

@@ -15,6 +15,8 @@ from kvpp_core.config import KvppConfigError, parse_additional_config
 from kvpp_core.cpu_backends import AMX_MLA, BACKENDS, CPU_ATTN, CPU_MLA, CpuKernel
 from kvpp_core.platforms import PLATFORMS, VLLM_CPU
 from connectors.common.hosts import MOONCAKE_IPV6, canonical_host, ip_version
+from connectors.common.kv_caches import replica_heads
+from connectors.mooncake.heads import runnable_tps, tp_pairing_problem
 from kvpp_core.capacity import plan_capacity
 from kvpp_core.config import ZERO_COPY
 from kvpp_core.layer_settings import TRANSPORT_ENV, transport_choice
@@ -70,6 +72,7 @@ def check_resolved(resolved: ResolvedSpec) -> list[Finding]:
         findings += _instance_findings(spec, instance, model)
     findings += _platform_findings(resolved, model)
     findings += _wiring_findings(spec)
+    findings += _pairing_findings(spec, model)
     findings += _host_findings(resolved)
     findings += _pool_layout_findings(resolved, model)
     findings += _family_findings(spec)
@@ -250,8 +253,8 @@ def _kernel_terms(kernel: CpuKernel) -> str:
             f"{'on' if kernel.prefix_caching else 'off'})")
 
 
-def _listed(instances: list[ResolvedInstance]) -> str:
-    names = [i.instance.where for i in instances]
+def _listed(instances: list[ResolvedInstance] | list[Instance]) -> str:
+    names = [i.instance.where if isinstance(i, ResolvedInstance) else i.where for i in instances]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
@@ -275,6 +278,26 @@ def _wiring_findings(spec: Spec) -> list[Finding]:
     if spec.pool is not None and not any(i.uses_pool for i in spec.instances):
         out.append(_warning("pool", "pool", "no instance uses the pool (prefill instances do by default unless "
                             "uses_pool: false); remove the pool section or set uses_pool: true"))
+    return out
+
+
+def _pairing_findings(spec: Spec, model: ModelSpec | None) -> list[Finding]:
+    """Decode instances that cannot read some prefill's KV: the proxy pairs any prefill with any decode, and a decode
+    rank reads each layer from a prefill rank holding exactly its KV heads (connectors.mooncake.heads, the rule the
+    handshake applies). TP sizes vLLM cannot shard the model at are left to vLLM's own refusal."""
+    if model is None or not spec.disaggregated:
+        return []
+    heads = model.replicated_kv_heads
+    runnable = None if heads is None else set(runnable_tps(heads, max(i.tp for i in spec.instances)))
+    out = []
+    for decode in spec.decode:
+        for tp in dict.fromkeys(p.tp for p in spec.prefill):
+            if runnable is not None and not {tp, decode.tp} <= runnable:
+                continue
+            problem = tp_pairing_problem(heads, tp, decode.tp)
+            if problem is not None:
+                prefills = _listed([p for p in spec.prefill if p.tp == tp])
+                out.append(_error(decode.where, "tp", f"cannot read the KV cache of {prefills}: {problem}"))
     return out
 
 
@@ -355,6 +378,8 @@ _LAYOUT_FIX = {
     "block_size": "set the same memory.block_size on every instance",
     "kvpp": "set the same enable_kvpp on every instance",
     "group_size": "use the same tp (and pcp) on every KVPP instance",
+    "heads": "use TP sizes that give every rank the same KV heads on every instance (a GQA shard holds its rank's "
+             "heads)",
     "stages": "use the same pp, pp_layers and speculative (MTP) setting on every instance",
 }
 
@@ -426,7 +451,8 @@ def _pool_member(spec: Spec, instance: ResolvedInstance, model: ModelSpec | None
     mtp = model.mtp_layers if engine.speculative_method is not None else 0
     stages = tuple(StageLayers(i, tuple(r), mtp if i == len(ranges) - 1 else 0) for i, r in enumerate(ranges))
     layout = KeyLayout(model=spec.model.path, kv_dtype=engine.kv_cache_dtype or engine.dtype or "auto",
-                       block_size=engine.block_size, kvpp=inst.enable_kvpp, group_size=topo.group_size, stages=stages)
+                       block_size=engine.block_size, kvpp=inst.enable_kvpp, group_size=topo.group_size, stages=stages,
+                       heads=replica_heads(topo))
     loads, saves = role_actions(store.get("kv_role"), cfg)
     return _PoolMember(inst, _pool_address(spec, cfg), layout, loads, saves)
 

@@ -52,11 +52,13 @@ class Peer:
                 self.kill()
 
 
-def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float = 3.0):
+def make_puller(te: MooncakeTransfer, layers: int, blocks: int, timeout: float = 3.0, tp_rank: int = 0,
+                tp_size: int = 1, kv_heads: tuple[int, ...] | None = None):
+    """A decode worker's cache (zeros) and puller; `kv_heads`: the GQA KV heads it holds (None: MLA)."""
     kv = torch.zeros((layers, blocks, *BLOCK_SHAPE))
     te.register([(kv.data_ptr(), kv.numel() * kv.element_size())])
-    return kv, Puller(te, local_meta(kv, "decode", 0, 1, te), mla=True, timeout_s=timeout,
-                      consumer_id="decode/pp0/tp0", num_consumers=1)
+    return kv, Puller(te, local_meta(kv, "decode", tp_rank, tp_size, te, kv_heads=kv_heads), timeout_s=timeout,
+                      consumer_id=f"decode/pp0/tp{tp_rank}", num_consumers=tp_size)
 
 
 def handle(port: int, request_id: str, blocks: list[int], tp: int = 1, engine: str = "peer", token: str = TOKEN,

@@ -28,7 +28,7 @@ def layer(name, base, owner=None, num_blocks=64, block_len=BLOCK, stride=BLOCK):
 def meta(tp_rank, layers, tp_size=2, kvpp=False, **kw):
     fields = dict(version=V, engine_id="pre", tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
                   te_host="127.0.0.1", te_rpc_port=20000 + tp_rank, model="DeepseekV2ForCausalLM/layers=4",
-                  dtype="float32", block_size=16, kvpp=kvpp, layers=layers)
+                  dtype="float32", block_size=16, kvpp=kvpp, kv_heads=None, layers=layers)
     fields.update(kw)
     return m.WorkerMeta(**fields)
 
@@ -42,7 +42,7 @@ def worker_meta(engine: str = "pre") -> m.WorkerMeta:
                         block_stride=64)
     return m.WorkerMeta(version=V, engine_id=engine, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
                         te_host="127.0.0.1", te_rpc_port=12345, model="M/layers=1", dtype="float32",
-                        block_size=16, kvpp=False, layers=[layer])
+                        block_size=16, kvpp=False, kv_heads=None, layers=[layer])
 
 
 def handle_params(**over):

@@ -70,7 +70,7 @@ def test_zero_copy_named_with_a_small_dev_shm_is_refused_naming_dev_shm_the_size
     needed = mib(shm_needed(mtp_tp2.plan(mtp_model, KV_BYTES, staging=0)))  # what `kvpp plan --staging 0` says it takes
     assert ("additional_config.kvpp_staging_buffers: 0 (zero-copy): it keeps the KV backing in /dev/shm, and the 2 "
             "rank(s) on ") in text
-    assert f"need {needed} there" in text and f"/dev/shm has " in text
+    assert f"need {needed} there" in text and "/dev/shm has " in text
     assert "give /dev/shm at least" in text and "--shm-size" in text and "--ipc=host" in text
     assert "or set kvpp_staging_buffers to 2" in text
 

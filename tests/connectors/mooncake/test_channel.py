@@ -255,7 +255,7 @@ def test_curve_admits_only_trusted_keys(prefill, keys):
     h = m.parse_handle(dict(remote_engine_id="pre", remote_request_id="r", remote_token=TOKEN,
                             remote_host="127.0.0.1", remote_kv_port=p.port, remote_tp_size=1,
                             remote_block_ids=[0], remote_num_tokens=16, remote_curve_key=p_key.decode()))
-    secure_puller = Puller(None, worker_meta("decode"), mla=True, timeout_s=2.0, consumer_id="d/pp0/tp0",
+    secure_puller = Puller(None, worker_meta("decode"), timeout_s=2.0, consumer_id="d/pp0/tp0",
                            num_consumers=1, curve=d)
     assert secure_puller.peer_metas(h) == [p.responder.meta]
     with pytest.raises(m.MessageError, match="requires CURVE"):
@@ -319,7 +319,7 @@ def test_transfer_engine_ports_are_not_guarded_by_the_side_channel():
 def _decode_puller(timeout_s: float):
     from connectors.mooncake.puller import Puller
 
-    return Puller(None, worker_meta("decode"), mla=True, timeout_s=timeout_s, consumer_id="decode/pp0/tp0",
+    return Puller(None, worker_meta("decode"), timeout_s=timeout_s, consumer_id="decode/pp0/tp0",
                   num_consumers=1)
 
 

@@ -47,16 +47,16 @@ def test_decode_rejects_unexpected_type():
 
 def test_worker_meta_rejects_foreign_owner_under_kvpp():
     frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, te_host="h",
-                 te_rpc_port=1, model="x", dtype="float32", block_size=16, kvpp=True,
+                 te_rpc_port=1, model="x", dtype="float32", block_size=16, kvpp=True, kv_heads=None,
                  layers=[dict(name="model.layers.0.a", base_addr=1, num_blocks=1, block_len=8,
                               block_stride=8, owner=1)])
-    with pytest.raises(m.MessageError, match="owned by rank 1"):
+    with pytest.raises(m.MessageError, match="owned by TP rank 1"):
         m.decode(frame)
 
 
 def test_layer_desc_rejects_overlapping_blocks():
     frame = _raw(type="meta", version=V, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, te_host="h",
-                 te_rpc_port=1, model="x", dtype="f", block_size=16, kvpp=False,
+                 te_rpc_port=1, model="x", dtype="f", block_size=16, kvpp=False, kv_heads=None,
                  layers=[dict(name="l", base_addr=1, num_blocks=1, block_len=16, block_stride=8)])
     with pytest.raises(m.MessageError, match="block_stride 8 < block_len 16"):
         m.decode(frame)
@@ -218,6 +218,13 @@ def test_worker_meta_from_a_peer_is_bounded():
         {"tp_size": 4096, "tp_rank": 0},
         {"engine_id": "x" * 300},
         {"model": "m\x00"},
+        {"kv_heads": []},
+        {"kv_heads": [-1]},
+        {"kv_heads": [0, 2]},  # not a run of heads vLLM gives one rank
+        {"kv_heads": [1, 0]},
+        {"kv_heads": list(range(m.MAX_KV_HEADS + 1))},
+        {"kv_heads": "0"},
+        {"version": V - 1, "kv_heads": None},  # a release whose decode would not check heads
         {"layers": [good["layers"][0]] * (m.MAX_LAYERS + 1)},
     ]
     for over in hostile:
@@ -231,8 +238,9 @@ def test_side_channel_addresses_bracket_ipv6():
     from connectors.mooncake.messages import WorkerMeta, check_host
 
     assert endpoint("fd00::1", 37000) == "tcp://[fd00::1]:37000"
-    meta = WorkerMeta(version=2, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, te_host="fd00::1",
-                      te_rpc_port=15000, model="m", dtype="bfloat16", block_size=16, kvpp=False, layers=[])
+    meta = WorkerMeta(version=m.PROTOCOL_VERSION, engine_id="e", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                      te_host="fd00::1", te_rpc_port=15000, model="m", dtype="bfloat16", block_size=16, kvpp=False,
+                      kv_heads=None, layers=[])
     assert meta.te_session == "[fd00::1]:15000"
     check_host("fd00::1", "remote_host")
     with pytest.raises(ValueError, match="scoped IPv6 address"):

@@ -30,7 +30,7 @@ def test_kvpp_layers_come_from_their_owner_and_mtp_is_spread():
     r1 = meta(1, [layer(target[2], 5 << 20, 1), layer(target[3], 6 << 20, 1),
                   layer(mtp[0], 7 << 20), layer(mtp[1], 8 << 20)], kvpp=True)
     local = meta(0, [layer(n, (i + 10) << 20) for i, n in enumerate(target + mtp)], tp_size=1)
-    src = choose_sources(local, [r1, r0], mla=True)
+    src = choose_sources(local, [r1, r0])
     assert {n: src[n][0].tp_rank for n in target} == {target[0]: 0, target[1]: 0, target[2]: 1, target[3]: 1}
     assert {src[n][0].tp_rank for n in mtp} == {0, 1}  # spread, not all from one rank
     assert src[target[2]][1].base_addr == 5 << 20
@@ -40,7 +40,7 @@ def test_kvpp_off_prefill_spreads_layers_over_ranks():
     target = names(4)
     r = [meta(t, [layer(n, (t * 8 + i + 1) << 20) for i, n in enumerate(target)]) for t in range(2)]
     local = meta(0, [layer(n, (i + 20) << 20) for i, n in enumerate(target)], tp_size=1)
-    src = choose_sources(local, r, mla=True)
+    src = choose_sources(local, r)
     assert [src[n][0].tp_rank for n in target] == [0, 1, 0, 1]
 
 
@@ -49,17 +49,59 @@ def test_missing_layer_is_refused_with_kvpp_hint():
     r0 = meta(0, [layer(target[0], 1 << 20, 0)], kvpp=True)
     local = meta(0, [layer(n, (i + 1) << 24) for i, n in enumerate(target)], tp_size=1)
     with pytest.raises(IncompatiblePeerError, match=r"layers\.1\..*KVPP on the prefill"):
-        choose_sources(local, [r0], mla=True)
+        choose_sources(local, [r0])
 
 
-def test_non_mla_reads_same_tp_rank_only():
+def test_gqa_heads_split_over_tp_read_the_same_tp_rank():
+    # 8 KV heads over TP 2: rank 0 holds heads 0-3, rank 1 heads 4-7; a TP2 decode's rank 1 reads rank 1 only.
     target = names(2)
-    r = [meta(t, [layer(n, (t * 8 + i + 1) << 20) for i, n in enumerate(target)]) for t in range(2)]
-    local = meta(1, [layer(n, (i + 20) << 20) for i, n in enumerate(target)], tp_size=2)
-    src = choose_sources(local, r, mla=False)
+    r = [meta(t, [layer(n, (t * 8 + i + 1) << 20) for i, n in enumerate(target)], kv_heads=list(range(4 * t, 4 * t + 4)))
+         for t in range(2)]
+    local = meta(1, [layer(n, (i + 20) << 20) for i, n in enumerate(target)], tp_size=2, kv_heads=[4, 5, 6, 7])
+    check_compatible(local, r)
+    src = choose_sources(local, r)
     assert {src[n][0].tp_rank for n in target} == {1}
-    with pytest.raises(IncompatiblePeerError, match="only MLA"):
-        check_compatible(meta(0, [], tp_size=1), r, mla=False)
+
+
+def test_a_replicated_gqa_head_is_read_from_every_rank_holding_it():
+    # One KV head over TP 2, KVPP off: both prefill ranks hold it; a TP1 decode spreads its reads over both.
+    target = names(4)
+    r = [meta(t, [layer(n, (t * 8 + i + 1) << 20) for i, n in enumerate(target)], kv_heads=[0]) for t in range(2)]
+    local = meta(0, [layer(n, (i + 20) << 20) for i, n in enumerate(target)], tp_size=1, kv_heads=[0])
+    check_compatible(local, r)
+    assert [choose_sources(local, r)[n][0].tp_rank for n in target] == [0, 1, 0, 1]
+
+
+def test_a_gqa_kvpp_layer_comes_from_its_owner_in_the_decode_rank_s_head_group():
+    # 2 KV heads over TP 4, KVPP on: ranks 0-1 hold head 0, ranks 2-3 head 1, each pair one replica group whose
+    # first rank owns layers 0-1 and second layers 2-3. Every layer is published twice, once per head.
+    target = names(4)
+    r = [meta(t, [layer(n, (t * 8 + i + 1) << 20, owner=t) for i, n in enumerate(target) if i // 2 == t % 2],
+              tp_size=4, kvpp=True, kv_heads=[t // 2]) for t in range(4)]
+    decode = [meta(d, [layer(n, (i + 40) << 20) for i, n in enumerate(target)], tp_size=2, kv_heads=[d])
+              for d in range(2)]
+    for d, local in enumerate(decode):
+        check_compatible(local, r)
+        src = choose_sources(local, r)
+        assert [src[n][0].tp_rank for n in target] == [2 * d, 2 * d, 2 * d + 1, 2 * d + 1]
+        assert src[target[2]][1].base_addr == ((2 * d + 1) * 8 + 3) << 20
+
+
+def test_a_decode_rank_holding_heads_no_prefill_rank_holds_is_refused_naming_the_tp_sizes_that_map():
+    # 2 KV heads: a TP2 prefill holds one per rank, a TP1 decode both.
+    r = [meta(t, [layer(names(1)[0], 1 << 20)], kv_heads=[t]) for t in range(2)]
+    local = meta(0, [layer(names(1)[0], 2 << 20)], tp_size=1, kv_heads=[0, 1])
+    with pytest.raises(IncompatiblePeerError, match=r"decode tp_rank 0 \(TP 1\) holds KV heads 0-1, but no rank of the "
+                       r"TP 2 prefill holds exactly those \(they hold 0, 1\).*feeds decodes of TP 2 or 4 \(any "
+                       r"multiple of 2\)"):
+        check_compatible(local, r)
+    assert choose_sources(meta(0, [], tp_size=1, kv_heads=[0, 1]), r) == {}
+
+
+def test_an_mla_decode_is_refused_by_a_gqa_prefill():
+    r = [meta(t, [layer(names(1)[0], 1 << 20)], kv_heads=[0]) for t in range(2)]
+    with pytest.raises(IncompatiblePeerError, match="one side runs an MLA/SFA model, the other a GQA one"):
+        check_compatible(meta(0, [layer(names(1)[0], 2 << 20)], tp_size=1), r)
 
 
 @pytest.mark.parametrize("key, value", [("model", "LlamaForCausalLM/layers=4"), ("dtype", "bfloat16"),
@@ -67,14 +109,14 @@ def test_non_mla_reads_same_tp_rank_only():
 def test_incompatible_prefill_is_refused(key, value):
     local = meta(0, [layer(names(1)[0], 1 << 20)], tp_size=1)
     with pytest.raises(IncompatiblePeerError, match=f"serves {key}="):
-        check_compatible(local, [meta(0, [layer(names(1)[0], 1 << 20)], **{key: value})], mla=True)
+        check_compatible(local, [meta(0, [layer(names(1)[0], 1 << 20)], **{key: value})])
 
 
 def test_block_geometry_mismatch_is_refused():
     local = meta(0, [layer(names(1)[0], 1 << 20)], tp_size=1)
     peer = meta(0, [layer(names(1)[0], 1 << 20, block_len=BLOCK // 2, stride=BLOCK // 2)])
     with pytest.raises(IncompatiblePeerError, match="bytes per block"):
-        check_compatible(local, [peer], mla=True)
+        check_compatible(local, [peer])
 
 
 def test_build_descs_addresses_and_coalescing():

@@ -35,7 +35,7 @@ def test_after_a_given_up_pull_the_next_reads_nothing_until_the_prefill_answers_
     from connectors.mooncake.transfer import Stalled
     from tests.helpers.mooncake_wire import handle_params, worker_meta
 
-    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    puller = Puller(transfer=None, local=worker_meta(), timeout_s=1.0, consumer_id="d", num_consumers=1)
     handle = m.parse_handle(handle_params())
     progress = PrefillProgress()
     progress.saw(100.0)
@@ -70,7 +70,7 @@ def test_a_prefill_found_stalled_that_answers_the_next_pull_s_renewal_is_read_fr
         def results(self, until=None):
             return [m.LeaseGrant(version=V, seconds=[5.0])]
 
-    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=1.0, consumer_id="d", num_consumers=1)
+    puller = Puller(transfer=None, local=worker_meta(), timeout_s=1.0, consumer_id="d", num_consumers=1)
     puller.peer_metas = lambda handle, watch=None: (_ for _ in ()).throw(Reached())  # the pull went on to ask for metadata
     progress = PrefillProgress()
     progress.gave_up()
@@ -92,7 +92,7 @@ def test_a_metadata_fetch_from_a_silent_prefill_ends_at_the_pull_s_stall_deadlin
     from connectors.mooncake.transfer import Stalled
     from tests.helpers.mooncake_wire import handle_params, worker_meta
 
-    puller = Puller(transfer=None, local=worker_meta(), mla=True, timeout_s=5.0, consumer_id="d", num_consumers=1)
+    puller = Puller(transfer=None, local=worker_meta(), timeout_s=5.0, consumer_id="d", num_consumers=1)
     handle = m.parse_handle(handle_params())
     asked = []
 

@@ -18,6 +18,7 @@ import zmq
 
 from connectors.mooncake.channel import ChannelError, PortInUseError, SideChannelServer, call
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
+from connectors.mooncake.plan import IncompatiblePeerError
 from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
 from connectors.mooncake.transfer import (MAX_RETRIES, RETRY_PAUSE_S, Desc, MooncakeTransfer, Stalled, TransferError,
                                           coalesce, cut_entries)
@@ -81,6 +82,37 @@ def test_kvpp_layers_are_read_from_their_owners(peers, decode_side):
     rank0, rank1 = pages(4, 16, 100), pages(4, 16, 101)
     for layer, source in ((0, rank0), (1, rank0), (2, rank1), (3, rank1)):
         assert torch.equal(kv[layer, blocks], source[layer, blocks]), layer_name(layer)
+
+
+@pytest.mark.integration
+def test_a_gqa_decode_reads_each_layer_from_its_owner_among_the_ranks_holding_its_head(peers, decode_side):
+    base = free_port_range(4)
+    # A TP=4 KVPP prefill of a model with 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1, each pair a
+    # cache-replica group whose first rank owns layers 0-1 and second layers 2-3; different content per rank.
+    for t in range(4):
+        peers(base + t, layers=4, blocks=16, seed=200 + t, tp_rank=t, tp_size=4, owned=(0, 1) if t % 2 == 0 else (2, 3),
+              kv_heads=(t // 2,), holds={"r": TOKEN})
+    # Rank 1 of a TP=2 decode holds head 1.
+    kv, puller = make_puller(decode_side, layers=4, blocks=8, tp_rank=1, tp_size=2, kv_heads=(1,))
+    blocks = [1, 2, 3]
+    done = puller.read(handle(base, "r", blocks, tp=4), blocks, blocks)
+    rank2, rank3 = pages(4, 16, 202), pages(4, 16, 203)
+    for layer, source in ((0, rank2), (1, rank2), (2, rank3), (3, rank3)):
+        assert torch.equal(kv[layer, blocks], source[layer, blocks]), layer_name(layer)
+    assert done.nbytes == 4 * len(blocks) * kv[0, 0].numel() * 4  # each layer once, from one rank
+
+
+@pytest.mark.integration
+def test_a_decode_rank_holding_heads_no_prefill_rank_holds_is_refused_at_the_handshake(peers, decode_side):
+    base = free_port_range(2)
+    # A TP=2 prefill of a model with 2 KV heads holds one per rank; a TP=1 decode holds both.
+    for t in range(2):
+        peers(base + t, layers=2, blocks=8, seed=300 + t, tp_rank=t, tp_size=2, kv_heads=(t,), holds={"r": TOKEN})
+    kv, puller = make_puller(decode_side, layers=2, blocks=8, kv_heads=(0, 1))
+    with pytest.raises(IncompatiblePeerError, match=r"decode tp_rank 0 \(TP 1\) holds KV heads 0-1.*feeds decodes of "
+                       r"TP 2 or 4 \(any multiple of 2\)"):
+        puller.read(handle(base, "r", [1, 2], tp=2), [1, 2], [1, 2])
+    assert not kv.any()  # refused before any read
 
 
 @pytest.mark.integration

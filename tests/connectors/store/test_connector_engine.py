@@ -92,7 +92,7 @@ class Scenario:
     def shard_keys(self):
         stage = StageLayers(0, tuple(range(LAYERS)), mtp_caches=self.mtp)
         layout = CacheLayout(self.model, "float32", BLOCK, PAGE_BYTES)
-        return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp, replicated=True))
+        return shard_keys(layout, stage_shards(stage, self.tp, kvpp=self.kvpp))
 
     def backend(self):
         return store_client(self.pool.store_config)

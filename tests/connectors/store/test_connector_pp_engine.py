@@ -34,7 +34,7 @@ def _stage_keys(model: str):
     stages, start = [], 0
     for pp_rank, count in enumerate(SPLIT):
         stage = StageLayers(pp_rank, tuple(range(start, start + count)))
-        stages.append(shard_keys(layout, stage_shards(stage, 2, kvpp=True, replicated=True)))
+        stages.append(shard_keys(layout, stage_shards(stage, 2, kvpp=True)))
         start += count
     return stages
 

@@ -65,6 +65,15 @@ def test_key_names_stage_and_owner():
     assert ShardKey(fp, 1, 0).key(h) == f"kvpp/{fp}/pp1/o0/{h}"
 
 
+def test_a_gqa_key_names_the_kv_heads_so_two_heads_of_one_layer_never_collide():
+    h = block_hashes(list(range(16)), 16)[0]
+    fp = LAYOUT.fingerprint(range(8))
+    assert ShardKey(fp, 0, 1, (0,)).key(h) == f"kvpp/{fp}/pp0/h0/o1/{h}"
+    assert ShardKey(fp, 0, 0, (4, 5, 6, 7)).key(h) == f"kvpp/{fp}/pp0/h4-7/o0/{h}"
+    keys = {ShardKey(fp, 0, owner, heads).key(h) for owner in (0, 1) for heads in ((0,), (1,), None)}
+    assert len(keys) == 6
+
+
 _CHILD = """
 import json, sys
 from connectors.store.keys import CacheLayout, ShardKey, block_hashes

@@ -171,6 +171,36 @@ def test_gqa_model_whose_heads_tp_does_not_replicate_is_refused(tmp_path):
     assert any("error: prefill[0] (p): tensor_parallel_size:" in e and "no KV head of" in e for e in errors)
 
 
+def _pairing(errors):
+    return [e for e in errors if ": tp: cannot read the KV cache of" in e]
+
+
+def test_a_gqa_decode_whose_heads_no_prefill_rank_holds_is_refused_naming_the_tp_sizes_that_map(tmp_path):
+    # Qwen3-235B-A22B (4 KV heads): a TP8 prefill holds one head per rank, a TP2 decode two per rank.
+    spec = _spec([_prefill(kv_port=37000), _prefill(name="p2", hosts=["h2"], kv_port=37000)],
+                 [_decode(tp=2)], model="qwen3-235b-a22b")
+    errors, _, code = _check(tmp_path, spec)
+    assert code == 1
+    assert _pairing(errors) == [
+        "error: decode[0] (d): tp: cannot read the KV cache of prefill[0] (p) and prefill[1] (p2): decode tp_rank 0 "
+        "(TP 2) holds KV heads 0-1, but no rank of the TP 8 prefill holds exactly those (they hold 0, 1, 2, 3): "
+        "MooncakeConnectorV2 reads each layer whole from one prefill rank holding the same KV heads. A TP 8 prefill "
+        "of this model (4 KV heads) feeds decodes of TP 4, 8, 12 or 16 (any multiple of 4): set the decode's TP to "
+        "one of them, or the prefill's TP to the decode's"]
+    spec["decode"][0]["tp"] = 4
+    assert _pairing(_check(tmp_path, spec)[0]) == []
+
+
+def test_the_gqa_deployment_of_the_issue_pairs_tp2_prefills_with_a_tp1_decode(tmp_path):
+    # The tiny GQA model's one KV head is on both ranks of a TP2 prefill: a TP1 decode reads it from either.
+    prefills = [_prefill(name=f"p{i}", tp=2, port=8000 + i, kv_port=37000 + 10 * i) for i in range(2)]
+    spec = _spec(prefills, [_decode(tp=1, port=8009, kv_port=37030)], model="kvpp-tiny-gqa")
+    errors, _, _ = _check(tmp_path, spec)
+    assert _pairing(errors) == []
+    # MLA caches map at any TP sizes.
+    assert _pairing(_check(tmp_path, _spec([_prefill(kv_port=37000)], [_decode(tp=3)]))[0]) == []
+
+
 def test_unresolvable_model_with_kvpp_asks_for_a_preset(tmp_path):
     spec = _spec([_prefill()])
     spec["model"] = {"path": "/nowhere/model"}
@@ -321,6 +351,25 @@ def test_key_differences_follow_the_shard_split():
     assert key_differences(layout(True, 8), layout(False, 8)) == ["kvpp"]
     assert key_differences(layout(False, 8), layout(False, 8, ((0, 4), (4, 8)))) == ["stages"]
     assert key_differences(layout(False, 8), layout(False, 8, block_size=64, model="n")) == ["model", "block_size"]
+    # GQA: a TP1 and a TP2 engine of a one-KV-head model hold the same head, a TP2 and a TP4 of 8 heads do not.
+    assert key_differences(layout(False, 2, heads=((0,),)), layout(False, 1, heads=((0,),))) == []
+    assert key_differences(layout(False, 1, heads=((0, 1, 2, 3), (4, 5, 6, 7))),
+                           layout(False, 1, heads=((0, 1), (2, 3), (4, 5), (6, 7)))) == ["heads"]
+    assert key_differences(layout(True, 2, heads=((0,), (1,))), layout(True, 1, heads=((0,), (1,)))) == ["group_size"]
+
+
+def test_gqa_instances_sharing_a_pool_are_compared_by_the_kv_heads_their_ranks_hold(tmp_path):
+    # Qwen3-235B-A22B (4 KV heads) without KVPP: a TP8 and a TP4 prefill hold one head per rank and share every
+    # block; a TP2 prefill's ranks hold two heads each and share none.
+    spec = _spec([_pooled("a", "h1", enable_kvpp=False), _pooled("b", "h2", enable_kvpp=False, tp=4)], pool=POOL,
+                 model="qwen3-235b-a22b")
+    _, warnings, code = _check(tmp_path, spec)
+    assert code == 0 and not [w for w in warnings if ": pool: " in w]
+    spec["prefill"][1]["tp"] = 2
+    _, warnings, _ = _check(tmp_path, spec)
+    (layout,) = [w for w in warnings if ": pool: " in w]
+    assert "pool keys differ in heads (b: ((0, 1), (2, 3)), a: ((0,), (1,), (2,), (3,))): pooled" in layout
+    assert "use TP sizes that give every rank the same KV heads on every instance" in layout
 
 
 def test_kvpp_check_names_a_nested_pool_setting_by_its_full_path(tmp_path):

@@ -63,7 +63,7 @@ def test_lookups_through_a_metadata_only_client(pool):
     backend = open_backend(_settings(pool, metadata_only=True), call_timeout_s=BOUND_S)
     try:
         layout = CacheLayout("itest-model", "float32", 16, 36864)
-        shards = shard_keys(layout, all_shards([StageLayers(0, tuple(range(4)))], 2, kvpp=True, replicated=True))
+        shards = shard_keys(layout, all_shards([StageLayers(0, tuple(range(4)))], 2, kvpp=True))
         keys = [k for s in shards for k in s.keys(HASHES)]
         assert backend.exists(keys) == [Status.MISSING] * len(keys)
         assert count_pooled(backend, shards, HASHES) == 0

@@ -156,7 +156,7 @@ def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
     caches = _caches(3)
     pages = _register(backend, caches)
     layout = CacheLayout("itest-model", "float32", 16, pages.page_bytes)
-    shards = shard_keys(layout, all_shards([StageLayers(0, (0, 1, 2, 3))], 2, kvpp=True, replicated=True))
+    shards = shard_keys(layout, all_shards([StageLayers(0, (0, 1, 2, 3))], 2, kvpp=True))
     hashes = block_hashes(list(range(16 * 5)), 16)
     for shard in shards:
         assert backend.put(shard.keys(hashes), *_objects(pages, range(5))) == [Status.OK] * 5
@@ -164,6 +164,29 @@ def test_a_removed_owner_shard_ends_the_hit_prefix(backend):
     assert backend.remove([shards[1].key(hashes[3])]) == [Status.OK]
     assert count_pooled(backend, shards, hashes) == 3
     assert count_pooled(backend, shards[:1], hashes) == 5, "the other owner's shard is still whole"
+
+
+@pytest.mark.integration
+def test_the_owner_shards_of_two_gqa_heads_of_one_block_are_two_objects(backend):
+    """A TP4 KVPP engine of a model with 2 KV heads: ranks 0-1 hold head 0 and ranks 2-3 head 1, each pair splitting
+    the layers between its owners. The four ranks save the same blocks: each loads back its own head's pages, and a
+    block is a hit only while both heads' owner shards are pooled."""
+    layout = CacheLayout("itest-gqa", "float32", 16, BlockPages(_caches(0)).page_bytes)
+    shards = shard_keys(layout, all_shards([StageLayers(0, (0, 1, 2, 3, 4, 5))], 2, kvpp=True, heads=((0,), (1,))))
+    assert [(s.heads, s.owner) for s in shards] == [((0,), 0), ((0,), 1), ((1,), 0), ((1,), 1)]
+    hashes = block_hashes(list(range(16 * 4)), 16)
+    ranks = [_caches(40 + rank) for rank in range(4)]  # each rank's owned layers (LAYERS of them), its own content
+    for caches, shard in zip(ranks, shards):
+        result = ShardIO(backend, shard, _register(backend, caches)).save([0, 1, 2, 3], hashes)
+        assert (result.saved, result.skipped) == (4, 0), "no rank found another head's object under its key"
+    assert count_pooled(backend, shards, hashes) == 4
+    for caches, shard in zip(ranks, shards):
+        loaded = [torch.zeros(BLOCKS, *PAGE) for _ in range(LAYERS)]
+        assert ShardIO(backend, shard, _register(backend, loaded)).load([5, 6, 7, 4], hashes) == [Status.OK] * 4
+        assert all(torch.equal(d[[5, 6, 7, 4]], s[:4]) for d, s in zip(loaded, caches)), shard
+    assert backend.remove([shards[3].key(hashes[2])]) == [Status.OK]  # head 1's second owner loses block 2
+    assert count_pooled(backend, shards, hashes) == 2
+    assert count_pooled(backend, shards[:2], hashes) == 4, "head 0's shards are still whole"
 
 
 @pytest.mark.integration
