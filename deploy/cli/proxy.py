@@ -57,6 +57,10 @@ def register(subparsers) -> None:
                          default=PrefixRouting.max_index_blocks, metavar="N",
                          help="blocks indexed per prefill, the least recently announced leaves forgotten first "
                          f"(default {PrefixRouting.max_index_blocks})")
+    routing.add_argument("--kv-events-block-size", type=cli_args.bounded_int(1, 1 << 16), metavar="N",
+                         help="the prefills' block size (their --block-size): a stored event of another size is "
+                         "refused and counted (kvpp_proxy_kv_event_refused, kind block_size); without it each index "
+                         "learns the size from the first event it applies after it was emptied")
     routing.add_argument("--kv-events-timeout", type=cli_args.bounded_float(0.1, 3600.0),
                          default=PrefixRouting.event_timeout, metavar="S",
                          help="a publisher not answering heartbeats this long counts as gone (its index is synced "
@@ -74,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
                     max_upstream_bytes=args.max_upstream_bytes)
     if args.kv_events_replay and not args.kv_events:
         raise ValueError("--kv-events-replay needs --kv-events (the publishers whose batches it replays)")
+    if args.kv_events_block_size and not args.kv_events:
+        raise ValueError("--kv-events-block-size needs --kv-events (the publishers whose blocks it sizes)")
     routing = PrefixRouting(tuple(args.kv_events), tuple(args.kv_events_replay) if args.kv_events_replay else None,
-                            args.kv_index_blocks, args.kv_events_timeout) if args.kv_events else None
+                            args.kv_index_blocks, args.kv_events_timeout,
+                            block_size=args.kv_events_block_size) if args.kv_events else None
     serve(prefill, decode, args.host, args.port, timeouts, limits, routing)
     return 0
 

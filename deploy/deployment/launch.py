@@ -175,10 +175,11 @@ def vllm_router_args(prefill_urls: list[str], decode_urls: list[str], host: str,
 
 
 def proxy_args(proxy: Proxy, host: str, metrics_port: int | None, urls: dict[str, list[str]],
-               events: list[tuple[str, str]] | None = None) -> list[str]:
+               events: list[tuple[str, str]] | None = None, block_size: int | None = None) -> list[str]:
     """The P/D front's argv (`kvpp proxy` or `vllm-router`, proxy.router) on `host` for the P/D instances at
     their base URLs; `metrics_port`: vllm-router's Prometheus port; `events`: each prefill's KV event endpoint and
-    its replay endpoint, for the cache-aware prefill choice (proxy.cache_aware; vllm-router reads no replay)."""
+    its replay endpoint, for the cache-aware prefill choice (proxy.cache_aware; vllm-router reads no replay), with
+    the prefills' `block_size` where the spec names one."""
     listen = wildcard([host])
     if proxy.router == "vllm-router":
         return vllm_router_args(urls["prefill"], urls["decode"], listen, proxy.port, metrics_port, proxy.extra_args,
@@ -188,11 +189,12 @@ def proxy_args(proxy: Proxy, host: str, metrics_port: int | None, urls: dict[str
     if proxy.max_in_flight is not None:
         argv += ["--max-in-flight", str(proxy.max_in_flight)]
     if events is not None:
-        argv += kv_events_flags(events)
+        argv += kv_events_flags(events, block_size)
     return argv + list(proxy.extra_args)
 
 
-def kv_events_flags(events: Sequence[tuple[str, str]]) -> list[str]:
-    """`kvpp proxy`'s flags for each prefill's (live, replay) KV event endpoints, in the order of its --prefill."""
+def kv_events_flags(events: Sequence[tuple[str, str]], block_size: int | None = None) -> list[str]:
+    """`kvpp proxy`'s flags for each prefill's (live, replay) KV event endpoints, in the order of its --prefill, and
+    the prefills' block size where known (events of another size are then refused, never learned)."""
     return ["--kv-events", ",".join(live for live, _ in events), "--kv-events-replay",
-            ",".join(replay for _, replay in events)]
+            ",".join(replay for _, replay in events), *(["--kv-events-block-size", str(block_size)] if block_size else [])]

@@ -384,7 +384,9 @@ def _proxy(spec: Spec) -> ResolvedProxy:
                 for role in ("prefill", "decode")}
         events = ([(host_url("tcp", address(i), i.kv_events_port), host_url("tcp", address(i), i.events_replay_port))
                    for i in spec.prefill] if spec.proxy.cache_aware else None)
-        return tuple(launch.proxy_args(spec.proxy, host, metrics, urls, events))
+        sizes = {i.memory.block_size for i in spec.prefill}
+        block_size = sizes.pop() if len(sizes) == 1 else None  # one size named by every prefill, else learned
+        return tuple(launch.proxy_args(spec.proxy, host, metrics, urls, events, block_size))
 
     return ResolvedProxy(host=host, metrics_port=metrics, argv=argv(lambda i: i.hosts[0]),
                          cluster_argv=argv(lambda i: i.name))

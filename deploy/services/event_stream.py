@@ -276,7 +276,10 @@ class EventStream:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 skipped = self.index.store(event)
-                if skipped:
+                if skipped == "block_size" and self.index.fixed_block_size is not None:
+                    self._count(Refused("block_size", f"a BlockStored of {event.block_size}-token blocks, where the "
+                                                      f"prefills' block size is {self.index.fixed_block_size}"))
+                elif skipped:
                     self.metrics.skipped.labels(self.backend, skipped).inc(len(event.block_hashes))
             elif isinstance(event, BlockRemoved):
                 self.index.remove(event)

@@ -40,11 +40,12 @@ MAX_INT_HASH = (1 << 64) - 1
 """vLLM's int block hashes are the low 64 bits of its hash, unsigned."""
 MAX_HASH_BYTES = 64
 """vLLM's bytes block hashes are a digest: 32 bytes for sha256."""
-REFUSED_KINDS = ("frames", "size", "decode", "invalid", "range")
+REFUSED_KINDS = ("frames", "size", "decode", "invalid", "range", "block_size")
 """Why a message or an event was refused: frames (not topic, seq, payload, or a negative sequence number),
 size (past a bound: events in a batch, blocks in an event, tokens in a block), decode (not vLLM's KVEventBatch,
 or nested past the decoder's depth), invalid (token ids that do not fill the event's blocks, no blocks),
-range (a token id or a block hash the index cannot hold)."""
+range (a token id or a block hash the index cannot hold), block_size (not the prefills' block size the proxy was
+told, `--kv-events-block-size`)."""
 
 
 # -- vLLM 0.32's wire format (vllm/distributed/kv_events.py), the fields the index reads -------------------

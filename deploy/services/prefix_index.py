@@ -128,13 +128,15 @@ class PrefixIndex:
     """The full blocks one instance holds; at most `max_blocks` indexed and as many orphans waiting for a parent.
     Its keys are also marked with its bit in `holders` (the router's, shared by its instances; by default its own)."""
 
-    def __init__(self, max_blocks: int, holders: Holders | None = None):
+    def __init__(self, max_blocks: int, holders: Holders | None = None, block_size: int | None = None):
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
         self.holders = Holders() if holders is None else holders
         self.bit = self.holders.slot()
-        self.block_size: int | None = None
+        self.fixed_block_size = block_size
+        """The instance's block size when the proxy was told it: never learned, so no event can change it."""
+        self.block_size: int | None = block_size
         self._entries: dict[Name, tuple[bytes, Name | None]] = {}
         """A name -> (its key, its parent's name; None: a first block)."""
         self._twins: dict[bytes, int] = {}
@@ -167,7 +169,7 @@ class PrefixIndex:
         for table in (self._entries, self._twins, self._children, self._leaves, self._orphans, self._waiting):
             table.clear()
         self._firsts = 0
-        self.block_size = None
+        self.block_size = self.fixed_block_size
 
     def holds(self, key: bytes) -> bool:
         return bool(self.holders.by_key.get(key, 0) & self.bit)

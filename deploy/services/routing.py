@@ -70,6 +70,9 @@ class PrefixRouting:
     event_timeout: float = 5.0
     """A stream silent this long (ZMTP heartbeats unanswered) counts as dropped; a replay silent this long failed."""
     tokenize_timeout: float = 5.0
+    block_size: int | None = None
+    """The prefills' block size: a stored event of another size is refused; None: each index learns it from the first
+    event it applies after it was emptied."""
 
 
 def tokenize_request(path: str, body: dict) -> dict | list[int] | None:
@@ -129,7 +132,8 @@ class PrefixRouter:
         self.settings = settings
         self.metrics = metrics = EventMetrics(registry)
         self.holders = Holders()
-        self.streams = {b.url: EventStream(b.url, endpoint, PrefixIndex(settings.max_index_blocks, self.holders),
+        self.streams = {b.url: EventStream(b.url, endpoint, PrefixIndex(settings.max_index_blocks, self.holders,
+                                                                       settings.block_size),
                                            metrics, settings.event_timeout, replays[i] if replays else None)
                         for i, (b, endpoint) in enumerate(zip(backends, settings.endpoints))}
         self._started = False

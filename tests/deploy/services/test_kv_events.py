@@ -82,3 +82,30 @@ def test_a_stored_event_the_index_cannot_hold_is_left_out_of_its_batch(event, ki
     assert seq == 3 and [r.kind for r in refused] == [kind]
     assert [type(e).__name__ for e in decoded.events] == ["BlockStored", "BlockRemoved"]
     assert decoded.events[0].block_hashes == [2 ** 64 - 1]
+
+
+@pytest.mark.unit
+def test_an_event_of_another_block_size_than_the_proxy_was_told_is_refused_not_learned():
+    """With the prefills' block size given (`--kv-events-block-size`, which `kvpp render` passes from the spec), a
+    stored event of another size is refused and counted, and cannot make the index learn its size; the index keeps
+    that size after it is emptied, so a good event after it is indexed."""
+    from prometheus_client import CollectorRegistry
+
+    from deploy.services.event_stream import EventMetrics, EventStream
+    from deploy.services.prefix_index import PrefixIndex
+
+    def message(seq, size):
+        event = BlockStored(block_hashes=[b"h%d" % seq], parent_block_hash=None, token_ids=list(range(size)),
+                            block_size=size, lora_id=None, medium="GPU", lora_name=None)
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[event]))
+        return [b"", seq.to_bytes(8, "big"), payload]
+
+    registry = CollectorRegistry()
+    stream = EventStream("p0", "tcp://127.0.0.1:1", PrefixIndex(100, block_size=4), EventMetrics(registry), 5.0)
+    stream.handle(message(0, 8))  # a hostile or misconfigured first event
+    assert len(stream.index) == 0 and stream.index.block_size == 4
+    assert registry.get_sample_value("kvpp_proxy_kv_event_refused_total", {"backend": "p0", "kind": "block_size"}) == 1
+    stream.handle(message(1, 4))
+    assert len(stream.index) == 1
+    stream.index.clear()
+    assert stream.index.block_size == 4

@@ -8,4 +8,5 @@ exec kvpp proxy \
     --host 0.0.0.0 \
     --port 8000 \
     --kv-events tcp://10.0.0.61:5557,tcp://10.0.0.62:5557 \
-    --kv-events-replay tcp://10.0.0.61:5558,tcp://10.0.0.62:5558
+    --kv-events-replay tcp://10.0.0.61:5558,tcp://10.0.0.62:5558 \
+    --kv-events-block-size 32
