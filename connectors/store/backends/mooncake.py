@@ -132,15 +132,15 @@ class MooncakeBackend(BoundedClient):
         if rc != 0:
             raise BackendError(f"Mooncake register_buffer({size} bytes) failed with {rc}")
 
-    def put(self, keys, ptrs, sizes) -> list[Status]:
+    def put(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         def call() -> list[Status]:
             codes = self._store.batch_put_from_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
             return [Status.OK if c == 0 else Status.FAILED for c in codes]
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
 
-    def get(self, keys, ptrs, sizes) -> list[Status]:
+    def get(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         def call() -> list[Status]:
             codes = self._store.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
@@ -151,7 +151,7 @@ class MooncakeBackend(BoundedClient):
                     status[i] = Status.WRONG_SIZE
             return status
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:
