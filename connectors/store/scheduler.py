@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 FAILURE_LOG_INTERVAL_S = 10.0
-"""At most one warning this often about failed lookups: a pool that backs off fails every lookup at once."""
+"""At most one warning this often about failed lookups: while a worker's breaker is open every lookup fails at once."""
 
 
 @dataclass

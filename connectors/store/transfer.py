@@ -67,23 +67,27 @@ class BlockPages:
     def _copy(self, block_ids: Sequence[int], slot: Slot, n: int, into_slot: bool) -> None:
         """Host caches: one memmove per run of consecutive pages (single-threaded, without the GIL: torch's
         intra-op threads would compete with the engine's forward for its cores, and on a busy 2-core host ran 10x
-        slower); device caches: one index copy per layer."""
+        slower); device caches: one index copy per layer (`_copy_indexed`)."""
         for layer, cache in enumerate(self._caches):
-            start = layer * n * self.page_bytes
-            if cache.device.type == "cpu":
-                for i, block, count in _runs(block_ids, self._strides[layer] == self.page_bytes):
-                    page = self._bases[layer] + block * self._strides[layer]
-                    staged = slot.ptr + start + i * self.page_bytes
-                    dst, src = (staged, page) if into_slot else (page, staged)
-                    ctypes.memmove(dst, src, count * self.page_bytes)
+            if cache.device.type != "cpu":
+                self._copy_indexed(layer, block_ids, slot, n, into_slot)
                 continue
-            staged = slot.tensor[start:start + len(block_ids) * self.page_bytes].view(cache.dtype)
-            staged = staged.view(len(block_ids), *cache.shape[1:])
-            ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-            if into_slot:
-                torch.index_select(cache, 0, ids, out=staged)
-            else:
-                cache.index_copy_(0, ids, staged)
+            start = layer * n * self.page_bytes
+            for i, block, count in _runs(block_ids, self._strides[layer] == self.page_bytes):
+                page = self._bases[layer] + block * self._strides[layer]
+                staged = slot.ptr + start + i * self.page_bytes
+                dst, src = (staged, page) if into_slot else (page, staged)
+                ctypes.memmove(dst, src, count * self.page_bytes)
+
+    def _copy_indexed(self, layer: int, block_ids: Sequence[int], slot: Slot, n: int, into_slot: bool) -> None:
+        cache, start = self._caches[layer], layer * n * self.page_bytes
+        staged = slot.tensor[start:start + len(block_ids) * self.page_bytes].view(cache.dtype)
+        staged = staged.view(len(block_ids), *cache.shape[1:])
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        if into_slot:
+            torch.index_select(cache, 0, ids, out=staged)
+        else:
+            cache.index_copy_(0, ids, staged)
 
 
 def _runs(block_ids: Sequence[int], contiguous: bool):

@@ -74,10 +74,11 @@ RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
 @contextlib.contextmanager
 def native_bounds(ceiling_s: float) -> Iterator[dict[str, str]]:
     """Mooncake's own bounds, within which the client setup runs: a native call outlived by the connector keeps
-    its blocks held until it returns, so a stalled master or segment holder must end it near the connector's
-    ceiling rather than Mooncake's 30 s. Values set in the environment win. The RPC bound is read at setup and
-    put back after it; the progress bound is read at every transfer connection, so it stays set for the process,
-    the shortest any connector of it asks for (connectors.common.mooncake_env). Yields the values in force."""
+    its staging slot until it returns (connectors.store.staging), so it should end near the connector's ceiling
+    rather than Mooncake's 30 s (a call in flight when the pool stops can still outlive both). Values set in the
+    environment win. The RPC bound is read at setup and put back after it; the progress bound is read at every
+    transfer connection, so it stays set for the process, the shortest any connector of it asks for
+    (connectors.common.mooncake_env). Yields the values in force."""
     given = os.environ.get(RPC_TIMEOUT_ENV)
     os.environ.setdefault(RPC_TIMEOUT_ENV, str(math.ceil(ceiling_s * 1000)))
     try:

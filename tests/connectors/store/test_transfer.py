@@ -141,6 +141,27 @@ def test_blocks_saved_and_loaded_through_staging_slots_arrive_intact_at_other_bl
     assert staging.free() == 1
 
 
+def test_device_caches_are_staged_by_index_copies_in_the_same_layout():
+    """Device caches (GPU, NPU) are copied by one index copy per layer instead of host memmoves; no device here, so
+    the index path runs on host tensors: the slot holds the same bytes either way, and they come back the same."""
+    caches = [torch.randn(BLOCKS, 4, 3) for _ in range(2)]
+    pages = BlockPages(caches)
+    ids = [4, 1, 2]
+    memmoved, indexed = Staging(pages.object_bytes * 4, count=2).take(), Staging(pages.object_bytes * 4).take()
+    pages.gather(ids, memmoved)
+    for layer in range(2):
+        pages._copy_indexed(layer, ids, indexed, len(ids), into_slot=True)
+    used = len(ids) * pages.object_bytes
+    assert torch.equal(memmoved.tensor[:used], indexed.tensor[:used])
+    copies = [c.clone() for c in caches]
+    for c in caches:
+        c.zero_()
+    for layer in range(2):
+        pages._copy_indexed(layer, ids, indexed, len(ids), into_slot=False)
+    for c, o in zip(caches, copies):
+        assert torch.equal(c[ids], o[ids]) and not c[[0, 3, 5]].any()
+
+
 def test_a_get_past_its_bound_holds_its_slot_not_its_blocks():
     """The late get would write into the slot, never into the blocks; the slot stays out of use until it returned,
     and with every slot held by late calls a load is refused without a call."""

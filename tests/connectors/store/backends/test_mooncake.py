@@ -465,7 +465,7 @@ def test_a_stopped_master_costs_one_lookup_its_floor_then_calls_fail_at_once_unt
 @pytest.mark.integration
 def test_a_killed_master_started_again_is_asked_again_and_answers(tmp_path, monkeypatch, runtime_dir,
                                                                   connector_defaults):
-    """A dead master fails lookups (counted, at once while the client backs off); a new master on the same address
+    """A dead master fails lookups (counted, at once while the client's breaker is open); a new master on the same address
     is asked again once a backoff ends and answers (it knows no key: a miss, which is an answer)."""
     pool = pool_up("mooncake", tmp_path / "reborn", 64 << 20, **POOL_TIMERS)
     master = pool.pids[0]
