@@ -6,9 +6,10 @@ bytes on the same pool, and time to first token of a long prompt with a pool hit
 
 Throughput: a real `mooncake_master` plus the pool's segment holder (`kvpp pool up`); caches shaped like
 the tiny MLA model's ([blocks, 16, 576] fp32 per layer). "connector" runs `ShardIO.save/load` (key
-derivation, the skip-if-pooled existence check, multi-page zero-copy put/get, status normalisation,
-bounded calls); "raw" calls `batch_put_from_multi_buffers`/`batch_get_into_multi_buffers` on the same
-pages with the same batch size. Runs alternate and the median is reported; ratio = connector / raw.
+derivation, the skip-if-pooled existence check, the copy through a staging slot, multi-page zero-copy
+put/get of the slot, status normalisation, bounded calls); "raw" calls
+`batch_put_from_multi_buffers`/`batch_get_into_multi_buffers` on the pages themselves with the same batch
+size. Runs alternate and the median is reported; ratio = connector / raw.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
 
     from connectors.store.backends import Status, open_backend
     from connectors.store.keys import CacheLayout, ShardKey, block_hashes
+    from connectors.store.staging import SLOT_BYTES, Staging
     from connectors.store.transfer import BlockPages, ShardIO
     from deploy.services.pool import pool_down, pool_up
 
@@ -47,7 +49,8 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
     pool = pool_up("mooncake", state, segment)
     try:
         backend = open_backend(pool.store_config, call_timeout_s=60)
-        for t in src + dst:
+        staging = Staging(max(SLOT_BYTES, src_pages.object_bytes))
+        for t in src + dst + staging.tensors:
             backend.register(t.data_ptr(), t.numel() * t.element_size())
         raw = backend.raw()
         layout = CacheLayout("bench", "float32", 16, src_pages.page_bytes)
@@ -56,7 +59,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
         for rep in range(repeats):
             tokens = [random.Random(rep).randrange(1 << 20) for _ in range(16 * blocks)]
             hashes = block_hashes(tokens, 16)
-            io = ShardIO(backend, ShardKey(layout.fingerprint(range(layers)), 0, rep), src_pages)
+            io = ShardIO(backend, ShardKey(layout.fingerprint(range(layers)), 0, rep), src_pages, staging)
             raw_keys = [f"bench/raw/{rep}/{h}" for h in hashes]
             order = ("connector", "raw") if rep % 2 == 0 else ("raw", "connector")
             for who in order:
@@ -71,7 +74,7 @@ def throughput(blocks: int, batch: int, layers: int, repeats: int) -> dict:
                                                                  [src_pages.sizes()] * len(ids))
                         assert all(c == 0 for c in codes), codes
                 results["save"][who].append(total / (time.perf_counter() - start))
-            load_io = ShardIO(backend, io.shard, dst_pages)
+            load_io = ShardIO(backend, io.shard, dst_pages, staging)
             for who in order:
                 for t in dst:
                     t.zero_()

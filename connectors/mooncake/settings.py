@@ -30,8 +30,10 @@ class MooncakeV2Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     link rate) is given up and its blocks recomputed; also Mooncake's TCP progress timeout for this
     process (MC_TCP_PROGRESS_TIMEOUT_SEC, rounded up), so the given-up reads end that soon after."""
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    """Backstop: a given-up pull whose reads still have not ended this long after is reported failed
-    anyway (logged). Must exceed stall_timeout_s rounded up."""
+    """Over a transport other than tcp (rdma), which has no progress timeout: how long after a pull failed
+    Mooncake has ended the reads it left in flight, so its blocks are held until then at most (earlier once
+    Mooncake says each ended). Over tcp, Mooncake's progress timeout bounds them. Must exceed
+    stall_timeout_s rounded up."""
     handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     """Bound on one side-channel request (metadata fetch, done-notice)."""
     hold_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
@@ -58,8 +60,8 @@ _HINTS = {"stall_timeout_s": "Mooncake's TCP progress timeout counts whole secon
 
 def read_mooncake_v2_settings(extra: Mapping[str, Any] | None) -> Parsed[MooncakeV2Settings]:
     """The struct and every problem of `extra`: each field's, then (over the fields that converted, the
-    others at their defaults) whether the initial lease covers one renewal and whether the backstop
-    leaves a given-up pull's reads the time Mooncake needs to end them."""
+    others at their defaults) whether the initial lease covers one renewal and whether the bound on a failed
+    pull's reads over a transport other than tcp leaves them at least what tcp's progress timeout does."""
     parsed = parse_struct(extra, MooncakeV2Settings, EXTRA_CONFIG, _HINTS)
     value = {**msgspec.structs.asdict(_DEFAULTS), **parsed.given}
     if value["lease_s"] > value["hold_timeout_s"]:
@@ -69,7 +71,8 @@ def read_mooncake_v2_settings(extra: Mapping[str, Any] | None) -> Parsed[Mooncak
     if value["transfer_timeout_s"] <= math.ceil(value["stall_timeout_s"]):
         parsed.problems.append((f"{EXTRA_CONFIG}.transfer_timeout_s", (
             f"{value['transfer_timeout_s']:g} does not exceed stall_timeout_s {value['stall_timeout_s']:g} rounded "
-            "up: a given-up pull's reads need that long to end (Mooncake's TCP progress timeout); raise "
+            "up: a failed pull's reads need at least that long to end (what Mooncake's TCP progress timeout gives "
+            "them); raise "
             "transfer_timeout_s or lower stall_timeout_s")))
     if parsed.problems:
         parsed.value = None

@@ -5,8 +5,9 @@ and keep a finished request's blocks until every decode worker said done, or the
 Decode workers pull on a few background threads (the engine keeps stepping), report the request
 as soon as its read is known good, then notify the prefill; any failure becomes failed block ids
 so vLLM's kv_load_failure_policy decides (fail or recompute). A pull whose prefill makes no progress
-is given up at its stall bound (connectors/mooncake/stall.py); its blocks are reported only once
-the transfer engine can no longer write into them (transfer.Drain).
+is given up at its stall bound (connectors/mooncake/stall.py). However a pull fails, its blocks are
+reported only once the transfer engine can no longer write into them (transfer.Drain): until then the
+request stays waiting for them, so vLLM gives them to no other request and recomputes nothing into them.
 """
 
 from __future__ import annotations
@@ -79,9 +80,7 @@ class _Pulled(NamedTuple):
     finished: float
     """perf_counter() when the pull ended."""
     drain: Drain | None = None
-    """Reads of a given-up pull still in flight: the request is reported once they ended."""
-    given_up: float = 0.0
-    """monotonic() when a pull with a drain was given up (its drain's backstop counts from it)."""
+    """Reads of a failed pull still in flight: the request is reported once they ended."""
 
 
 class MooncakeV2Worker:
@@ -100,7 +99,8 @@ class MooncakeV2Worker:
         self.port = ports.handshake_port(dp_rank=parallel.data_parallel_rank, pp_rank=self.pp_rank, tp_rank=self.tp_rank)
         self.transfer = MooncakeTransfer(self.host, protocol=settings.protocol, device_name=settings.device_name,
                                          progress_timeout_s=settings.stall_timeout_s,
-                                         max_entry_bytes=settings.max_entry_bytes)
+                                         max_entry_bytes=settings.max_entry_bytes,
+                                         other_bound_s=settings.transfer_timeout_s)
         if progress_timeout_s() > settings.stall_timeout_s + 1:
             logger.warning("%s=%d is set: a given-up pull's reads may keep its blocks that long after its stall "
                            "bound (stall_timeout_s=%g); unset it to let the connector set it", PROGRESS_TIMEOUT_ENV,
@@ -215,7 +215,7 @@ class MooncakeV2Worker:
             # request stays waiting) until the engine says each ended, so nothing lands after a
             # recompute wrote there. Only the report waits, no thread does.
             drain = exc.drain if isinstance(exc, TransferError) else None
-            return _Pulled(False, time.perf_counter(), drain, time.monotonic())
+            return _Pulled(False, time.perf_counter(), drain)
         if lease_end is not None and time.monotonic() < lease_end - LEASE_MARGIN_S:
             ok = True
             self._notices.submit(self._notify, spec, True)
@@ -272,12 +272,12 @@ class MooncakeV2Worker:
                            "it stopped renewing for lease_s=%.1f); freeing their blocks", sorted(lapsed),
                            self.settings.hold_timeout_s, self.settings.lease_s)
         recved = set()
-        now, now_mono = time.perf_counter(), time.monotonic()
+        now = time.perf_counter()
         for request_id, (future, spec) in list(self._pulls.items()):
             if not future.done():
                 continue
-            pulled = future.result()
-            if pulled.drain is not None and not self._drained(request_id, pulled, now_mono):
+            pulled = self._result(request_id, future)
+            if pulled.drain is not None and not self._drained(request_id, pulled.drain):
                 continue
             del self._pulls[request_id]
             recved.add(request_id)
@@ -287,17 +287,26 @@ class MooncakeV2Worker:
                 self._failed_blocks.update(spec.local_block_ids)
         return released | lapsed, recved
 
-    def _drained(self, request_id: str, pulled: _Pulled, now: float) -> bool:
-        """Whether a given-up pull's reads all ended; past the transfer_timeout_s backstop they are
-        abandoned (which the transfer engine's own progress timeout should never let happen)."""
-        if pulled.drain.ended():
-            return True
-        if now < pulled.given_up + self.settings.transfer_timeout_s:
+    def _result(self, request_id: str, future: Future[_Pulled]) -> _Pulled:
+        """The pull's outcome; a pull thread that raised (past the read, which turns its own errors into
+        failures with their drain) failed with no read in flight: never an exception in the engine's step."""
+        error = future.exception()
+        if error is None:
+            return future.result()
+        logger.error("request %s: its pull failed outside the read: %r", request_id, error)
+        self.stats.record_failure()
+        return _Pulled(False, time.perf_counter())
+
+    def _drained(self, request_id: str, drain: Drain) -> bool:
+        """Whether no read of a failed pull can still write into its blocks: each ended, or Mooncake's own bound on
+        them expired (transfer.Drain)."""
+        if not drain.ended():
             return False
-        logger.error("request %s: %d reads of its given-up pull still had not ended %gs later "
-                     "(transfer_timeout_s); reporting its blocks failed anyway, late bytes may still land in them",
-                     request_id, len(pulled.drain), self.settings.transfer_timeout_s)
-        pulled.drain.abandon()
+        if drain.outlived:
+            logger.error("request %s: %d reads of its failed pull were still in flight for Mooncake %.0f s after the "
+                         "pull ended, past its own bound (%s=%d); reporting the blocks failed, their lanes stay taken "
+                         "until Mooncake ends the reads", request_id, drain.outlived, self.transfer.engine_bound_s,
+                         PROGRESS_TIMEOUT_ENV, progress_timeout_s())
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -161,24 +161,27 @@ class LookupClient:
         sock.connect(self._endpoint)
         return sock
 
-    def lookup(self, block_hashes: list[str], request_id: str = "") -> LookupReply:
+    def lookup(self, block_hashes: list[str], request_id: str = "", timeout_s: float | None = None) -> LookupReply:
+        """The worker's answer within the client's timeout, or `timeout_s` if shorter (what is left of the request's
+        pool budget)."""
         if not block_hashes:
             return LookupReply(hit_blocks=0)
+        timeout_ms = self._timeout_ms if timeout_s is None else min(self._timeout_ms, int(timeout_s * 1000))
         try:
             self._sock.send(self._encoder.encode(LookupRequest(block_hashes=block_hashes, request_id=request_id)))
-            raw = self._reply_within_timeout()
+            raw = self._reply_within(timeout_ms)
             if raw is None:
-                return LookupReply(0, f"no lookup answer from worker rank 0 within {self._timeout_ms} ms")
+                return LookupReply(0, f"no lookup answer from worker rank 0 within {timeout_ms} ms")
             return validate_reply(self._decoder.decode(raw), len(block_hashes))
         except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, InvalidMessage) as exc:
             self._sock.close(linger=0)
             self._sock = self._connect()
             return LookupReply(0, f"lookup channel error: {exc}")
 
-    def _reply_within_timeout(self) -> bytes | None:
+    def _reply_within(self, timeout_ms: int) -> bytes | None:
         """The answer to the request just sent, or None at the deadline. A late reply to a timed-out
         request also wakes `poll`; REQ_CORRELATE drops it inside `recv`, so `recv` must not block."""
-        deadline = time.monotonic() + self._timeout_ms / 1000
+        deadline = time.monotonic() + timeout_ms / 1000
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
             if not self._sock.poll(left_ms, zmq.POLLIN):
                 return None

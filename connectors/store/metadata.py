@@ -15,6 +15,9 @@ class BlockJob:
     req_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[str, ...]
+    budget_s: float | None = None
+    """A load: what is left of its request's pool budget (request_budget_ms) when it was scheduled; the worker's
+    load ends within it from when it received the job, waiting for its turn included."""
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.block_hashes):

@@ -1,7 +1,12 @@
-"""Scheduler side of the pool connector: lookups, load planning, and which finished blocks to save."""
+"""Scheduler side of the pool connector: lookups, load planning, and which finished blocks to save.
+
+Each request has a pool budget (`request_budget_ms`): its lookups spend from it (a lookup waits at most what is
+left), a request that spent it is served as a miss without asking, and its load gets what is left
+(`BlockJob.budget_s`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 FAILURE_LOG_INTERVAL_S = 10.0
-"""At most one warning this often about failed lookups: a pool that backs off fails every lookup at once."""
+"""At most one warning this often about failed lookups: while a worker's breaker is open every lookup fails at once."""
 
 
 @dataclass
@@ -65,6 +70,10 @@ class StoreScheduler:
         self._pool_failed: set[str] = set()
         """Requests whose pool load failed: served by recomputation from then on, never looked up again
         (vLLM re-queues a request whose load failed; looking it up again would repeat the failure)."""
+        self._clock = time.monotonic
+        self._pool_spent: dict[str, float] = {}
+        """Per live request that was looked up: seconds its lookups took, out of its pool budget (inf once it was
+        found spent)."""
         self._stats = StoreStats()
         self._unlogged_failures = 0
         self._next_failure_log = 0.0
@@ -92,7 +101,12 @@ class StoreScheduler:
         # Whole blocks only, and never the block holding the last prompt token: it must be computed
         # to sample the first output token.
         hashes = hashes[: (request.num_prompt_tokens - 1) // self._block_size]
-        reply = self._client.lookup(hashes, request.request_id)
+        left = self._budget_left(request.request_id)
+        if left <= 0:
+            return 0, False
+        start = self._clock()
+        reply = self._client.lookup(hashes, request.request_id, timeout_s=left)
+        self._pool_spent[request.request_id] = self._pool_spent.get(request.request_id, 0.0) + self._clock() - start
         if not reply.answered:
             self._lookup_failed(request.request_id, reply)  # a miss (0 blocks) that proves nothing: no event
         elif self._events is not None:
@@ -104,6 +118,15 @@ class StoreScheduler:
             return 0, False
         self._hits[request.request_id] = hashes[:hit]
         return hit_tokens - num_computed_tokens, self._cfg.load_async
+
+    def _budget_left(self, req_id: str) -> float:
+        """Seconds left of the request's pool budget; the first time none is, the request is counted."""
+        spent = self._pool_spent.get(req_id, 0.0)
+        left = self._cfg.request_budget_s - spent
+        if left <= 0 and spent != math.inf:
+            self._pool_spent[req_id] = math.inf
+            self._stats.add("lookup_over_budget")
+        return left
 
     def _lookup_failed(self, req_id: str, reply: LookupReply) -> None:
         """Counted once (by the worker if the pool failed it there), warned about at most every
@@ -127,7 +150,8 @@ class StoreScheduler:
         block_ids = blocks.get_block_ids()[0]
         end = len(hashes)
         start = end - num_external_tokens // self._block_size
-        job = BlockJob(request.request_id, tuple(block_ids[start:end]), tuple(hashes[start:end]))
+        job = BlockJob(request.request_id, tuple(block_ids[start:end]), tuple(hashes[start:end]),
+                       budget_s=max(0.0, self._cfg.request_budget_s - self._pool_spent.get(request.request_id, 0.0)))
         self._pending_loads.append(job)
         self._loading[request.request_id] = set(job.block_ids)
 
@@ -207,6 +231,7 @@ class StoreScheduler:
         self._hits.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._pool_failed.discard(request.request_id)
+        self._pool_spent.pop(request.request_id, None)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
             return True, None

@@ -50,6 +50,11 @@ class StoreSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     pool_backoff_max_ms: Millis = 30000
     """The longest backoff; a pool that answered this long since its last failure starts again from
     pool_backoff_ms."""
+    request_budget_ms: Millis | None = None
+    """The most one request spends on the pool, whatever the concurrency: its lookups, then its load, waiting for
+    its turn included. A request past it is served as a miss and recomputes (no call is started whose bound would
+    end past it). At least backend_timeout_ms, so a load's first call fits; unset: lookup_timeout_ms +
+    backend_timeout_ms (4000 by default)."""
     stats_file: str | None = None
     """If set, each worker keeps its cumulative counters in `<stats_file>.pp<P>.tp<T>.json`."""
 
@@ -65,6 +70,11 @@ class StoreSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     @property
     def backend_timeout_s(self) -> float:
         return self.backend_timeout_ms / 1000
+
+    @property
+    def request_budget_s(self) -> float:
+        given = self.request_budget_ms
+        return (self.lookup_timeout_ms + self.backend_timeout_ms if given is None else given) / 1000
 
     @property
     def call_policy(self) -> CallPolicy:
@@ -118,8 +128,11 @@ _ORDERED = (
      "a lookup's store call is bounded by the floor, so the scheduler would stop waiting before the worker does "
      "and every lookup of a dead pool would cost the scheduler lookup_timeout_ms"),
     ("pool_backoff_ms", "pool_backoff_max_ms", False, "the first backoff cannot exceed the longest"),
+    ("backend_timeout_ms", "request_budget_ms", False,
+     "a request's load could not start its first call, whose bound is the ceiling until a rate is measured"),
 )
-"""(lower, higher, strictly, why): settings that must keep this order."""
+"""(lower, higher, strictly, why): settings that must keep this order (a higher one unset and without a default is
+not checked)."""
 
 
 def _order_problems(given: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -128,6 +141,8 @@ def _order_problems(given: Mapping[str, Any]) -> list[tuple[str, str]]:
     problems = []
     for low, high, strict, why in _ORDERED:
         lo, hi = given.get(low, defaults[low]), given.get(high, defaults[high])
+        if hi is None:
+            continue
         if lo > hi or (strict and lo == hi):
             named = high if high in given else low
             problems.append((f"{EXTRA_CONFIG}.{named}", f"{low} {lo:g} must be {'below' if strict else 'at most'} "

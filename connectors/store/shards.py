@@ -84,7 +84,7 @@ class PoolUnanswered(RuntimeError):
 
     def __init__(self, status: Status) -> None:
         super().__init__({Status.TIMEOUT: "the store did not answer within its bound",
-                          Status.REFUSED: "not asked: the pool failed to answer a recent call and is backing off",
+                          Status.REFUSED: "not asked: the pool failed to answer a recent call (the breaker is open)",
                           }.get(status, "the store failed"))
         self.status = status
 

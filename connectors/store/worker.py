@@ -5,6 +5,12 @@ ranks of one KV head for GQA), so the group's first rank stores it once for the 
 loads it. With KVPP each rank stores its persistent caches (owned layers + MTP; staging never) as one
 object per block keyed by its KV heads and kvpp rank, and loads land in those same persistent buffers
 before the request runs, so the normal broadcast feeds the other ranks of its group.
+
+Loads and saves run on a thread each, so a load never waits behind a save. A load ends within what is left of
+its request's pool budget when it arrives (`BlockJob.budget_s`): one still waiting for its turn at that deadline
+is reported failed without a call (nothing touched its blocks), and it makes no call whose bound would end past
+it. Store calls move data through staging slots (connectors.store.staging), so a job is reported as soon as its
+calls returned or missed their bound, whatever a late call still does.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from concurrent import futures
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +40,7 @@ from connectors.store.lookup import LookupChannel, LookupReply, LookupServer
 from connectors.store.metadata import BlockJob, SavedShards, ShardReport, StoreMetadata
 from connectors.store.shards import (MTP, PoolUnanswered, StageLayers, all_shards, count_pooled, shard_keys,
                                      stage_shards)
+from connectors.store.staging import SLOT_BYTES, Staging
 from connectors.store.stats import StoreStats
 from connectors.store.transfer import BlockPages, SaveResult, ShardIO
 
@@ -42,6 +49,17 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's handlers print it
 IDLE_POLL_S = 0.02
+
+
+@dataclass(eq=False)
+class _Load:
+    """A load job on its way: `deadline` (time.monotonic, None: no budget) from its request's pool budget."""
+
+    job: BlockJob
+    deadline: float | None
+    report: bool
+    expired: bool = False
+    """Its deadline passed while it waited for its turn: reported failed, never started."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,11 +100,15 @@ class StoreWorker:
         self._finishing: set[str] = set()
         self._loaded: set[str] = set()
         self._load_errors: set[int] = set()
-        self._jobs: queue.Queue = queue.Queue()
+        self._queued_loads: list[_Load] = []
+        self._load_jobs: queue.Queue = queue.Queue()
+        self._save_jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._idle_step = False
-        self._thread = threading.Thread(target=self._run_jobs, name="kvpp-pool-io", daemon=True)
+        self._threads = [threading.Thread(target=self._run_jobs, args=(jobs,), name=f"kvpp-pool-{what}", daemon=True)
+                         for what, jobs in (("load", self._load_jobs), ("save", self._save_jobs))]
+        self._breaker_opens = 0
         events = vllm_config.kv_events_config
         self._reports = events is not None and events.enable_kv_cache_events
         """Report each saved block's outcome to the scheduler side, which decides the pool's KV events."""
@@ -127,10 +149,15 @@ class StoreWorker:
         self._writes = self._saves and self._shard is not None and (self._kvpp or self._tp_rank % self._group == 0)
 
         self._backend = open_backend(self._cfg, device_memory=first.device.type != "cpu")
-        for ptr, size in {(c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in caches}:
-            self._backend.register(ptr, size)
-        self._io = ShardIO(self._backend, self._shard, self._pages) if self._shard else None
-        self._thread.start()
+        self._io = None
+        if self._shard:
+            # The store client moves data only through the staging slots: they alone are registered with it.
+            staging = Staging(max(SLOT_BYTES, self._pages.object_bytes), first.device)
+            for ptr, size in staging.regions():
+                self._backend.register(ptr, size)
+            self._io = ShardIO(self._backend, self._shard, self._pages, staging)
+        for thread in self._threads:
+            thread.start()
         if self._loads and self._tp_rank == 0 and self._pp_rank == 0:
             self._all_shards = shard_keys(self._layout, all_shards(self._stages(own_stage), self._group,
                                                                    kvpp=self._kvpp, heads=replica_heads(self._topology)))
@@ -184,18 +211,22 @@ class StoreWorker:
     # ---- per-step hooks --------------------------------------------------------------------------
     def start_load_kv(self, meta: StoreMetadata) -> None:
         self._idle_step = meta.idle
+        now = time.monotonic()
         for job in meta.loads:
+            load = _Load(job, None if job.budget_s is None else now + job.budget_s, report=not meta.sync_loads)
             if meta.sync_loads:
-                self._load(job, report=False)  # the request runs in this very step: nothing to report
+                self._load(load)  # the request runs in this very step: nothing to report
             else:
-                self._submit(self._load, job)
+                with self._lock:
+                    self._queued_loads.append(load)
+                self._submit(self._load_jobs, self._load, load)
 
     def wait_for_save(self, meta: StoreMetadata) -> None:
         for job in meta.saves:
             with self._lock:
                 self._save_reqs.add(job.req_id)
                 self._save_pending[job.req_id] += 1
-            self._submit(self._save, job)
+            self._submit(self._save_jobs, self._save, job)
 
     def handle_preemptions(self, meta: StoreMetadata) -> None:
         # A preempted request's blocks are reused by this very step: no save may still be reading them.
@@ -219,6 +250,7 @@ class StoreWorker:
                 # host starves the I/O (a slow get then outlives its store lease). Block briefly on
                 # the I/O instead; a step with tokens to compute never waits.
                 self._idle.wait(IDLE_POLL_S)
+            self._expire_queued_loads()
             self._finishing |= finished_req_ids & self._save_reqs
             sent = {r for r in self._finishing if not self._save_pending.get(r)}
             self._finishing -= sent
@@ -244,61 +276,42 @@ class StoreWorker:
 
     def get_stats(self) -> StoreStats | None:
         with self._lock:
+            self._count_breaker_opens()
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, StoreStats()
         return out
 
     # ---- background I/O ----------------------------------------------------------------------------
-    def _submit(self, fn, job: BlockJob) -> None:
+    def _submit(self, jobs: queue.Queue, fn: Callable, job) -> None:
         with self._lock:
             self._in_flight += 1
-        self._jobs.put((fn, job))
+        jobs.put((fn, job))
 
-    def _run_jobs(self) -> None:
+    def _run_jobs(self, jobs: queue.Queue) -> None:
         while True:
-            item = self._jobs.get()
+            item = jobs.get()
             if item is None:
                 return
             fn, job = item
             try:
-                fn(job)  # the job ends itself (_job_done) once its store calls have returned
+                fn(job)  # the job ends itself (_job_done)
             except Exception:  # a failed job is a miss or a dropped save, never a dead I/O thread
-                logger.exception("pool job for %s failed", job.req_id)
+                logger.exception("pool job %s failed", job)
 
     def _job_done(self) -> None:
         """Caller holds self._lock."""
         self._in_flight -= 1
         self._idle.notify_all()
 
-    def _when_settled(self, timed_out: bool, finish, what: str, block: bool = False) -> None:
-        """Run `finish` (which releases the job's blocks to vLLM) once no store call that outlived its
-        bound is still running: such a call may still write or read those blocks, and vLLM would free
-        and reuse them the moment the job is reported. Asynchronous jobs wait in the background; a
-        synchronous load (`block`) holds the step, whose forward reads the same blocks."""
-        pending = self._backend.late_calls() if timed_out else []
-        if not pending:
-            finish()
-            return
-        logger.warning("pool %s outlived its bound (at most %.1f s) and is counted as failed; its blocks stay held "
-                       "until the store call returns", what, self._cfg.backend_timeout_s)
-        if block:
-            while futures.wait(pending, timeout=self._cfg.backend_timeout_s).not_done:
-                logger.warning("pool %s: the store call is still running; the step waits for it", what)
-            finish()
-            return
-        left = [len(pending)]
-        counter = threading.Lock()
-
-        def one_done(_future) -> None:
-            with counter:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                finish()
-
-        for future in pending:
-            future.add_done_callback(one_done)
+    def _expire_queued_loads(self) -> None:
+        """Caller holds self._lock: a load whose deadline passed while it waited for its turn is reported failed now
+        (its request recomputes); it never starts."""
+        now = time.monotonic()
+        for load in [q for q in self._queued_loads if q.deadline is not None and now >= q.deadline]:
+            load.expired = True
+            self._queued_loads.remove(load)
+            self._finish_load(load, [Status.OVER_BUDGET] * len(load.job.block_ids))
 
     def _save(self, job: BlockJob) -> None:
         # A rank that writes nothing (not the group's writer, or a KVPP owner of no layer) has its share
@@ -308,7 +321,7 @@ class StoreWorker:
             if self._writes:
                 result = self._io.save(job.block_ids, job.block_hashes)
         finally:
-            self._when_settled(result.late, lambda: self._finish_save(job, result), f"save of {job.req_id}")
+            self._finish_save(job, result)
 
     def _finish_save(self, job: BlockJob, result: SaveResult) -> None:
         with self._lock:
@@ -316,6 +329,8 @@ class StoreWorker:
             self._count("saved_bytes", result.saved * self._pages.object_bytes)
             self._count("save_skipped_blocks", result.skipped)
             self._count("save_failures", result.failed)
+            self._count("save_refusals", result.refused)
+            self._count("save_timeouts", result.timeouts)
             self._write_stats()
             if self._reports:
                 for block_hash, landed in zip(job.block_hashes, result.landed):
@@ -323,31 +338,42 @@ class StoreWorker:
             self._save_pending[job.req_id] -= 1
             self._job_done()
 
-    def _load(self, job: BlockJob, report: bool = True) -> None:
-        """Restore the job's blocks; failed blocks (and all after them) go to the load-error set, and an
-        asynchronous load is reported finished so vLLM schedules the request."""
+    def _load(self, load: _Load) -> None:
+        """Restore the job's blocks within its deadline; failed blocks (and all after them) go to the load-error set,
+        and an asynchronous load is reported finished so vLLM schedules the request."""
+        job = load.job
+        with self._lock:
+            if load.expired:
+                return  # already reported at its deadline
+            if load in self._queued_loads:
+                self._queued_loads.remove(load)
         status: list[Status] = [Status.FAILED] * len(job.block_ids)
         try:
             # A rank without persistent pages (KVPP owner of nothing) has nothing to restore.
-            status = self._io.load(job.block_ids, job.block_hashes) if self._io else [Status.OK] * len(status)
+            status = (self._io.load(job.block_ids, job.block_hashes, load.deadline) if self._io
+                      else [Status.OK] * len(status))
         finally:
-            self._when_settled(Status.TIMEOUT in status, lambda: self._finish_load(job, status, report),
-                               f"load of {job.req_id}", block=not report)
+            with self._lock:
+                self._finish_load(load, status)
 
-    def _finish_load(self, job: BlockJob, status: list[Status], report: bool) -> None:
+    def _finish_load(self, load: _Load, status: list[Status]) -> None:
+        """Caller holds self._lock."""
+        job = load.job
         bad = next((i for i, s in enumerate(status) if s is not Status.OK), len(status))
-        with self._lock:
-            self._count("loaded_blocks", bad)
-            self._count("loaded_bytes", bad * self._pages.object_bytes if self._io else 0)
-            if bad < len(status):
-                # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
-                self._load_errors.update(job.block_ids[bad:])
-                self._count("load_failures", len(status) - bad)
-                self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
-            self._write_stats()
-            if report:
-                self._loaded.add(job.req_id)
-                self._job_done()
+        self._count("loaded_blocks", bad)
+        self._count("loaded_bytes", bad * self._pages.object_bytes if self._io else 0)
+        if bad < len(status):
+            # Everything from the first bad block on is recomputed (a prefix must stay contiguous).
+            self._load_errors.update(job.block_ids[bad:])
+            self._count("load_failures", len(status) - bad)
+            self._count("load_wrong_size", sum(s is Status.WRONG_SIZE for s in status))
+            self._count("load_refusals", status.count(Status.REFUSED))
+            self._count("load_timeouts", status.count(Status.TIMEOUT))
+            self._count("load_over_budget", status.count(Status.OVER_BUDGET))
+        self._write_stats()
+        if load.report:
+            self._loaded.add(job.req_id)
+            self._job_done()
 
     def _count(self, name: str, value: int = 1) -> None:
         """Caller holds self._lock; `_write_stats` publishes the counts once the job or lookup is done."""
@@ -357,9 +383,16 @@ class StoreWorker:
         self._totals.add(name, value)
         self._counted = True
 
+    def _count_breaker_opens(self) -> None:
+        """Caller holds self._lock: the times the store client's breaker opened since the last count."""
+        opens = self._backend.breaker_opens() if self._backend is not None else 0
+        self._count("breaker_opens", opens - self._breaker_opens)
+        self._breaker_opens = opens
+
     def _write_stats(self) -> None:
         """Caller holds self._lock: the cumulative counters to `stats_file`, once per job or lookup that
         counted something (atomically: readers never see half a file)."""
+        self._count_breaker_opens()
         if not (self._stats_file and self._counted):
             return
         self._counted = False
@@ -371,7 +404,8 @@ class StoreWorker:
 
     def close(self) -> None:
         self.drain(self._cfg.backend_timeout_s)
-        self._jobs.put(None)
+        self._load_jobs.put(None)
+        self._save_jobs.put(None)
         if self._server is not None:
             self._server.close()
         if self._backend is not None:

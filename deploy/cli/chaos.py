@@ -137,6 +137,13 @@ def print_summary(report: dict) -> None:
         print(f"  {p['label']:<18} {answered} of {len(p['requests'])} answered, slowest {p['slowest_s']:.1f} s "
               f"(limit {p['limit_s']:.1f} s, recompute {p['recompute_s']:.1f} s); pulls {c['pulls']}, failed "
               f"{c['failed_pulls']} ({c['stalled_pulls']} stalled), reads retried {c['retried_reads']}")
+    for p in report.get("pool_probes", []):
+        answered = sum(r["outcome"] == "answered" for r in p["requests"])
+        c = p["counters"]
+        print(f"  {p['label']:<18} {answered} of {len(p['requests'])} answered under {p['clients']} clients, "
+              f"slowest {p['slowest_s']:.1f} s (limit {p['limit_s']:.1f} s, recompute {p['recompute_s']:.1f} s); "
+              f"breaker opened {c['breaker_opens']}x, lookups refused {c['lookup_refusals']}, blocks past their "
+              f"bound: loads {c['load_timeouts']}, saves {c['save_timeouts']}")
     d, c = report["drain"], report["counters"]
     pulls = c.get("skipped") or (f"{c['pulls']} pulls for {c['proxy_pd']} P/D requests, {c['failed_pulls']} failed, "
                                  f"{c['pulled_bytes']:,} of {c['expected_bytes']:,} bytes")

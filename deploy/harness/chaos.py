@@ -7,9 +7,10 @@ streaming and client-cancelled completions over prompts with shared prefixes) an
 a schedule: SIGKILL + restart and SIGSTOP/SIGCONT of the prefill, the decode, the pool master and
 the segment holder, a proxy restart, clients abandoning long generations, the prefill stopped while
 the decode pulls from it, and pulls after an idle gap longer than Mooncake's TCP lane timeout (those
-two must cost no request more than the decode's stall bound plus a recompute). Every answer is
-compared with the reference's tokens; after the run every engine's /metrics must show no request
-running or waiting, KV cache usage 0, and as many pulls as P/D requests. Prints a one-screen summary
+two must cost no request more than the decode's stall bound plus a recompute), and the whole pool stopped
+for 12 s under four clients (no request may take longer than the prefill's per-request pool bound plus a
+recompute). Every answer is compared with the reference's tokens; after the run every engine's /metrics must
+show no request running or waiting, KV cache usage 0, and as many pulls as P/D requests. Prints a one-screen summary
 (or `--json`) and writes the whole report, every request included, to `--report`.
 """
 
@@ -25,7 +26,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from connectors.store.settings import parse_store_settings
 from deploy.harness.chaos_load import CLIENT_TIMEOUT_S, Load, Prompt, cancel_probe, reference_prompts
+from deploy.harness.chaos_pool import POOL_PROBE_CLIENTS, POOL_STALL_S, judge as judge_pool, pool_stall_probe, \
+    recompute_seconds as pool_recompute_seconds, stop_pool
 from deploy.harness.chaos_pulls import IDLE_GAP_S, PROBE_PROMPTS, idle_probe, judge, pull_log, recompute_seconds, \
     stall_probe, stop_group
 from deploy.harness.chaos_stack import (Stack, StackSettings, inject, progress, reference_answers, restart, start_front,
@@ -47,9 +51,10 @@ PROGRESS_EVERY_S = 5.0
 class Fault:
     kind: str
     """kill (SIGKILL, then restart), stop (SIGSTOP, then SIGCONT), cancel (a client abandons a long generation),
-    stall (the prefill stopped while the decode pulls from it) or idle (no traffic for `down_s`, then pulls)."""
+    stall (the prefill stopped while the decode pulls from it; the pool's holder and master stopped for `down_s`
+    under POOL_PROBE_CLIENTS clients) or idle (no traffic for `down_s`, then pulls)."""
     target: str
-    """prefill, decode, pool_master, pool_holder, proxy; for cancel: stream or plain; for stall: prefill;
+    """prefill, decode, pool_master, pool_holder, proxy; for cancel: stream or plain; for stall: prefill or pool;
     for idle: pd."""
     down_s: float = 0.0
 
@@ -66,7 +71,7 @@ SHORT_SCHEDULE = (
     Fault("kill", "pool_master", 1), Fault("stop", "pool_holder", 6),
     Fault("kill", "proxy", 0), Fault("stop", "proxy", 4),
     Fault("cancel", "plain"),
-    Fault("stall", "prefill"), Fault("idle", "pd", IDLE_GAP_S),
+    Fault("stall", "prefill"), Fault("idle", "pd", IDLE_GAP_S), Fault("stall", "pool", POOL_STALL_S),
 )
 PROBES = ("cancel", "stall", "idle")
 """Kinds run as probes with the load paused (their requests are timed alone), not as faults under load."""
@@ -130,6 +135,7 @@ class Run:
         self.faults: list[dict] = []
         self.probes: list[dict] = []
         self.pull_probes: list[dict] = []
+        self.pool_probes: list[dict] = []
         self.current = "warm-up"
 
     async def run(self, schedule: Iterable[Fault], gap_s: float, seconds: float | None = None) -> dict:
@@ -147,6 +153,8 @@ class Run:
                 self.current = f"fault {i + 1} {fault.label}"
                 if fault.kind == "cancel":
                     await self._cancel_probe(fault)
+                elif fault.kind == "stall" and fault.target == "pool":
+                    await self._pool_probe(fault)
                 elif fault.kind in PROBES:
                     await self._pull_probe(fault)
                 else:
@@ -230,6 +238,20 @@ class Run:
         self.pull_probes.append(judge(fault.label, probe, recompute, self.settings.stall_timeout_s))
         self.load.resume()
 
+    async def _pool_probe(self, fault: Fault) -> None:
+        """Quiesce the load, time the probe's prompts computed whole (no pool hit), then the requests of at least
+        POOL_PROBE_CLIENTS clients with the pool's segment holder and master stopped for the fault's `down_s`."""
+        await self.load.pause()
+        await asyncio.to_thread(self.engines.wait_idle, self.settings.hold_timeout_s + 30, False)
+        prompts, url, clients = self.prompts, self.stack.proxy_url, max(self.load.clients, POOL_PROBE_CLIENTS)
+        recompute = await pool_recompute_seconds(url, self.model, prompts[:clients], CLIENT_TIMEOUT_S)
+        stop, resume = stop_pool(self.stack.members["pool_holder"], self.stack.members["pool_master"])
+        probe = await pool_stall_probe(url, self.stack.engines["prefill"], self.model, prompts, clients, stop, resume,
+                                       fault.down_s, CLIENT_TIMEOUT_S)
+        budget_s = parse_store_settings(self.stack.members["pool_master"].pool_extra).request_budget_s
+        self.pool_probes.append(judge_pool(fault.label, probe, recompute, budget_s))
+        self.load.resume()
+
     async def _counters_check(self) -> dict:
         """With nothing else running: every P/D request is one pull of exactly its prompt's pages."""
         if "decode" not in self.stack.engines:
@@ -281,7 +303,7 @@ class Run:
         for p in self.probes:
             if not p["idle"] or p["idle_after_s"] > CANCEL_IDLE_LIMIT_S or p["tokens_generated"] >= 600:
                 problems.append(f"{p['label']}: engines still busy {p['idle_after_s']} s after the client left")
-        for p in self.pull_probes:
+        for p in self.pull_probes + self.pool_probes:
             problems += p["problems"]
         if not drain["idle"]:
             problems.append(f"after the run engines not idle with KV usage 0 within {drain_s:.0f} s: {drain['engines']}")
@@ -297,6 +319,7 @@ class Run:
             "without_fault": baseline,
             "cancel_probes": self.probes,
             "pull_probes": self.pull_probes,
+            "pool_probes": self.pool_probes,
             "drain": {"seconds": round(drain_s, 2), **drain},
             "counters": counters,
             "proxy_paths": proxy_paths,

@@ -42,7 +42,7 @@ def pull_limit_s(stall_timeout_s: float, recompute_s: float) -> float:
     return stall_timeout_s + math.ceil(stall_timeout_s) + recompute_s + PROBE_SLACK_S
 
 
-async def _timed(session: aiohttp.ClientSession, url: str, body: dict, prompt: Prompt) -> dict:
+async def timed(session: aiohttp.ClientSession, url: str, body: dict, prompt: Prompt) -> dict:
     start = time.monotonic()
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -76,7 +76,7 @@ async def _settled_counters(decode_url: str, before: dict[str, float], pulls: in
 async def recompute_seconds(decode_url: str, model: str, prompts: list[Prompt], timeout_s: float) -> list[dict]:
     """The prompts computed by the decode alone, all at once: what a failed pull costs on top."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        return await asyncio.gather(*(_timed(session, decode_url, completion_body(model, p.text, False), p)
+        return await asyncio.gather(*(timed(session, decode_url, completion_body(model, p.text, False), p)
                                       for p in prompts))
 
 
@@ -93,13 +93,13 @@ async def stall_probe(prefill_url: str, decode_url: str, model: str, prompts: li
     `resume`) as soon as they are on their way."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         warm = prompts[0]
-        warm_up = await _timed(session, decode_url, decode_body(completion_body(model, warm.text, False),
-                                                                await _prefill_leg(session, prefill_url, model, warm)),
-                               warm)
+        warm_up = await timed(session, decode_url, decode_body(completion_body(model, warm.text, False),
+                                                               await _prefill_leg(session, prefill_url, model, warm)),
+                              warm)
         before = await asyncio.to_thread(_counters, decode_url)
         params = [await _prefill_leg(session, prefill_url, model, p) for p in prompts]
-        legs = [asyncio.ensure_future(_timed(session, decode_url,
-                                             decode_body(completion_body(model, p.text, False), kv), p))
+        legs = [asyncio.ensure_future(timed(session, decode_url,
+                                            decode_body(completion_body(model, p.text, False), kv), p))
                 for p, kv in zip(prompts, params)]
         stop()
         stopped = time.monotonic()
@@ -118,13 +118,14 @@ async def idle_probe(front_url: str, decode_url: str, model: str, prompts: list[
     before = await asyncio.to_thread(_counters, decode_url)
     await asyncio.sleep(gap_s)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        requests = await asyncio.gather(*(_timed(session, front_url, completion_body(model, p.text, False), p)
+        requests = await asyncio.gather(*(timed(session, front_url, completion_body(model, p.text, False), p)
                                           for p in prompts))
     return {"requests": requests, "gap_s": gap_s, "counters": await _settled_counters(decode_url, before, len(prompts))}
 
 
-PULL_LOG_MARKS = ("pulling KV from prefill", "still had not ended")
-"""The decode's log lines a probe keeps: its given-up pulls (why each failed) and drains past the backstop."""
+PULL_LOG_MARKS = ("pulling KV from prefill", "past its own bound")
+"""The decode's log lines a probe keeps: its failed pulls (why each failed) and reads Mooncake still ran past its own
+bound on them."""
 
 
 def pull_log(path: Path, offset: int, limit: int = 8) -> list[str]:

@@ -36,7 +36,8 @@ class StackSettings:
     """Decode: a pull from a stalled prefill that lands nothing for this long is given up, and the prompt is
     recomputed (the connector's default)."""
     transfer_timeout_s: float = 5.0
-    """Decode: backstop for a given-up pull's reads, which Mooncake's progress timeout ends first."""
+    """Decode: Mooncake's bound on a failed pull's reads over a transport without a progress timeout (the stack runs
+    tcp, whose progress timeout bounds them)."""
     prefill_timeout_s: float = 20.0
     """Proxy: a prefill silent this long is given up (the request goes to a decode alone)."""
     read_timeout_s: float = 20.0

@@ -1,15 +1,19 @@
-"""A store client stops calling a pool that did not answer, and asks it again later.
+"""A store client's circuit breaker: it stops calling a pool that did not answer, and asks it again in the background.
 
-A lookup runs on vLLM's scheduler, so without this a dead or stalled master would cost every new request the
-lookup's bound. After a call the pool did not answer (past its bound, or a master that could not be reached),
-every call is refused at once for a backoff period. Then one call may ask (the probe: an existence check,
-which holds no blocks); if the pool answers, calls go through again.
+A lookup runs on vLLM's scheduler and calls to a pool that stopped answering would queue behind one another, so
+without this a dead or stalled master or segment holder would cost every request a bound, and later requests
+several. After a call the pool did not answer (past its bound, or a master that could not be reached), the
+breaker opens: every call is refused at once (a lookup is a miss, a load a recompute, a save skipped). Once a
+backoff period has passed, the client's own prober asks the pool (an existence check of a key no object has,
+which holds nothing and belongs to no request: `probe`); if the pool answers, the breaker closes and calls go
+through again.
 
 It cannot flap forever: each failure that follows the last one within `backoff_max_s` of calls going through
-again doubles the period (up to `backoff_max_s`), so a pool that keeps failing is asked at most once per
-`backoff_max_s`; only a pool that answered for `backoff_max_s` since its last failure starts again from
-`backoff_s`. Outcomes of calls admitted before the pool was last found failing are ignored: calls in flight
-when it died do not lengthen the period, and one that happens to succeed late does not end it.
+again doubles the period (up to `backoff_max_s`), so a pool that answers the probe but fails the next call (a
+stopped segment holder behind a live master) costs a request's call at most once per `backoff_max_s`; only a
+pool that answered for `backoff_max_s` since its last failure starts again from `backoff_s`. Outcomes of calls
+admitted before the pool was last found failing are ignored: calls in flight when it died do not lengthen the
+period, and one that happens to succeed late does not close the breaker.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class Ticket:
     generation: int
     """Which period of the pool's state the call was admitted in; outcomes of an older period are ignored."""
     probe: bool
-    """The call that asks the pool again after a backoff: its outcome ends the backoff or lengthens it."""
+    """The prober's call that asks the pool again after a backoff: its outcome closes the breaker or lengthens the
+    backoff."""
 
 
 class PoolBackoff:
@@ -48,14 +53,21 @@ class PoolBackoff:
         self._through_since = -float("inf")
         """When calls last started to go through (after the last failure)."""
         self._refused = 0
+        self.opens = 0
+        """Times the breaker opened (cumulative)."""
 
     def admit(self) -> Ticket | None:
-        """A ticket for one call, or None: refuse it (the pool failed recently)."""
+        """A ticket for one call, or None: refuse it (the breaker is open: the pool failed recently)."""
         with self._lock:
             if self._open_until is None:
                 return Ticket(self._generation, probe=False)
-            if self._probing or self._clock() < self._open_until:
-                self._refused += 1
+            self._refused += 1
+            return None
+
+    def probe(self) -> Ticket | None:
+        """The prober's ticket once the backoff period passed (one probe at a time), else None."""
+        with self._lock:
+            if self._open_until is None or self._probing or self._clock() < self._open_until:
                 return None
             self._probing = True
             return Ticket(self._generation, probe=True)
@@ -80,11 +92,17 @@ class PoolBackoff:
             period = min(self._base * 2 ** self._level, self._max)
             self._level += 1
             self._generation += 1
+            self.opens += int(self._open_until is None)
             self._open_until, self._probing = now + period, False
         logger.warning("the KV pool did not answer (%s); its lookups, loads and saves fail at once for %.1f s, "
-                       "then one existence check asks it again", why, period)
+                       "then an existence check in the background asks it again", why, period)
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open_until is not None
 
     def retry_in(self) -> float:
-        """Seconds until the pool is asked again (0: calls go through, or a probe may ask now)."""
+        """Seconds until the prober asks the pool again (0: calls go through, or a probe may ask now)."""
         with self._lock:
             return 0.0 if self._open_until is None else max(0.0, self._open_until - self._clock())

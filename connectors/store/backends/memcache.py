@@ -72,20 +72,20 @@ class MemcacheBackend(BoundedClient):
         if rc != 0:
             raise BackendError(f"memcache register_buffer({size} bytes) failed with {rc}")
 
-    def put(self, keys, ptrs, sizes) -> list[Status]:
+    def put(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         if self.metadata_only:
-            return all_status(len(keys), Status.FAILED)
+            return self._no_data_path(keys, settled)
 
         def call() -> list[Status]:
             codes = self._store.batch_put_from_layers(list(keys), [list(p) for p in ptrs],
                                                       [list(s) for s in sizes], self._put_dir)
             return [Status.OK if c == 0 else Status.FAILED for c in codes]
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
 
-    def get(self, keys, ptrs, sizes) -> list[Status]:
+    def get(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         if self.metadata_only:
-            return all_status(len(keys), Status.FAILED)
+            return self._no_data_path(keys, settled)
 
         def call() -> list[Status]:
             # Refuse objects whose size differs before any byte lands in the cache.
@@ -101,7 +101,14 @@ class MemcacheBackend(BoundedClient):
                     status[i] = Status.OK if code == 0 else Status.FAILED
             return status
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
+
+    @staticmethod
+    def _no_data_path(keys, settled) -> list[Status]:
+        """Without an Ascend driver (metadata_only) no data call is made: each object FAILED."""
+        if settled is not None:
+            settled()
+        return all_status(len(keys), Status.FAILED)
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:

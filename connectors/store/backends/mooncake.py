@@ -74,10 +74,11 @@ RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
 @contextlib.contextmanager
 def native_bounds(ceiling_s: float) -> Iterator[dict[str, str]]:
     """Mooncake's own bounds, within which the client setup runs: a native call outlived by the connector keeps
-    its blocks held until it returns, so a stalled master or segment holder must end it near the connector's
-    ceiling rather than Mooncake's 30 s. Values set in the environment win. The RPC bound is read at setup and
-    put back after it; the progress bound is read at every transfer connection, so it stays set for the process,
-    the shortest any connector of it asks for (connectors.common.mooncake_env). Yields the values in force."""
+    its staging slot until it returns (connectors.store.staging), so it should end near the connector's ceiling
+    rather than Mooncake's 30 s (a call in flight when the pool stops can still outlive both). Values set in the
+    environment win. The RPC bound is read at setup and put back after it; the progress bound is read at every
+    transfer connection, so it stays set for the process, the shortest any connector of it asks for
+    (connectors.common.mooncake_env). Yields the values in force."""
     given = os.environ.get(RPC_TIMEOUT_ENV)
     os.environ.setdefault(RPC_TIMEOUT_ENV, str(math.ceil(ceiling_s * 1000)))
     try:
@@ -132,15 +133,15 @@ class MooncakeBackend(BoundedClient):
         if rc != 0:
             raise BackendError(f"Mooncake register_buffer({size} bytes) failed with {rc}")
 
-    def put(self, keys, ptrs, sizes) -> list[Status]:
+    def put(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         def call() -> list[Status]:
             codes = self._store.batch_put_from_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
             return [Status.OK if c == 0 else Status.FAILED for c in codes]
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
 
-    def get(self, keys, ptrs, sizes) -> list[Status]:
+    def get(self, keys, ptrs, sizes, settled=None) -> list[Status]:
         def call() -> list[Status]:
             codes = self._store.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs],
                                                              [list(s) for s in sizes])
@@ -151,7 +152,7 @@ class MooncakeBackend(BoundedClient):
                     status[i] = Status.WRONG_SIZE
             return status
 
-        return self._bounded(call, keys, sum(map(sum, sizes)))
+        return self._bounded(call, keys, sum(map(sum, sizes)), settled)
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         def call() -> list[Status]:

@@ -20,8 +20,9 @@ from connectors.mooncake.channel import ChannelError, PortInUseError, SideChanne
 from connectors.mooncake.messages import PROTOCOL_VERSION, MessageError, MetaRequest, WorkerMeta, decode
 from connectors.mooncake.plan import IncompatiblePeerError
 from connectors.mooncake.stall import LinkRate, PrefillProgress, StallWatch
-from connectors.mooncake.transfer import (MAX_RETRIES, RETRY_PAUSE_S, Desc, MooncakeTransfer, Stalled, TransferError,
-                                          coalesce, cut_entries)
+from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV
+from connectors.mooncake.transfer import (DRAIN_MARGIN_S, MAX_RETRIES, RETRY_PAUSE_S, Desc, MooncakeTransfer, Stalled,
+                                          TransferError, coalesce, cut_entries)
 from deploy.services.ports import free_port_range
 from testbed.mooncake_peer import TOKEN, layer_name, pages
 from tests.helpers.mooncake_peers import handle, make_puller
@@ -385,10 +386,12 @@ def test_cut_entries_bounds_each_copy():
 
 class _Engine:
     """A stand-in transfer engine for the read loop's bookkeeping: read `i` (numbered from 1 as started)
-    ends as `outcome(i, polls)` says (1 completed, -1 failed, 0 in flight)."""
+    ends as `outcome(i, polls)` says (1 completed, -1 failed, 0 in flight; an exception it raises is the binding's);
+    `start(i)` may raise as the binding's start of read `i`."""
 
-    def __init__(self, outcome) -> None:
+    def __init__(self, outcome, start=None) -> None:
         self.outcome = outcome
+        self.start = start
         self.started: list[int] = []
         self.polls: dict[int, int] = {}
         self.live: set[int] = set()
@@ -400,6 +403,8 @@ class _Engine:
 
     def batch_transfer_async_read(self, peer, local, remote, lengths) -> int:
         assert len(local) == len(remote) == len(lengths) == 1
+        if self.start is not None:
+            self.start(len(self.started) + 1)
         self.started.append(local[0])
         batch_id = len(self.started)
         self.live.add(batch_id)
@@ -421,8 +426,8 @@ def fake_engine(monkeypatch):
     """`fake_engine(outcome)`: a MooncakeTransfer on an _Engine, and that engine."""
     from connectors.mooncake import transfer as transfer_module
 
-    def make(outcome, clock=time.monotonic):
-        engine = _Engine(outcome)
+    def make(outcome, clock=time.monotonic, start=None):
+        engine = _Engine(outcome, start)
         monkeypatch.setattr(transfer_module, "_import_engine", lambda: lambda: engine)
         return MooncakeTransfer("127.0.0.1", clock=clock), engine
 
@@ -488,16 +493,76 @@ def test_failing_again_fails_the_pull_with_the_reads_still_in_flight_to_drain(fa
 
 
 @pytest.mark.unit
-def test_a_stalled_pull_is_given_up_with_its_reads_in_flight_and_abandoning_frees_their_lanes(fake_engine):
-    te, engine = fake_engine(lambda i, polls: 0)  # the peer never answers
-    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=time.monotonic())
+def test_a_stalled_pull_leaves_its_reads_in_flight_to_a_drain_that_ends_at_mooncake_s_own_bound(fake_engine,
+                                                                                            monkeypatch):
+    """The peer never answers: the pull is given up with its reads in flight. Its drain has not ended before
+    Mooncake's own bound on them (its TCP progress timeout in force, plus a margin) expired, and then has; the reads
+    Mooncake still calls in flight keep their lanes until it says they ended (a new read would queue behind them in
+    Mooncake), and the next read on that peer asks it first."""
+    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, "2")
+    clock, state = Clock(), {"ended": False}
+    te, engine = fake_engine(lambda i, polls: 1 if state["ended"] else 0, clock)
+    assert te.engine_bound_s == 2 + DRAIN_MARGIN_S
+    watch = StallWatch(0.05, LinkRate(initial=1e12), PrefillProgress(), since=clock.now - 1)
     with pytest.raises(Stalled, match="0 of 9 reads done") as stalled:
         te.read("peer:1", _pieces(9), watch)
     assert len(engine.started) == 4  # nothing beyond the lanes was ever started
     drain = stalled.value.drain
-    assert len(drain) == 4 and not drain.ended()
-    drain.abandon()
-    assert te._in_flight == {} and len(drain) == 0
+    clock.now += te.engine_bound_s - 0.01
+    assert len(drain) == 4 and not drain.ended() and drain.outlived == 0
+    clock.now += 0.01
+    assert drain.ended() and drain.outlived == 4
+    assert te._in_flight == {"peer:1": 4}, "the lanes follow the reads Mooncake still runs"
+    state["ended"] = True
+    assert te.read("peer:1", _pieces(2)).entries == 2  # the stragglers' end was asked before a lane was taken
+    assert te._in_flight == {} and te._stragglers == {}
+
+
+@pytest.mark.unit
+def test_a_status_check_that_raises_fails_the_pull_with_every_read_in_flight_left_to_drain(fake_engine):
+    """The binding raises something else than a transfer error while reads run (here its status check): the pull
+    fails as a TransferError naming it, with every read in flight in its drain, the one whose check raised
+    included; the drain ends only once the binding says each ended."""
+    state = {"raising": True, "ended": False}
+
+    def outcome(i, polls):
+        if state["raising"] and i == 3:
+            raise RuntimeError("binding hiccup")
+        return 1 if state["ended"] else 0
+
+    te, engine = fake_engine(outcome)
+    with pytest.raises(TransferError, match="the Mooncake binding raised RuntimeError .*binding hiccup") as failed:
+        te.read("peer:1", _pieces(8))
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    drain = failed.value.drain
+    assert len(drain) == 4 and te._in_flight == {"peer:1": 4}
+    assert not drain.ended(), "its status check still raises: read 3 may still write"
+    state["raising"] = False
+    assert not drain.ended(), "it says the reads still run"
+    state["ended"] = True
+    assert drain.ended() and drain.outlived == 0 and te._in_flight == {}
+
+
+@pytest.mark.unit
+def test_a_start_that_raises_keeps_its_lane_and_the_blocks_until_mooncake_s_bound(fake_engine, monkeypatch):
+    """The binding raises while starting a read: whether that read runs is unknown, so the pull's drain holds it
+    (and its lane) until Mooncake's own bound expired, beside the reads that did start, which end when it says so."""
+    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, "3")
+    clock = Clock()
+
+    def start(i):
+        if i == 3:
+            raise OSError("binding refused the start")
+
+    te, engine = fake_engine(lambda i, polls: 1, clock, start)
+    with pytest.raises(TransferError, match="raised OSError") as failed:
+        te.read("peer:1", _pieces(6))
+    drain = failed.value.drain
+    assert len(engine.started) == 2 and len(drain) == 3 and te._in_flight == {"peer:1": 3}
+    assert not drain.ended(), "the two started reads end now; the third is unknown until the bound"
+    assert te._in_flight == {"peer:1": 1} and len(drain) == 1
+    clock.now += te.engine_bound_s
+    assert drain.ended() and drain.outlived == 0 and te._in_flight == {}
 
 
 @pytest.mark.unit

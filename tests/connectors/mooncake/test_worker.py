@@ -144,6 +144,89 @@ def test_a_failed_pull_is_reported_once_as_load_errors_of_its_blocks(start_worke
     assert "request d-req: pulling KV from prefill gone failed" in caplog.text
 
 
+class _Raising:
+    """A decode's real transfer engine whose status check raises (the binding failing otherwise than with a failed
+    transfer) until `calm` is set; the reads it started run on."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.calm = threading.Event()
+        self.raised = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        if not self.calm.is_set():
+            self.raised += 1
+            raise RuntimeError("binding hiccup")
+        return self._engine.transfer_check_status(batch_id)
+
+
+def _raising_pull(start_worker, monkeypatch, progress_s: str):
+    """A pull whose binding raises at its first status check, Mooncake's progress bound the operator's `progress_s`:
+    (prefill, decode, binding, pull future, the caches, kept alive: the engines read and write them)."""
+    from connectors.common.mooncake_env import PROGRESS_TIMEOUT_ENV, SETTER_ENV
+
+    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, progress_s)
+    monkeypatch.delenv(SETTER_ENV, raising=False)
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    kept = caches(16, seed=3), caches(8)
+    prefill.register_kv_caches(kept[0])
+    decode.register_kv_caches(kept[1])
+    binding = decode.transfer._engine = _Raising(decode.transfer._engine)
+    prefill.start_load_kv(MooncakeV2Metadata(holds={"p-req": 30.0}, tokens={"p-req": TOKEN}))
+    decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec("d-req", handle(prefill, "p-req", [9, 4, 5]),
+                                                            (0, 1, 2), (9, 4, 5), time.time())]))
+    return prefill, decode, binding, decode._pulls["d-req"][0], kept
+
+
+def test_a_pull_whose_binding_raises_keeps_its_blocks_until_mooncake_says_its_reads_ended(start_worker, monkeypatch):
+    """Issue 41: the binding raises something else than a TransferError mid-pull. The pull fails, but its request is
+    not reported (so vLLM neither reuses its blocks nor recomputes into them) while its reads may still write: the
+    binding cannot say, and Mooncake's own bound (its progress timeout, the operator's 30 s here) is far. Once the
+    binding says the reads ended, the request is reported with its blocks as load errors, in that same step."""
+    prefill, decode, binding, pull, (source, target) = _raising_pull(start_worker, monkeypatch, "30")
+    deadline = time.monotonic() + 20  # liveness: the pull fails at its first status check
+    while not pull.done():
+        assert time.monotonic() < deadline and decode.get_finished() == (set(), set())
+        time.sleep(0.01)
+    assert not pull.result().ok and binding.raised >= 1
+    for _ in range(50):
+        assert decode.get_finished() == (set(), set()), "reported while its reads may still write"
+        assert decode.get_block_ids_with_load_errors() == set()
+        time.sleep(0.01)
+    assert sum(decode.transfer._in_flight.values()) == 4, "the lanes of the reads the binding said nothing of"
+    binding.calm.set()
+    _, recving = decode.get_finished()
+    assert recving == {"d-req"} and decode.get_block_ids_with_load_errors() == {0, 1, 2}
+    assert decode.transfer._in_flight == {}
+    assert decode.get_stats().reduce()["failed_pulls"] == 1
+    assert all(torch.equal(target[n][:3], source[n][[9, 4, 5]]) for n in LAYERS), "the reads it held for did land"
+
+
+def test_a_pull_whose_reads_outlive_mooncake_s_bound_is_reported_then_and_their_lanes_stay_taken(start_worker,
+                                                                                                monkeypatch, caplog):
+    """The binding keeps raising: the request is reported once Mooncake's own bound expired (its 1 s progress
+    timeout plus the margin, after the pull failed), not before; the lanes of the reads it still cannot say ended
+    stay counted, and are given back once it says so, before the next pull from that prefill takes one."""
+    from connectors.mooncake.transfer import DRAIN_MARGIN_S
+
+    started = time.monotonic()
+    prefill, decode, binding, pull, _ = _raising_pull(start_worker, monkeypatch, "1")
+    assert finished_until(decode, lambda s, r: "d-req" in r) == (set(), {"d-req"})
+    assert time.monotonic() - started >= 1 + DRAIN_MARGIN_S  # a lower bound: the bound ran from the pull's end
+    assert decode.get_block_ids_with_load_errors() == {0, 1, 2}
+    assert sum(decode.transfer._in_flight.values()) == 4
+    assert "past its own bound (MC_TCP_PROGRESS_TIMEOUT_SEC=1)" in caplog.text
+    binding.calm.set()
+    prefill.start_load_kv(MooncakeV2Metadata(holds={"p-2": 30.0}, tokens={"p-2": TOKEN}))
+    decode.start_load_kv(MooncakeV2Metadata(loads=[LoadSpec("d-2", handle(prefill, "p-2", [9]), (3,), (9,),
+                                                            time.time())]))
+    assert finished_until(decode, lambda s, r: "d-2" in r) == (set(), {"d-2"})
+    assert decode.get_block_ids_with_load_errors() == set() and decode.transfer._in_flight == {}
+
+
 def test_a_load_with_no_blocks_only_tells_the_prefill_to_free(start_worker):
     """A decode request aborted before it was scheduled: nothing is read, the prefill frees at once."""
     prefill, decode = start_worker("prefill"), start_worker("decode")

@@ -197,8 +197,8 @@ def test_off_a_killed_master_publishes_no_block_removed(off):
     """Issue 35: a lookup the dead master did not answer once counted as an answer of 0 blocks and announced every
     pooled block of its prefix removed, wiping every router's view of the pool. prefix_plus's 7 blocks were
     announced stored before the kill and asked for again after it: no BlockRemoved; the lookup is a counted
-    failure, the next one (after_kill's) is refused at once while the worker backs off, and the prompt is answered
-    right by recompute."""
+    failure, the next one (after_kill's) is refused at once while the worker's breaker is open, and the prompt is
+    answered right by recompute."""
     from connectors.store.events import MEDIUM
 
     sc, ref, _, fresh = off

@@ -101,7 +101,7 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     class _Client:
         calls = 0
 
-        def lookup(self, hashes, request_id=""):
+        def lookup(self, hashes, request_id="", timeout_s=None):
             self.calls += 1
             return LookupReply(2)
 
@@ -124,6 +124,46 @@ def test_a_request_whose_load_failed_is_not_looked_up_again():
     assert client.calls == 1
     sched.request_finished(request, [])
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True), "the failure is forgotten with the request"
+
+
+def test_a_request_spends_at_most_its_pool_budget_on_lookups_and_its_load_gets_what_is_left():
+    """Issue 41: a request's lookups and load share one budget (request_budget_ms, 4 s by default: lookup_timeout_ms
+    + backend_timeout_ms). Each lookup waits at most what is left; once none is, the request is a miss without
+    asking (counted once); a load is scheduled with what is left."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from connectors.store.lookup import LookupReply
+    from tests.helpers.clock import Clock
+
+    clock = Clock()
+
+    class _Slow(_Answers):
+        took: list[float] = []
+
+        def lookup(self, hashes, request_id="", timeout_s=None):
+            clock.now += self.took.pop(0)  # what the worker took to answer
+            return super().lookup(hashes, request_id, timeout_s)
+
+    sched = _scheduler("kv_both")
+    sched._client.close()
+    sched._client = client = _Slow()
+    sched._clock = clock
+    client.took = [1.5, 2.5, 1.0]
+    client.reply = LookupReply(0, "the pool did not answer: the store did not answer within its bound", counted=True)
+    stalled = Request("stalled", list(range(40)), SamplingParams(max_tokens=1), None)
+    for _ in range(4):  # vLLM asks again each step it cannot admit the request
+        assert sched.get_num_new_matched_tokens(stalled, 0) == (0, False)
+    assert client.timeouts == [4.0, 2.5], "each lookup may wait what is left of the budget; then none is asked"
+    assert sched.get_stats().data["lookup_over_budget"] == 1
+    client.reply = LookupReply(2)
+    hit = Request("hit", list(range(40)), SamplingParams(max_tokens=1), None)
+    assert sched.get_num_new_matched_tokens(hit, 0) == (32, False)
+    sched.update_state_after_alloc(hit, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 32)
+    (load,) = sched.build_connector_meta(_output()).loads
+    assert load.block_ids == (5, 6) and load.budget_s == pytest.approx(3.0), "the 1 s lookup spent, 3 s left"
+    sched.request_finished(stalled, [])
+    assert "stalled" not in sched._pool_spent
 
 
 def _hashed_request(req_id, tokens, **extras):
@@ -171,8 +211,10 @@ class _Answers:
         from connectors.store.lookup import LookupReply
 
         self.reply = LookupReply(0)
+        self.timeouts: list[float | None] = []
 
-    def lookup(self, hashes, request_id=""):
+    def lookup(self, hashes, request_id="", timeout_s=None):
+        self.timeouts.append(timeout_s)
         return self.reply
 
     def close(self):
@@ -223,7 +265,7 @@ def test_a_lookup_shorter_than_the_announced_prefix_announces_the_rest_removed(a
 @pytest.mark.parametrize("failure, counted_here", [
     ("the pool did not answer: the store did not answer within its bound", False),  # the master stalled
     ("the pool did not answer: the store failed", False),  # the master died
-    ("the pool did not answer: not asked: the pool failed to answer a recent call and is backing off", False),
+    ("the pool did not answer: not asked: the pool failed to answer a recent call (the breaker is open)", False),
     ("no lookup answer from worker rank 0 within 1000 ms", True),  # the channel: the worker never counted it
     ("lookup channel error: gone", True),
 ])

@@ -125,6 +125,8 @@ def test_store_calls_are_bounded_short_by_default():
     cfg = parse_store_settings(BASE)
     assert cfg.call_policy == CallPolicy(floor_s=0.5, ceiling_s=3.0, slack=4.0, backoff_s=1.0, backoff_max_s=30.0)
     assert cfg.lookup_timeout_s == 1.0
+    assert cfg.request_budget_s == 4.0, "a lookup and a load's first call"
+    assert parse_store_settings({**BASE, "request_budget_ms": 6000}).request_budget_s == 6.0
 
 
 @pytest.mark.parametrize("extra, option, says", [
@@ -134,6 +136,7 @@ def test_store_calls_are_bounded_short_by_default():
     ({"lookup_timeout_ms": 500}, "lookup_timeout_ms", "backend_timeout_floor_ms 500 must be below lookup_timeout_ms 500"),
     ({"backend_timeout_floor_ms": 2000}, "backend_timeout_floor_ms", "must be below lookup_timeout_ms 1000"),
     ({"pool_backoff_ms": 60000}, "pool_backoff_ms", "must be at most pool_backoff_max_ms 30000"),
+    ({"request_budget_ms": 2000}, "request_budget_ms", "backend_timeout_ms 3000 must be at most request_budget_ms 2000"),
 ])
 def test_bounds_out_of_order_are_refused_naming_the_key_that_was_set(extra, option, says):
     with pytest.raises(KvppConfigError) as err:
@@ -146,3 +149,4 @@ def test_long_bounds_in_order_are_accepted():
     cfg = parse_store_settings({**BASE, "backend_timeout_floor_ms": 20000, "backend_timeout_ms": 20000,
                                 "lookup_timeout_ms": 25000})
     assert (cfg.call_policy.floor_s, cfg.call_policy.ceiling_s) == (20.0, 20.0)
+    assert cfg.request_budget_s == 45.0, "unset, the budget follows the bounds"

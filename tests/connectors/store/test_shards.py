@@ -104,7 +104,7 @@ def test_count_pooled_with_a_missing_owner_shard():
 @pytest.mark.parametrize("answer", [
     lambda keys: [Status.FAILED] * len(keys),  # the master could not be reached
     lambda keys: [Status.TIMEOUT] * len(keys),  # it did not answer within the bound
-    lambda keys: [Status.REFUSED] * len(keys),  # not asked: the client backs off
+    lambda keys: [Status.REFUSED] * len(keys),  # not asked: the client's breaker is open
     lambda keys: [Status.OK] * (len(keys) - 1) + [Status.FAILED],  # one key errored: a partial answer
     lambda keys: [Status.OK] * (len(keys) - 1),  # fewer statuses than keys
 ], ids=["failed", "timeout", "refused", "partial", "short"])

@@ -9,6 +9,7 @@ import pytest
 from connectors.store.settings import parse_store_settings
 from connectors.store.metadata import BlockJob
 from connectors.store.transfer import SaveResult
+from connectors.store.worker import _Load
 from connectors.store.backends import Status
 
 pytestmark = pytest.mark.unit
@@ -49,7 +50,9 @@ def test_one_write_per_job_with_every_counter_of_the_job(worker):
     w._finish_save(BlockJob("a", (1, 2, 3), ("x", "y", "z")), SaveResult(saved=2, skipped=1, failed=0))
     assert writes == [str(path)]
     assert _counted(path) == {"saved_blocks": 2, "saved_bytes": 200, "save_skipped_blocks": 1}
-    w._finish_load(BlockJob("b", (4, 5), ("x", "q")), [Status.OK, Status.WRONG_SIZE], report=True)
+    with w._lock:
+        w._in_flight += 1
+        w._finish_load(_Load(BlockJob("b", (4, 5), ("x", "q")), None, report=True), [Status.OK, Status.WRONG_SIZE])
     assert len(writes) == 2
     assert _counted(path) == {"saved_blocks": 2, "saved_bytes": 200, "save_skipped_blocks": 1,
                                             "loaded_blocks": 1, "loaded_bytes": 100, "load_failures": 1,
@@ -70,6 +73,9 @@ class _Pool:
 
     def exists(self, keys):
         return self.answer(keys)
+
+    def breaker_opens(self):
+        return 0
 
 
 def _lookup(w, answer):

@@ -303,7 +303,8 @@ def test_a_slow_probe_request_names_the_pull_failures_the_decode_logged_during_t
     with open(log, "a") as out:
         out.write("INFO [metrics.py:103] KV Transfer metrics: failed_pulls=1\n"
                   "ERROR [worker.py:205] request r1: pulling KV from prefill p failed: no answer within 2 s\n"
-                  "ERROR [worker.py:254] request r2: 4 reads of its given-up pull still had not ended 5s later\n")
+                  "ERROR [worker.py:300] request r2: 4 reads of its failed pull were still in flight for Mooncake 4 s "
+                  "after the pull ended, past its own bound (MC_TCP_PROGRESS_TIMEOUT_SEC=3); reporting the blocks\n")
     lines = pull_log(log, offset)
     assert [line.split()[3] for line in lines] == ["r1:", "r2:"]
     answered = {"outcome": "answered", "seconds": 7.2}
@@ -317,6 +318,37 @@ def test_the_short_schedule_stalls_the_prefill_s_pulls_and_idles_past_mooncake_s
     from deploy.harness.chaos import PROBES
     from deploy.harness.chaos_pulls import IDLE_GAP_S
 
+    from deploy.harness.chaos_pool import POOL_PROBE_CLIENTS, POOL_STALL_S
+    from tests.helpers.store_config import BASE
+    from connectors.store.settings import parse_store_settings
+
     probes = [(f.kind, f.target) for f in SHORT_SCHEDULE if f.kind in PROBES]
-    assert probes == [("cancel", "stream"), ("cancel", "plain"), ("stall", "prefill"), ("idle", "pd")]
+    assert probes == [("cancel", "stream"), ("cancel", "plain"), ("stall", "prefill"), ("idle", "pd"), ("stall", "pool")]
     assert IDLE_GAP_S > 5  # Mooncake #4209: lanes rejected transfers after about 5 s idle
+    defaults = parse_store_settings(BASE)
+    assert POOL_STALL_S > max(defaults.request_budget_s, defaults.call_policy.ceiling_s) and POOL_PROBE_CLIENTS >= 4
+
+
+@pytest.mark.unit
+def test_a_pool_probe_fails_on_a_wrong_answer_a_request_past_the_budget_plus_a_recompute_or_a_breaker_never_opened():
+    from deploy.harness.chaos_pool import judge
+    from deploy.harness.chaos_pulls import PROBE_SLACK_S
+
+    recompute = [{"outcome": "answered", "seconds": 0.5}, {"outcome": "answered", "seconds": 0.9}]
+    answered = {"outcome": "answered", "seconds": 3.1}
+    counters = {"breaker_opens": 2, "load_timeouts": 3}
+    probe = {"requests": [answered] * 4, "counters": counters, "clients": 4, "stopped_s": 12.0, "pool_answered": True}
+    ok = judge("stall pool", probe, recompute, 4.0)
+    assert ok["problems"] == [] and (ok["limit_s"], ok["slowest_s"]) == (4.0 + 0.9 + PROBE_SLACK_S, 3.1)
+    slow = judge("stall pool", {**probe, "requests": [answered, {"outcome": "answered", "seconds": 12.4}]},
+                 recompute, 4.0)
+    assert slow["problems"] == ["stall pool: a request took 12.4 s, over the limit 5.9 s (the per-request pool bound "
+                                "4 s + recompute 0.9 s + 1 s)"]
+    wrong = judge("stall pool", {**probe, "requests": [{"outcome": "wrong", "seconds": 1.0}]}, recompute, 4.0)
+    assert wrong["problems"] == ["stall pool: a request wrong"]
+    untested = judge("stall pool", {**probe, "counters": {"breaker_opens": 0}}, recompute, 4.0)
+    assert untested["problems"] == ["stall pool: the prefill's breaker never opened (no store call met the stall)"]
+    assert judge("stall pool", {**probe, "requests": []}, recompute, 4.0)["problems"] == [
+        "stall pool: no request overlapped the stall"]
+    assert judge("stall pool", {**probe, "pool_answered": False}, recompute, 4.0)["problems"] == [
+        "stall pool: the prefill counted no pool hit within 90 s: the pool was not stopped"]

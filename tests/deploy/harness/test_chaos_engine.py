@@ -1,9 +1,10 @@
-"""`kvpp chaos --cache-aware`, short schedule: the whole P/D + pool stack under concurrent clients while every fault
-kind is injected once. One stack serves every fault; its report is checked, not just its exit code. The front is
-the cache-aware `kvpp proxy`, subscribed to the prefill's KV event stream, which every prefill kill and stall cuts
-and its restart brings back: the stream must cost hits at most, never an answer. (Its engines run the exact fp32
-kernel, whose vLLM prefix cache is off for MLA: the stream carries the pool's events, which name no instance, so
-every prefill leg goes by load; tests/deploy/services/test_proxy_routing_engine.py routes by prefix on AMX.)"""
+"""`kvpp chaos --cache-aware`, short schedule: the whole P/D + pool stack under concurrent clients (four in the pool
+probe) while every fault kind is injected once. One stack serves every fault; its report is checked, not just its
+exit code. The front is the cache-aware `kvpp proxy`, subscribed to the prefill's KV event stream, which every
+prefill kill and stall cuts and its restart brings back: the stream must cost hits at most, never an answer. (Its
+engines run the exact fp32 kernel, whose vLLM prefix cache is off for MLA: the stream carries the pool's events,
+which name no instance, so every prefill leg goes by load; tests/deploy/services/test_proxy_routing_engine.py
+routes by prefix on AMX.)"""
 
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def test_a_stalled_prefill_and_an_idle_gap_cost_no_request_more_than_the_stall_b
         assert probe["slowest_s"] <= probe["limit_s"], probe
     stall = probes["stall prefill"]
     assert stall["warm_up"]["outcome"] == "answered" and stall["counters"]["stalled_pulls"] >= 1, stall
+
+
+def test_a_pool_stopped_under_four_clients_costs_no_request_more_than_its_budget_plus_a_recompute(report):
+    """Issue 41: the pool's segment holder, then its master, SIGSTOPped for 12 s under four clients sending pooled
+    prompts back to back. Every request overlapping the stall is answered with the reference's tokens within the
+    prefill's per-request pool bound (request_budget_ms, 4 s) plus the slowest recompute plus 1 s, where a store call
+    in flight when the pool stopped once held its request for the whole stall. What fired: the breaker opened and
+    refused lookups (misses at once)."""
+    (probe,) = report["pool_probes"]
+    assert not probe["problems"], probe
+    assert probe["clients"] >= 4 and probe["stopped_s"] >= 12 and len(probe["requests"]) >= 8, probe
+    assert all(r["outcome"] == "answered" for r in probe["requests"]), probe
+    assert probe["slowest_s"] <= probe["limit_s"], probe
+    counted = probe["counters"]
+    assert counted["breaker_opens"] >= 1 and counted["lookup_refusals"] >= 1, counted
 
 
 def test_nothing_running_waiting_or_held_after_the_run(report):

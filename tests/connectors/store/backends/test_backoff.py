@@ -1,5 +1,6 @@
-"""PoolBackoff on a clock the test moves: periods double up to the longest, one probe at a time, outcomes of calls
-admitted before a failure ignored, recovery, and a pool that keeps failing asked at most once per longest period."""
+"""PoolBackoff (the breaker) on a clock the test moves: every call refused while it is open, the prober's ticket only
+once a period passed and one at a time, periods doubling up to the longest, outcomes of calls admitted before a
+failure ignored, recovery, openings counted, and a pool that keeps failing asked at most once per longest period."""
 
 from __future__ import annotations
 
@@ -23,22 +24,25 @@ def test_failures_in_a_row_double_the_period_up_to_the_longest(pool):
     periods = []
     for _ in range(6):
         start = clock.now
-        while (probe := backoff.admit()) is None:
+        while (probe := backoff.probe()) is None:
+            assert backoff.admit() is None, "every call is refused while the breaker is open"
             clock.now += 0.01
         periods.append(round(clock.now - start, 1))
-        assert probe.probe and backoff.admit() is None, "one probe at a time: the others are refused"
+        assert probe.probe and backoff.probe() is None and backoff.admit() is None, "one probe at a time"
         backoff.failed(probe, "still down")
     assert periods == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert backoff.opens == 1
 
 
 def test_a_probe_the_pool_answers_lets_calls_through(pool):
     backoff, clock = pool
     backoff.failed(backoff.admit(), "test")
     assert backoff.retry_in() == pytest.approx(1.0)
+    assert backoff.probe() is None, "not before the period passed"
     clock.now += 1.0
-    probe = backoff.admit()
+    probe = backoff.probe()
     backoff.answered(probe)
-    assert backoff.retry_in() == 0.0
+    assert backoff.retry_in() == 0.0 and backoff.probe() is None, "closed: nothing to probe"
     tickets = [backoff.admit() for _ in range(3)]
     assert all(t is not None and not t.probe for t in tickets)
 
@@ -59,18 +63,21 @@ def test_a_pool_that_fails_again_soon_after_answering_is_backed_off_longer(pool)
     backoff, clock = pool
     backoff.failed(backoff.admit(), "test")
     clock.now += 1.0
-    backoff.answered(backoff.admit())
+    backoff.answered(backoff.probe())
     clock.now += 5.0  # answered for 5 s, less than the longest period (8 s)
     backoff.failed(backoff.admit(), "again")
     assert backoff.retry_in() == pytest.approx(2.0)
+    assert backoff.opens == 2
 
 
 def test_a_pool_that_answered_for_the_longest_period_starts_again_from_the_first(pool):
     backoff, clock = pool
-    for _ in range(4):
-        backoff.failed(backoff.admit(), "down")
+    backoff.failed(backoff.admit(), "down")
+    for _ in range(3):
         clock.now += backoff.retry_in()
-    backoff.answered(backoff.admit())
+        backoff.failed(backoff.probe(), "down")
+    clock.now += backoff.retry_in()
+    backoff.answered(backoff.probe())
     clock.now += 8.0
     backoff.failed(backoff.admit(), "a new failure")
     assert backoff.retry_in() == pytest.approx(1.0)
@@ -82,13 +89,11 @@ def test_a_pool_that_fails_every_other_call_is_asked_at_most_once_per_longest_pe
     backoff, clock = pool
     failures, end = 0, clock.now + 600
     while clock.now < end:
+        probe = backoff.probe()
+        if probe is not None:
+            backoff.answered(probe)
         ticket = backoff.admit()
-        if ticket is None:
-            clock.now += 0.05
-            continue
-        if ticket.probe:
-            backoff.answered(ticket)
-        else:
+        if ticket is not None:
             backoff.failed(ticket, "flaky")
             failures += 1
         clock.now += 0.05

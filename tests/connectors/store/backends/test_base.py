@@ -1,7 +1,8 @@
-"""Bounded backend calls: a stalled call costs its bound once, then calls fail fast until it returns; a client that
-found the pool failing refuses calls until its backoff ends, asks again with an existence check (never with a
-put or get, which would hold blocks), and goes on once the pool answers. Narrow fakes of the native store; the
-real one is in test_mooncake.py."""
+"""Bounded backend calls: a stalled call costs its bound once, then calls fail fast until it returns, and whoever gave
+it buffers learns when it can no longer touch them; a client that found the pool failing opens its breaker and
+refuses every call at once, its prober (never a request's call) asks again with an existence check once the
+backoff ended, and calls go on once the pool answers. Narrow fakes of the native store; the real one is in
+test_mooncake.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from connectors.store.backends.backoff import PoolBackoff
-from connectors.store.backends.base import BoundedCalls, BoundedClient, Status
+from connectors.store.backends.base import PROBE_KEY, BoundedCalls, BoundedClient, Status
 from connectors.store.backends.bounds import CallBounds, CallPolicy
 from tests.helpers.clock import Clock
 
@@ -64,7 +65,7 @@ class _Store:
         self.stall.set()
 
     def batch_is_exist(self, keys):
-        self.calls.append("exists")
+        self.calls.append("probe" if keys == [PROBE_KEY] else "exists")
         self.stall.wait(30)
         return (self.exist * len(keys))[:len(keys)]
 
@@ -82,11 +83,11 @@ class _Client(BoundedClient):
 
     def __init__(self, clock):
         self._store = _Store()
-        self._guard(CallPolicy(0.2, 0.5, backoff_s=1.0, backoff_max_s=8.0))
+        self._guard(CallPolicy(0.2, 0.5, backoff_s=1.0, backoff_max_s=8.0), prober=False)  # the test probes
         self._backoff = PoolBackoff(1.0, 8.0, clock=clock)
 
-    def data(self, keys):
-        return self._bounded(lambda: self._store.data_call(keys), keys, len(keys) << 20)
+    def data(self, keys, settled=None):
+        return self._bounded(lambda: self._store.data_call(keys), keys, len(keys) << 20, settled)
 
 
 @pytest.fixture
@@ -98,32 +99,74 @@ def client():
     c.close()
 
 
-def test_a_pool_that_did_not_answer_is_not_asked_until_the_backoff_ends(client):
+def test_a_pool_that_did_not_answer_is_asked_again_only_by_the_prober(client):
     c, store, clock = client
     store.exist = [-1]  # the master cannot be reached
     assert c.exists(["a", "b"]) == [Status.FAILED] * 2
+    assert c.breaker_opens() == 1
     store.exist = [1]
     store.calls.clear()
     assert c.exists(["a"]) == [Status.REFUSED] and c.data(["a"]) == [Status.REFUSED]
-    assert store.calls == [], "refused calls never reach the store"
+    assert not c.probe_if_due(), "the backoff has not passed"
     clock.now += 1.01
-    assert c.exists(["a"]) == [Status.OK], "after the backoff an existence check asks, and is answered"
-    assert c.data(["a", "b"]) == [Status.OK] * 2 and store.calls == ["exists", "data"]
+    assert c.exists(["a"]) == [Status.REFUSED] and c.data(["a"]) == [Status.REFUSED], "no request's call probes"
+    assert store.calls == [], "refused calls never reach the store"
+    assert c.probe_if_due() and store.calls == ["probe"], "the prober asks, about a key no object has"
+    assert c.data(["a", "b"]) == [Status.OK] * 2 and c.exists(["a"]) == [Status.OK]
+    assert store.calls == ["probe", "data", "exists"] and c.breaker_opens() == 1
 
 
-def test_after_the_backoff_a_put_or_get_asks_only_behind_an_existence_check(client):
+def test_a_probe_the_pool_does_not_answer_doubles_the_backoff(client):
     c, store, clock = client
     store.exist = [-1]
     c.exists(["a"])
     clock.now += 1.01
-    store.calls.clear()
-    assert c.data(["a", "b"]) == [Status.REFUSED] * 2, "the check failed: the get is not made"
-    assert store.calls == ["exists"]
-    clock.now += 2.01  # the second failure in a row doubled the backoff
+    assert c.probe_if_due() and c.data(["a"]) == [Status.REFUSED], "the probe failed: calls are still refused"
+    clock.now += 1.01
+    assert not c.probe_if_due(), "the second failure in a row doubled the backoff"
+    clock.now += 1.0
     store.exist = [1]
-    store.calls.clear()
-    assert c.data(["a", "b"]) == [Status.OK] * 2 and store.calls == ["exists", "data"]
-    assert c.data(["a"]) == [Status.OK] and store.calls == ["exists", "data", "data"], "then calls go straight on"
+    assert c.probe_if_due() and c.data(["a"]) == [Status.OK]
+    assert c.breaker_opens() == 1, "one opening, however long it stayed open"
+
+
+def test_the_prober_closes_the_breaker_by_itself_once_the_pool_answers():
+    """The real prober thread and clock: backoff 0.05 s."""
+
+    class Client(BoundedClient):
+        def __init__(self):
+            self._store = _Store()
+            self._guard(CallPolicy(0.2, 0.5, backoff_s=0.05, backoff_max_s=0.2))
+
+    c, store = Client(), None
+    store = c._store
+    store.exist = [-1]
+    assert c.exists(["a"]) == [Status.FAILED]
+    store.exist = [1]
+    deadline = time.monotonic() + 20  # liveness: a few backoff periods of 0.05-0.2 s, on a loaded host
+    while c.exists(["a"]) != [Status.OK]:
+        assert time.monotonic() < deadline, "the breaker never closed"
+        time.sleep(0.01)
+    assert "probe" in store.calls and store.calls.count("exists") == 2, "the first call, then the one let through"
+    c.close()
+
+
+def test_a_call_is_settled_once_it_can_no_longer_touch_its_buffers(client):
+    """`settled` runs exactly once: at once for a call refused, answered or failed, and only when a late call returns."""
+    c, store, clock = client
+    settled = []
+    assert c.data(["a"], lambda: settled.append("answered")) == [Status.OK] and settled == ["answered"]
+    store.stall.clear()
+    assert c.data(["a"], lambda: settled.append("late")) == [Status.TIMEOUT]
+    assert settled == ["answered"], "the late call still runs"
+    assert c.data(["a"], lambda: settled.append("refused")) == [Status.REFUSED]
+    assert settled == ["answered", "refused"]
+    store.stall.set()
+    deadline = time.monotonic() + 10
+    while "late" not in settled:
+        assert time.monotonic() < deadline, "the late call's return was never told"
+        time.sleep(0.01)
+    assert sorted(settled) == ["answered", "late", "refused"]
 
 
 def test_a_call_past_its_bound_starts_a_backoff_and_a_failed_put_does_not(client):
