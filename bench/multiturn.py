@@ -390,8 +390,8 @@ def main() -> None:
                 start_servers(list(engines.values()), started, timeout=900)
                 blocks = {mode: engine_num_blocks(e.url) for mode, e in engines.items()}
                 print("[multiturn] warm-up: one conversation per engine ...", file=sys.stderr, flush=True)
-                for mode, engine in engines.items():  # the first requests of an engine pay one-time costs
-                    asyncio.run(serve(engine.url, warm_up, work.answer_tokens, f"warm-up {mode}"))
+                for mode, server in engines.items():  # the first requests of an engine pay one-time costs
+                    asyncio.run(serve(server.url, warm_up, work.answer_tokens, f"warm-up {mode}"))
                 for r, mode in interleaved(modes, args.rounds):
                     label = f"round {r + 1}/{args.rounds} {mode}"
                     print(f"[multiturn] {label} ...", file=sys.stderr, flush=True)
