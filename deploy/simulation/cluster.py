@@ -1,7 +1,8 @@
 """One simulation: a trace through N engines of one configuration behind a routing policy, in simulated time.
 
 The driver reads the trace ahead (`read_ahead` requests at most in memory), issues each request when it arrives
-(open loop: its `arrival_s`; closed loop: `client_s` plus its `think_s` after its conversation's previous answer),
+(open loop: its `arrival_s`, a traced conversation's later turn not before `client_s` after the previous turn's
+answer; closed loop: `client_s` plus its `think_s` after its conversation's previous answer),
 routes it with the policy (deploy/simulation/routes.py), and lets the engines (deploy/simulation/engine.py) run up
 to the next arrival. Their events feed the router's indexes and the proxy's load count as they happen, and the
 answers start the conversations' next turns. As P/D prefills (`held`), an engine's answer is one token; the
@@ -25,7 +26,7 @@ from deploy.simulation import routes
 from deploy.simulation.costs import CostModel
 from deploy.simulation.progress import Progress
 from deploy.simulation.state import EngineConfig, EngineState
-from deploy.simulation.trace import Request
+from deploy.simulation.trace import Request, turn_label
 
 
 
@@ -47,6 +48,10 @@ class Result:
     evictions: int = 0
     late: int = 0
     """Closed-loop requests issued later than their conversation allowed (their line was beyond the read-ahead)."""
+    held_back: int = 0
+    """Traced turns issued after their timestamp, because the previous turn's answer came later here."""
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    """A request type or turn of the trace ("type text", "turn 2") -> [requests, query tokens, hit tokens]."""
     makespan_s: float = 0.0
     busy_s: list[float] = field(default_factory=list)
     engine_queries: list[int] = field(default_factory=list)
@@ -72,12 +77,17 @@ class Result:
             "prefill_tokens_computed": self.computed_tokens,
             "prefill_saved": 1 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "preemptions": self.preemptions, "evictions": self.evictions, "late_arrivals": self.late,
+            "held_back_turns": self.held_back,
             "makespan_s": self.makespan_s, "requests_per_s": self.answered / span, "goodput_rps": good / span,
             "prompt_tokens_per_s": self.prompt_tokens / span,
             **{f"{name}_p{q}_s": float(np.percentile(values, q)) if len(values) else float("nan")
                for name, values in (("ttft", ttft), ("tpot", self.tpot_s.astype(np.float64))) for q in (50, 99)},
             "engine_busy": [b / span for b in self.busy_s], "engine_query_tokens": self.engine_queries,
             "engine_hit_tokens": self.engine_hits, "engine_steps": self.engine_steps,
+            **{f"by_{kind}": {name[len(kind) + 1:]: {"requests": n, "query_tokens": q, "hit_tokens": h,
+                                                      "hit_rate": h / q if q else 0.0}
+                              for name, (n, q, h) in self.groups.items() if name.startswith(kind + " ")}
+               for kind in ("type", "turn") if any(g.startswith(kind + " ") for g in self.groups)},
             "host_s": self.host_s,
         }
 
@@ -103,6 +113,7 @@ class _Arrivals:
         self._eof = False
         self.now = 0.0
         self.late = 0
+        self.held_back = 0
 
     def _fill(self) -> None:
         while self._buffered < self._read_ahead and not self._eof:
@@ -113,7 +124,13 @@ class _Arrivals:
             self._buffered += 1
             conv = r.conversation
             if r.arrival_s is not None:
-                self._open.append(r)
+                if r.follows and (self._pending.get(conv) or conv in self._queued):
+                    self._queued.setdefault(conv, deque()).append(r)  # after the previous turn's answer
+                    continue
+                if r.follows and conv in self._answered:
+                    self._follow(r, self._answered.pop(conv))
+                else:
+                    self._open.append(r)
             elif conv is None:
                 self._ready_at(r, r.think_s)
                 continue
@@ -124,6 +141,13 @@ class _Arrivals:
                 self._ready_at(r, self._answered.pop(conv, -self._client_s) + self._client_s + r.think_s)
             if conv is not None:
                 self._pending[conv] = self._pending.get(conv, 0) + 1
+
+    def _follow(self, r: Request, answered: float) -> None:
+        """A traced turn: at its timestamp, unless its conversation's previous answer came later here."""
+        t = answered + self._client_s
+        if t > r.arrival_s:
+            self.held_back += 1
+        self._ready_at(r, max(t, r.arrival_s))
 
     def _ready_at(self, r: Request, t: float) -> None:
         if t < self.now:
@@ -163,7 +187,10 @@ class _Arrivals:
             r = queue.popleft()
             if not queue:
                 del self._queued[conv]
-            self._ready_at(r, t + self._client_s + r.think_s)
+            if r.arrival_s is not None:
+                self._follow(r, t)
+            else:
+                self._ready_at(r, t + self._client_s + r.think_s)
         else:
             del self._pending[conv]
             self._answered[conv] = t
@@ -231,7 +258,7 @@ class Simulation:
             self._issue(arrivals.pop(t), t, result)
             if progress is not None and progress.due():
                 progress.show(result.answered, t, result.hit_rate, time.perf_counter() - started)
-        result.late = arrivals.late
+        result.late, result.held_back = arrivals.late, arrivals.held_back
         result.makespan_s = max(float(state.ef[:, E.F_CLOCK].max()), self._last_answer)
         result.busy_s = state.ef[:, E.F_BUSY].tolist()
         result.engine_queries = state.es[:, E.E_QUERY_TOKENS].tolist()
@@ -304,8 +331,16 @@ class Simulation:
                 if r.output > 1:
                     self._tpot.append((answer - first) / (r.output - 1))
                 result.answered += 1
-                result.query_tokens += int(state.rq[x, E.R_QUERY])
-                result.hit_tokens += int(state.rq[x, E.R_FIRST_HITS])
+                query, hits = int(state.rq[x, E.R_QUERY]), int(state.rq[x, E.R_FIRST_HITS])
+                result.query_tokens += query
+                result.hit_tokens += hits
+                if r.kind is not None or r.turn is not None:
+                    for name in (r.kind is not None and f"type {r.kind}", r.turn is not None and f"turn {turn_label(r.turn)}"):
+                        if name:
+                            group = result.groups.setdefault(name, [0, 0, 0])
+                            group[0] += 1
+                            group[1] += query
+                            group[2] += hits
                 arrivals.answered(r.conversation, answer)
             elif kind == E.EV_RELEASED:
                 state.release(x)

@@ -137,3 +137,26 @@ def test_past_an_index_bound_below_the_engines_blocks_the_router_sees_what_the_i
     result = sim.run(_conversations(8, 6))
     assert result.evictions > 0 and policy._orphans, "the indexes forgot blocks and kept orphans"
     assert any(matches), "some prompts matched"
+
+
+def test_a_traced_turn_waits_for_the_previous_answer_when_it_came_later_here():
+    """Bailian's later turns (open loop, `follows`): at their timestamp, but never before their conversation's
+    previous answer."""
+    from deploy.simulation.formats import read_trace
+    from tests.helpers.paths import REPO
+
+    requests = list(read_trace(REPO / "tests" / "data" / "traces" / "bailian.jsonl", BS))
+    log: list[dict] = []
+    slow = replace(COSTS, steps={m: replace(c, step_s=2.0) for m, c in COSTS.steps.items()})
+    result = Simulation(EngineConfig(400, BS, 256, 16, 1024, False), 1, "round-robin", slow, "off", log=log).run(requests)
+    assert result.answered == 10
+    by_index = {x["index"]: x for x in log}
+    follows = [r for r in requests if r.follows]
+    held = 0
+    for r in follows:
+        previous = max((x for x in log if x["conversation"] == r.conversation and x["index"] < r.index),
+                       key=lambda x: x["index"])
+        assert by_index[r.index]["arrival_s"] >= max(r.arrival_s, previous["answer_s"] + slow.client_s) - 1e-9
+        held += previous["answer_s"] + slow.client_s > r.arrival_s
+    assert result.held_back == held > 0, "2-second steps answer some turns after the next one's timestamp"
+    assert result.summary()["by_type"]["text"]["requests"] == 6
