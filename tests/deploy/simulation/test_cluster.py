@@ -112,30 +112,30 @@ def test_open_loop_requests_arrive_when_the_trace_says():
     assert np.isfinite([x["answer_s"] for x in log]).all()
 
 
-def test_past_an_index_bound_below_the_engines_blocks_the_router_sees_what_the_indexes_hold():
-    """An index bound below an engine's blocks forgets blocks the engine still caches (their keys stay remembered)
-    and keeps children of forgotten parents aside as orphans (from then on the indexes are asked past the keys
-    remembered): every prompt matches as it would with keys taken from the indexes alone."""
+def test_past_an_index_bound_below_the_engines_blocks_the_router_matches_what_the_indexes_hold():
+    """An index bound below an engine's blocks forgets blocks the engine still caches and keeps children of forgotten
+    parents aside as orphans: a prompt matches exactly the chain of its blocks the indexes hold."""
     sim = Simulation(_engine(40, held=True), 2, "cache-aware", COSTS, "off")
-    policy, remembered = sim.policy, sim.policy.keys
+    policy = sim.policy
     for index in policy._indexes:
         index.max_blocks = 4
     holders, everyone = policy.router.holders, sum(index.bit for index in policy._indexes)
-    matches = []
+    orphans, matches = [], []
+    choose = policy.router.choose
 
-    def checked(hashes):
-        keys = remembered(hashes)
-        names = [("GPU", h) for h in hashes.tolist()]
-        indexed: list[bytes] = []
-        for index in policy._indexes:  # what the indexes alone give
+    def checked(order, prompt, estimate):
+        names = [("GPU", h) for h in prompt.hashes[:len(prompt) // BS].tolist()]
+        indexed: list = []
+        for index in policy._indexes:  # the chain as the indexes hold it
             indexed += index.keys_of(names, len(indexed))
         matches.append(holders.runs(indexed, everyone))
-        assert holders.runs(keys, everyone) == matches[-1]
-        return keys
+        assert holders.runs(prompt.keys(BS), everyone) == matches[-1]
+        orphans.append(sum(index.orphans for index in policy._indexes))
+        return choose(order, prompt, estimate)
 
-    policy.keys = checked
+    policy.router.choose = checked
     result = sim.run(_conversations(8, 6))
-    assert result.evictions > 0 and policy._orphans, "the indexes forgot blocks and kept orphans"
+    assert result.answered == 48 and result.evictions > 0 and max(orphans) > 0, "the indexes kept orphans"
     assert any(matches), "some prompts matched"
 
 
