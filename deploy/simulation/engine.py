@@ -68,10 +68,10 @@ E_COLS = 19
 oldest; E_BLOCKED: the engine waits for the oldest to end; E_SPIN: nothing could be scheduled and nothing runs (it
 waits for a request or a held prefill's read); E_NSCHED + slot: the requests of a batch."""
 # ef[e, ...]: an engine's times
-F_CLOCK, F_BUSY, F_RUN_FREE, F_END, F_END1 = range(5)
-F_COLS = 5
+F_CLOCK, F_BUSY, F_RUN_FREE, F_END, F_END1, F_NEXT_READ = range(6)
+F_COLS = 6
 """F_CLOCK: when the engine core next schedules (or last did); F_RUN_FREE: when the batches scheduled so far have
-run; F_END + slot: when a batch ends."""
+run; F_END + slot: when a batch ends; F_NEXT_READ: when the first of its held prefills' reads ends (inf: none)."""
 # sched[e, slot, j, ...]: the requests of a batch, the tokens each computes, and whether it samples one
 J_REQ, J_TOKENS, J_SAMPLES = range(3)
 J_COLS = 3
@@ -96,15 +96,18 @@ K_COLS = 4
 
 # request statuses
 S_FREE, S_WAITING, S_RUNNING, S_PREEMPTED, S_HELD, S_DONE = range(6)
-# events: ev[i] = (kind, engine, request or hash, a, b), evt[i] = time
+# events: ev[i] = (kind, engine, request or hash, a, b, c), evt[i] = (time, u, v)
 EV_STORED, EV_REMOVED, EV_FINISHED, EV_RELEASED = range(4)
-EV_COLS = 5
-"""EV_STORED (request, first block, count): blocks cached in one step, as one BlockStored; EV_REMOVED (hash): a
-cached block evicted; EV_FINISHED (request): its answer is complete (a P/D prefill's: its one token);
-EV_RELEASED (request): its blocks and its slot in the pool are free (the driver may reuse them)."""
+EV_COLS = 6
+EVT_COLS = 3
+"""EV_STORED (request, where in the pool its first stored block's hash is, how many, whether a parent precedes it):
+blocks cached in one step, as one BlockStored; EV_REMOVED (hash): a cached block evicted; EV_FINISHED (request,
+its prompt tokens first queried, their hits; at (time, its first token's time, its arrival)): its answer is
+complete (a P/D prefill's: its one token); EV_RELEASED (request, its slab's offset and half size): its blocks and
+its slab in the pool are free (the driver may reuse them)."""
 
 # what `advance` stopped on
-STOP_TIME, STOP_FOLLOW, STOP_EVENTS, STOP_WAIT_FULL = range(4)
+STOP_TIME, STOP_FOLLOW, STOP_EVENTS, STOP_WAIT_FULL, STOP_WAIT_RING = range(5)
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 _NOTHING = -1
@@ -238,14 +241,17 @@ def _queue_prepend(blocks, es, e, b):
 
 # -- events --------------------------------------------------------------------------------------------------------------
 @numba.njit(cache=True)
-def _emit(ev, evt, n_ev, kind, e, x, a, b, t):
+def _emit(ev, evt, n_ev, kind, e, x, a, b, c, t, u, v):
     i = n_ev[0]
     ev[i, 0] = kind
     ev[i, 1] = e
     ev[i, 2] = x
     ev[i, 3] = a
     ev[i, 4] = b
-    evt[i] = t
+    ev[i, 5] = c
+    evt[i, 0] = t
+    evt[i, 1] = u
+    evt[i, 2] = v
     n_ev[0] = i + 1
 
 
@@ -262,7 +268,7 @@ def _get_new_blocks(blocks, table, es, e, r, rq, pool, n, cfg, ev, evt, n_ev, t)
         if _uncache(table, blocks, e, b, cfg):
             es[e, E_EVICTIONS] += 1
             if cfg[C_CACHE_EVENTS] != 0:
-                _emit(ev, evt, n_ev, EV_REMOVED, e, key, 0, 0, t)
+                _emit(ev, evt, n_ev, EV_REMOVED, e, key, 0, 0, 0, t, 0.0, 0.0)
         blocks[e, b, B_REF] = 1
         pool[base + rq[r, R_NBLK]] = b
         rq[r, R_NBLK] += 1
@@ -285,7 +291,7 @@ def _cache_blocks(blocks, table, e, r, rq, pool, num_tokens, cfg, ev, evt, n_ev,
         _insert(table, blocks, e, key, b, cfg)
     rq[r, R_NCACHED] = full
     if cfg[C_CACHE_EVENTS] != 0:
-        _emit(ev, evt, n_ev, EV_STORED, e, r, done, full - done, t)
+        _emit(ev, evt, n_ev, EV_STORED, e, r, rq[r, R_OFF] + done, full - done, 1 if done > 0 else 0, t, 0.0, 0.0)
 
 
 @numba.njit(cache=True)
@@ -347,6 +353,28 @@ def enqueue(wait, es, ef, rq, rf, e, r, t, cfg):
         elif es[e, E_NRUN] == 0 and es[e, E_WLEN] == 1 and es[e, E_BATCHES] == 0:
             ef[e, F_CLOCK] = max(ef[e, F_CLOCK], t)  # an idle engine schedules again when work comes
     return True
+
+
+@numba.njit(cache=True)
+def admit(pool, rq, rf, wait, es, ef, cfg, hashes, row, off, cap, prompt, max_out, e, t, pull):
+    """A new request, `row` of the pool with its slab at `off` (half of it, `cap`, for its block hashes), arrives at
+    engine e at t (`pull`: a P/D prefill keeps its blocks that long after it finished); False, changing nothing,
+    if the waiting ring lacks room (the driver grows it and tries again)."""
+    if es[e, E_WLEN] + 1 + cfg[C_MAX_SEQS] > cfg[C_WCAP]:
+        return False
+    pool[off:off + len(hashes)] = hashes
+    for c in range(R_COLS):
+        rq[row, c] = 0
+    rq[row, R_FIRST_HITS] = -1
+    rq[row, R_PROMPT] = prompt
+    rq[row, R_NTOK] = prompt
+    rq[row, R_MAXOUT] = max_out
+    rq[row, R_OFF] = off
+    rq[row, R_CAP] = cap
+    for c in range(T_COLS):
+        rf[row, c] = -1.0
+    rf[row, T_PULL] = pull
+    return enqueue(wait, es, ef, rq, rf, e, row, t, cfg)
 
 
 # -- one batch -----------------------------------------------------------------------------------------------------------
@@ -494,12 +522,14 @@ def _schedule(blocks, table, es, run, sched, wait, rq, pool, cfg, coef, ev, evt,
 def _release(blocks, es, e, r, rq, pool, ev, evt, n_ev, t):
     _free_request_blocks(blocks, es, e, r, rq, pool)
     rq[r, R_STATUS] = S_DONE
-    _emit(ev, evt, n_ev, EV_RELEASED, e, r, 0, 0, t)
+    _emit(ev, evt, n_ev, EV_RELEASED, e, r, rq[r, R_OFF], rq[r, R_CAP], 0, t, 0.0, 0.0)
 
 
 @numba.njit(cache=True)
-def _free_held(blocks, es, held, e, rq, rf, pool, ev, evt, n_ev, upto):
+def _free_held(blocks, es, ef, held, e, rq, rf, pool, ev, evt, n_ev, upto):
     """Free the blocks of every P/D prefill of engine e whose decode has read them by `upto`, earliest first."""
+    if ef[e, F_NEXT_READ] > upto:
+        return
     while es[e, E_NHELD] > 0:
         best = -1
         for j in range(es[e, E_NHELD]):
@@ -507,17 +537,19 @@ def _free_held(blocks, es, held, e, rq, rf, pool, ev, evt, n_ev, upto):
                 best = j
         r = held[e, best]
         if rf[r, T_FREE_AT] > upto:
+            ef[e, F_NEXT_READ] = rf[r, T_FREE_AT]
             return
         es[e, E_NHELD] -= 1
         held[e, best] = held[e, es[e, E_NHELD]]
         _release(blocks, es, e, r, rq, pool, ev, evt, n_ev, rf[r, T_FREE_AT])
+    ef[e, F_NEXT_READ] = np.inf
 
 
 @numba.njit(cache=True)
-def _finish(blocks, es, run, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, r, running, t):
+def _finish(blocks, es, ef, run, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, r, running, t):
     """Request r has its last token: out of the running list (or, preempted, the waiting ring), the others keeping
     their order; its blocks freed, or held for its decode's read."""
-    _emit(ev, evt, n_ev, EV_FINISHED, e, r, 0, 0, t)
+    _emit(ev, evt, n_ev, EV_FINISHED, e, r, rq[r, R_QUERY], rq[r, R_FIRST_HITS], 0, t, rf[r, T_FIRST], rf[r, T_ARRIVAL])
     if running:
         k = 0
         for i in range(es[e, E_NRUN]):
@@ -536,12 +568,13 @@ def _finish(blocks, es, run, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, r,
         rf[r, T_FREE_AT] = t + rf[r, T_PULL]
         held[e, es[e, E_NHELD]] = r
         es[e, E_NHELD] += 1
+        ef[e, F_NEXT_READ] = min(ef[e, F_NEXT_READ], rf[r, T_FREE_AT])
     else:
         _release(blocks, es, e, r, rq, pool, ev, evt, n_ev, t)
 
 
 @numba.njit(cache=True)
-def _apply(blocks, table, es, run, sched, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, slot, t):
+def _apply(blocks, table, es, ef, run, sched, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, slot, t):
     """vLLM's `update_from_output` (and the AsyncScheduler's) for engine e's batch `slot`, ending at t: a token for
     every request that samples one; requests that reached their output length finish; then the reads that ended
     free their blocks. Returns how many finished."""
@@ -570,9 +603,9 @@ def _apply(blocks, table, es, run, sched, wait, held, rq, rf, pool, cfg, ev, evt
             rf[r, T_FIRST] = t
         if out >= rq[r, R_MAXOUT] or rq[r, R_NTOK] >= cfg[C_MAX_LEN]:
             finished += 1
-            _finish(blocks, es, run, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, r, status == S_RUNNING, t)
+            _finish(blocks, es, ef, run, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, r, status == S_RUNNING, t)
     es[e, E_NSCHED + slot] = 0
-    _free_held(blocks, es, held, e, rq, rf, pool, ev, evt, n_ev, t)
+    _free_held(blocks, es, ef, held, e, rq, rf, pool, ev, evt, n_ev, t)
     return finished
 
 
@@ -622,19 +655,20 @@ def _next_event(es, ef, held, rf, e):
         return ef[e, F_END + es[e, E_OLDEST]]
     if es[e, E_SPIN] == 0 and (_has_work(es, e) or es[e, E_BATCHES] > 0):
         return ef[e, F_CLOCK]
-    nxt = np.inf
-    for j in range(es[e, E_NHELD]):
-        nxt = min(nxt, rf[held[e, j], T_FREE_AT])
-    return nxt
+    return ef[e, F_NEXT_READ]
 
 
 @numba.njit(cache=True)
 def advance(blocks, table, es, ef, run, sched, wait, held, rq, rf, pool, cfg, coef, ev, evt, n_ev, until,
-            follow_s, max_events):
-    """Run every engine, in time order, through what happens before `until` (schedules before it, batch ends and
-    frees at or before it). Stops early, with what it reached, once a batch end finished a request that could bring
-    another before `until` (`follow_s` later: the driver routes that one first) or once the events may not fit
-    (`max_events`). Returns (STOP_*, the time reached)."""
+            follow_s, max_events, hashes, row, off, cap, prompt, max_out, engine, t, pull):
+    """Admit the request `row` if it is one (>= 0: `admit`, at t), then run every engine, in time order, through
+    what happens before `until` (schedules before it, batch ends and frees at or before it). Stops early, with what
+    it reached, once a batch end finished a request that could bring another before `until` (`follow_s` later: the
+    driver routes that one first) or once the events may not fit (`max_events`). Returns (STOP_*, the time
+    reached); STOP_WAIT_RING, having done nothing, if the request does not fit the waiting ring."""
+    if row >= 0 and not admit(pool, rq, rf, wait, es, ef, cfg, hashes, row, off, cap, prompt, max_out, engine, t,
+                              pull):
+        return STOP_WAIT_RING, t
     n_eng = es.shape[0]
     while True:
         if n_ev[0] + max_events > ev.shape[0]:
@@ -656,7 +690,7 @@ def advance(blocks, table, es, ef, run, sched, wait, held, rq, rf, pool, cfg, co
             es[e, E_BATCHES] -= 1
             es[e, E_BLOCKED] = 0
             ef[e, F_CLOCK] = best
-            finished = _apply(blocks, table, es, run, sched, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, slot,
+            finished = _apply(blocks, table, es, ef, run, sched, wait, held, rq, rf, pool, cfg, ev, evt, n_ev, e, slot,
                               best)
             if finished > 0 and best + follow_s < until:
                 return STOP_FOLLOW, best
@@ -669,6 +703,6 @@ def advance(blocks, table, es, ef, run, sched, wait, held, rq, rf, pool, cfg, co
         else:  # a held prefill's blocks go while the engine waits
             if best > until:
                 return STOP_TIME, until
-            _free_held(blocks, es, held, e, rq, rf, pool, ev, evt, n_ev, best)
+            _free_held(blocks, es, ef, held, e, rq, rf, pool, ev, evt, n_ev, best)
             es[e, E_SPIN] = 0
             ef[e, F_CLOCK] = max(ef[e, F_CLOCK], best)

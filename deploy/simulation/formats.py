@@ -119,7 +119,10 @@ def read_trace(path: str | Path, block_size: int, hash_block_size: int | None = 
                     raise TraceError(f"{path}:{number}: the arrival ({_time_field(fmt)}) {request.arrival_s:g} s is "
                                      f"before the previous line's {last:g} s; sort the trace by {_time_field(fmt)}")
                 last = request.arrival_s
-            info.count(request)
+            if request.kind is None and request.turn is None:
+                info.requests += 1
+            else:
+                info.count(request)
             yield request
     if fmt == "lengths" and info.skipped:
         info.notes.append(f"{sum(info.skipped.values()):,} line(s) skipped: "
@@ -146,16 +149,17 @@ def _notes(fmt: str, hbs: int | None, block_size: int) -> list[str]:
 
 
 def _jsonl(f, path: Path, line_type) -> Iterator[tuple[int, object]]:
-    decoder = msgspec.json.Decoder(line_type)
+    decode = msgspec.json.Decoder(line_type).decode
     for number, raw in enumerate(f, start=1):
-        if not raw.strip():
-            continue
         try:
-            yield number, decoder.decode(raw)
+            line = decode(raw)
         except msgspec.ValidationError as exc:
             raise TraceError(f"{path}:{number}: {exc}; {_fix(line_type)}") from None
         except msgspec.DecodeError as exc:
+            if not raw.strip():
+                continue  # a blank line
             raise TraceError(f"{path}:{number}: not a JSON object ({exc}); each line is one request") from None
+        yield number, line
 
 
 def _fix(line_type) -> str:

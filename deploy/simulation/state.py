@@ -72,6 +72,7 @@ class EngineState:
         self.table = np.full((count, 1 << bits, 2), -1, np.int64)
         self.es = np.zeros((count, E.E_COLS), np.int64)
         self.ef = np.zeros((count, E.F_COLS), np.float64)
+        self.ef[:, E.F_NEXT_READ] = np.inf
         # the free queue holds blocks 1..n-1 in order (block 0 was taken as the null block)
         ids = np.arange(n)
         self.blocks[:, 1:, E.B_PREV] = ids[:-1]
@@ -85,8 +86,8 @@ class EngineState:
         self.held = np.full((count, n), -1, np.int64)  # each held request holds a block at least
         self._set_wait_cap(2 * seqs + 64)
         self.wait = np.full((count, 2 * seqs + 64), -1, np.int64)
-        self._template = np.zeros(E.R_COLS, np.int64)
-        self._template[E.R_FIRST_HITS] = -1
+        self._reserved: dict[int, tuple] = {}
+        self._no_hashes = np.empty(0, np.int64)
         self.rq = np.zeros((0, E.R_COLS), np.int64)
         self.rf = np.zeros((0, E.T_COLS), np.float64)
         self._free_rows: list[int] = []
@@ -97,15 +98,16 @@ class EngineState:
         # (applied) stores, and every held prefill of the engine freed at once
         self.step_events = n + 6 * seqs + config.max_num_batched_tokens // config.block_size + 64
         self.ev = np.zeros((EVENTS + self.step_events, E.EV_COLS), np.int64)
-        self.evt = np.zeros(EVENTS + self.step_events, np.float64)
+        self.evt = np.zeros((EVENTS + self.step_events, E.EVT_COLS), np.float64)
         self.n_ev = np.zeros(1, np.int64)
 
     def _set_wait_cap(self, cap: int) -> None:
         self.cfg[E.C_WCAP] = cap
 
     # -- requests ----------------------------------------------------------------------------------------------------
-    def new_request(self, hashes: np.ndarray, prompt: int, max_out: int) -> int:
-        """A request's row, its slab filled with its block hashes (full blocks of its prompt and output)."""
+    def reserve(self, hashes: np.ndarray, prompt: int, max_out: int) -> tuple:
+        """Room for a request: (its block hashes, its row, its slab's offset and half size, prompt, output), what
+        `advance` admits."""
         bs = self.config.block_size
         if prompt < 1 or max_out < 1:
             raise ValueError(f"a request needs a prompt and an output of at least one token, got {prompt} and {max_out}")
@@ -117,28 +119,25 @@ class EngineState:
             raise ValueError(f"{len(hashes)} block hashes for {prompt + max_out} tokens of {bs}-token blocks")
         slab = 1 << max(3, int(2 * cap - 1).bit_length())
         offset = self._alloc(slab)
-        self.pool[offset:offset + len(hashes)] = hashes
         row = self._free_rows.pop() if self._free_rows else self._grow_rows()
-        rq = self.rq
-        rq[row] = self._template
-        rq[row, E.R_PROMPT] = rq[row, E.R_NTOK] = prompt
-        rq[row, E.R_MAXOUT] = max_out
-        rq[row, E.R_OFF] = offset
-        rq[row, E.R_CAP] = slab // 2
-        self.rf[row] = -1.0
-        return row
+        return hashes, row, offset, slab // 2, prompt, max_out
+
+    def new_request(self, hashes: np.ndarray, prompt: int, max_out: int) -> int:
+        """A request's row (the tests' path: `enqueue` admits it)."""
+        room = self.reserve(hashes, prompt, max_out)
+        self._reserved[room[1]] = room
+        return room[1]
 
     def enqueue(self, row: int, engine: int, t: float, pull_s: float = 0.0) -> None:
         """Request `row` arrives at `engine` at t; as a P/D prefill, its blocks stay `pull_s` after it finished."""
-        self.rf[row, E.T_PULL] = pull_s
-        while not E.enqueue(self.wait, self.es, self.ef, self.rq, self.rf, engine, row, t, self.cfg):
+        hashes, row, off, cap, prompt, max_out = self._reserved.pop(row)
+        while not E.admit(self.pool, self.rq, self.rf, self.wait, self.es, self.ef, self.cfg, hashes, row, off, cap,
+                          prompt, max_out, engine, t, pull_s):
             self._grow_wait()
 
-    def release(self, row: int) -> None:
-        """The driver is done with a released request: its row and slab go back."""
-        slab = 2 * int(self.rq[row, E.R_CAP])
-        self._slabs.setdefault(slab, []).append(int(self.rq[row, E.R_OFF]))
-        self.rq[row, E.R_STATUS] = E.S_FREE
+    def release(self, row: int, offset: int, cap: int) -> None:
+        """The driver is done with a released request (its row, its slab's offset and half size): both go back."""
+        self._slabs.setdefault(2 * cap, []).append(offset)
         self._free_rows.append(row)
 
     def hashes(self, row: int, first: int, count: int) -> np.ndarray:
@@ -150,11 +149,19 @@ class EngineState:
         return self.pool[off + cap:off + cap + int(self.rq[row, E.R_NBLK])]
 
     # -- time ----------------------------------------------------------------------------------------------------------
-    def advance(self, until: float, follow_s: float) -> tuple[int, float]:
-        """engine.advance over this state; the caller reads (and resets) the events."""
-        stop, reached = E.advance(self.blocks, self.table, self.es, self.ef, self.run, self.sched, self.wait, self.held,
-                                  self.rq, self.rf, self.pool, self.cfg, self.coef, self.ev, self.evt, self.n_ev, until,
-                                  follow_s, self.step_events)
+    def advance(self, until: float, follow_s: float, room: tuple | None = None, engine: int = 0, t: float = 0.0,
+                pull_s: float = 0.0) -> tuple[int, float]:
+        """engine.advance over this state, first admitting the request `room` (`reserve`'s) at `engine` at t, if
+        one is given; the caller reads (and resets) the events."""
+        hashes, row, off, cap, prompt, max_out = room or (self._no_hashes, -1, 0, 0, 0, 0)
+        while True:
+            stop, reached = E.advance(self.blocks, self.table, self.es, self.ef, self.run, self.sched, self.wait,
+                                      self.held, self.rq, self.rf, self.pool, self.cfg, self.coef, self.ev, self.evt,
+                                      self.n_ev, until, follow_s, self.step_events, hashes, row, off, cap, prompt,
+                                      max_out, engine, t, pull_s)
+            if stop != E.STOP_WAIT_RING:
+                break
+            self._grow_wait()
         if stop == E.STOP_WAIT_FULL:
             raise RuntimeError(f"a simulated engine waits at {reached:.3f} s for blocks nothing will free")
         return stop, reached

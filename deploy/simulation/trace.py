@@ -20,6 +20,7 @@ This project's format, one request a line (unknown keys are refused, so a typo i
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from collections import Counter
@@ -139,14 +140,14 @@ def padded(known: np.ndarray, index: int, prompt: int, output: int, block_size: 
     """The names of a request's full blocks: those `known`, then placeholders for the rest."""
     full = (prompt + output) // block_size
     if len(known) >= full:
-        return known[:full]
+        return np.ascontiguousarray(known[:full])
     return np.concatenate([known, placeholders(index, len(known), full - len(known))])
 
 
 def check_times(arrival: float | None, think: float | None, field_name: str) -> None:
-    if arrival is not None and not (np.isfinite(arrival) and arrival >= 0):
+    if arrival is not None and not 0 <= arrival < math.inf:
         raise ValueError(f"{field_name} must be a finite number >= 0, got {arrival}")
-    if think is not None and not (np.isfinite(think) and think >= 0):
+    if think is not None and not 0 <= think < math.inf:
         raise ValueError(f"think_s must be a finite number >= 0, got {think}")
 
 
@@ -187,18 +188,19 @@ def to_request(line: TraceLine, index: int, block_size: int, hash_block_size: in
             raise ValueError(f"a prompt of {prompt} tokens has {prompt // hash_block_size} full blocks of "
                              f"{hash_block_size} tokens, but {len(hashes)} prompt_hashes are given (is "
                              "--hash-block-size right?)")
-        fine = hash_array(hashes, "prompt_hashes")
         if line.output_hashes is not None:
             most = (prompt + output) // hash_block_size - len(hashes)
             if len(line.output_hashes) > most:
                 raise ValueError(f"{len(line.output_hashes)} output_hashes, but prompt and answer have only {most} "
                                  "full blocks after the prompt's")
-            fine = np.concatenate([fine, hash_array(line.output_hashes, "output_hashes")])
-        known = resample(fine, hash_block_size, block_size, prompt + output)
-    check_times(line.arrival_s, line.think_s, "arrival_s")
-    if line.arrival_s is not None and line.think_s is not None:
-        raise ValueError("think_s applies to requests without arrival_s (they follow their conversation's previous "
-                         "answer); drop one of them")
+            hashes = hashes + line.output_hashes
+        fine = hash_array(hashes, "prompt_hashes and output_hashes")
+        known = fine if hash_block_size == block_size else resample(fine, hash_block_size, block_size, prompt + output)
+    if line.arrival_s is not None or line.think_s is not None:
+        check_times(line.arrival_s, line.think_s, "arrival_s")
+        if line.arrival_s is not None and line.think_s is not None:
+            raise ValueError("think_s applies to requests without arrival_s (they follow their conversation's "
+                             "previous answer); drop one of them")
     return Request(index, prompt, output, padded(known, index, prompt, output, block_size), line.arrival_s,
                    line.conversation, 0.0 if line.think_s is None else line.think_s)
 
