@@ -94,3 +94,20 @@ def test_asynchronous_scheduling_frees_a_finished_request_a_step_later(capsys):
     runs = [_run(capsys, "--synthetic", *WORK, "--blocks", "60", "--modes", "off", "--max-model-len", "2048",
                  "--scheduling", s)["runs"][0] for s in ("sync", "async")]
     assert runs[0]["engine_steps"] != runs[1]["engine_steps"]
+
+
+@pytest.mark.parametrize("fmt", ["kvpp", "mooncake", "bailian", "lengths"])
+def test_a_trace_of_100000_lines_of_each_format_is_simulated_whole(capsys, tmp_path, fmt):
+    """Issue 43's size for each format: 10,000 conversations of 10 turns written by the synthetic writer, all read
+    and answered (a few seconds each here)."""
+    trace = tmp_path / f"large.{fmt}"
+    work = ["--conversations", "10000", "--turns", "10", "--rate", "50", "--think-s", "1", "--system-tokens", "512",
+            "--first-tokens", "256", "--growth-tokens", "128", "--output-tokens", "64"]
+    assert main(["simulate", *MODEL, "--synthetic", *work, "--write-trace", str(trace),
+                 *(["--trace-format", fmt] if fmt != "kvpp" else [])]) == 0
+    capsys.readouterr()
+    with open(trace) as f:
+        assert sum(1 for _ in f) == 100_000 + (fmt == "lengths")  # Azure's CSV header
+    out = _run(capsys, "--trace", str(trace), "--blocks", "4000", "--modes", "off", "--max-model-len", "8192")
+    assert out["workload"]["format"] == fmt and out["workload"]["requests"] == out["runs"][0]["answered"] == 100_000
+    assert (out["runs"][0]["hit_rate"] > 0) == (fmt != "lengths"), "the shared system prompts and histories hit"
