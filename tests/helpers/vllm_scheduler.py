@@ -31,9 +31,10 @@ def engine_config(model: str, kv_transfer_config: dict | None, max_num_batched_t
 
 
 def scheduler(model_or_config, kv_transfer_config: dict | None = None, num_blocks: int = 64, block_size: int = BLOCK,
-              **config_args):
-    """A real Scheduler over `num_blocks` MLA blocks of the tiny model, its connector (if any) built by
-    vLLM; from a model path, or from an `engine_config` a test adjusted first."""
+              scheduler_cls=None, **config_args):
+    """A real Scheduler (or `scheduler_cls`, e.g. vLLM's AsyncScheduler) over `num_blocks` MLA blocks of the tiny
+    model, its connector (if any) built by vLLM; from a model path, or from an `engine_config` a test adjusted
+    first."""
     import torch
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
@@ -46,7 +47,8 @@ def scheduler(model_or_config, kv_transfer_config: dict | None = None, num_block
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(config.model_config.hf_text_config.num_hidden_layers)]
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-    return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size, log_stats=True)
+    return (scheduler_cls or Scheduler)(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size,
+                                        log_stats=True)
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 1, kv_transfer_params: dict | None = None,

@@ -59,3 +59,68 @@ def test_a_gqa_preset_simulates_on_its_replica_groups_capacity(capsys):
     assert off["hit_rate"] < staging["hit_rate"]
     assert main(["simulate", *gqa[:2], "--tp", "4", "--synthetic", *WORK, "--quiet"]) == 2
     assert "no KV head of qwen3-235b-a22b is replicated at TP 4" in capsys.readouterr().err
+
+
+SAMPLES = ["mooncake.jsonl", "bailian.jsonl", "azure.csv", "burstgpt.csv", "kvpp.jsonl"]
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_every_sample_trace_is_simulated_as_its_format_says(capsys, name):
+    from tests.helpers.paths import REPO
+
+    out = _run(capsys, "--trace", str(REPO / "tests" / "data" / "traces" / name), "--blocks", "300", "--modes", "off",
+               "--max-model-len", "8192", *(["--hash-block-size", "16"] if name == "kvpp.jsonl" else []))
+    trace, (run,) = out["workload"], out["runs"]
+    fmt = {"mooncake.jsonl": "mooncake", "bailian.jsonl": "bailian", "kvpp.jsonl": "kvpp"}.get(name, "lengths")
+    assert trace["format"] == fmt and run["answered"] == trace["requests"] > 0
+    if fmt == "lengths":
+        assert run["hit_rate"] == 0 and any("no request can reuse" in n for n in trace["notes"])
+    else:
+        assert run["hit_rate"] > 0
+    if fmt == "bailian":
+        assert set(run["by_type"]) == {"text", "search", "image", "file"} and set(run["by_turn"]) == {"1", "2", "3"}
+        assert run["by_turn"]["2"]["hit_rate"] > run["by_turn"]["1"]["hit_rate"]
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "bailian", "lengths"])
+def test_a_synthetic_workload_written_in_a_public_format_reads_back(capsys, tmp_path, fmt):
+    trace = tmp_path / f"work.{fmt}"
+    assert main(["simulate", *MODEL, "--synthetic", *WORK, "--rate", "4", "--write-trace", str(trace),
+                 "--trace-format", fmt]) == 0
+    capsys.readouterr()
+    out = _run(capsys, "--trace", str(trace), "--blocks", "400", "--modes", "off", "--max-model-len", "2048")
+    assert out["workload"]["format"] == fmt and out["runs"][0]["answered"] == 48
+    assert (out["runs"][0]["hit_rate"] > 0) == (fmt != "lengths"), "the shared system prompts and histories hit"
+
+
+@pytest.mark.parametrize("args, scheduling", [([], "async"), (["--platform", "vllm-cpu"], "sync"),
+                                              (["--platform", "vllm-cpu", "--scheduling", "async"], "async"),
+                                              (["--scheduling", "sync"], "sync")])
+def test_the_scheduling_is_vllms_default_where_the_engines_run(capsys, args, scheduling):
+    out = _run(capsys, "--synthetic", *WORK, "--blocks", "400", "--modes", "off", *args)
+    assert out["engines"]["scheduling"] == scheduling
+
+
+def test_asynchronous_scheduling_frees_a_finished_request_a_step_later(capsys):
+    """With blocks short, a turn that waits for a finished one's blocks gets them a step later: the two schedulings
+    give different figures on the same workload."""
+    runs = [_run(capsys, "--synthetic", *WORK, "--blocks", "60", "--modes", "off", "--max-model-len", "2048",
+                 "--scheduling", s)["runs"][0] for s in ("sync", "async")]
+    assert runs[0]["engine_steps"] != runs[1]["engine_steps"]
+
+
+@pytest.mark.parametrize("fmt", ["kvpp", "mooncake", "bailian", "lengths"])
+def test_a_trace_of_100000_lines_of_each_format_is_simulated_whole(capsys, tmp_path, fmt):
+    """Issue 43's size for each format: 10,000 conversations of 10 turns written by the synthetic writer, all read
+    and answered (a few seconds each here)."""
+    trace = tmp_path / f"large.{fmt}"
+    work = ["--conversations", "10000", "--turns", "10", "--rate", "50", "--think-s", "1", "--system-tokens", "512",
+            "--first-tokens", "256", "--growth-tokens", "128", "--output-tokens", "64"]
+    assert main(["simulate", *MODEL, "--synthetic", *work, "--write-trace", str(trace),
+                 *(["--trace-format", fmt] if fmt != "kvpp" else [])]) == 0
+    capsys.readouterr()
+    with open(trace) as f:
+        assert sum(1 for _ in f) == 100_000 + (fmt == "lengths")  # Azure's CSV header
+    out = _run(capsys, "--trace", str(trace), "--blocks", "4000", "--modes", "off", "--max-model-len", "8192")
+    assert out["workload"]["format"] == fmt and out["workload"]["requests"] == out["runs"][0]["answered"] == 100_000
+    assert (out["runs"][0]["hit_rate"] > 0) == (fmt != "lengths"), "the shared system prompts and histories hit"

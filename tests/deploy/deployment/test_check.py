@@ -408,7 +408,7 @@ def test_kvpp_check_refuses_unknown_pool_keys_through_the_same_struct(tmp_path, 
         "error: prefill[0] (p): kv_connector_extra_config.load_asnyc: unknown option; did you mean load_async? "
         "valid options: backend, lookup_rpc_port, mooncake, memcache, use_layerwise, load_async, "
         "discard_partial_chunks, consumer_is_to_put, lookup_timeout_ms, backend_timeout_ms, backend_timeout_floor_ms, "
-        "backend_timeout_slack, pool_backoff_ms, pool_backoff_max_ms, stats_file"]
+        "backend_timeout_slack, pool_backoff_ms, pool_backoff_max_ms, request_budget_ms, stats_file"]
 
 
 @pytest.mark.parametrize("change, where, message", [

@@ -1,10 +1,12 @@
 """Property (Hypothesis): no message a publisher can send stops a KV event stream. Over 10^5 random and adversarial
 messages in vLLM's wire format (tests/helpers/kv_event_corpus.py: well-formed and not, frames, payloads, events and
 sequence numbers), decoded and applied to an index as the proxy does (`EventStream.handle`), nothing raises, the
-index stays within its bound and consistent (cleared, it marks no key), and a good batch after them is applied."""
+index stays within its bound and consistent (cleared, it marks no key), and a good batch after them is applied;
+whether or not the proxy was told the prefills' block size (`--kv-events-block-size`)."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from deploy.services.event_stream import EventMetrics, EventStream
@@ -21,11 +23,12 @@ MAX_BLOCKS = 32
 GOOD = list(range(1000, 1000 + 3 * BS))
 
 
-def follow(corpus: Corpus) -> tuple[EventStream, CollectorRegistry, int]:
-    """A stream (no replay endpoint) fed the corpus's messages; returns it, its registry and the last sequence
-    number sent."""
+def follow(corpus: Corpus, told: bool) -> tuple[EventStream, CollectorRegistry, int]:
+    """A stream (no replay endpoint) fed the corpus's messages, its index told the block size or learning it from
+    the first event; returns it, its registry and the last sequence number sent."""
     registry = CollectorRegistry()
-    stream = EventStream("p0", "tcp://127.0.0.1:1", PrefixIndex(MAX_BLOCKS), EventMetrics(registry), 1.0)
+    index = PrefixIndex(MAX_BLOCKS, block_size=BS if told else None)
+    stream = EventStream("p0", "tcp://127.0.0.1:1", index, EventMetrics(registry), 1.0)
     last = 0
     for frames in corpus.messages(MESSAGES):
         stream.handle(frames)
@@ -40,9 +43,9 @@ def test_no_message_stops_the_stream_and_a_good_batch_after_them_is_applied():
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(corpora)
-    def check(corpus):
-        stream, registry, last = follow(corpus)
+    @given(corpora, st.booleans())
+    def check(corpus, told):
+        stream, registry, last = follow(corpus, told)
         index = stream.index
         assert len(index) <= MAX_BLOCKS and index.orphans <= MAX_BLOCKS
         applied = registry.get_sample_value("kvpp_proxy_kv_event_batches_total", {"backend": "p0"}) or 0

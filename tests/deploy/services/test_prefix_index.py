@@ -153,3 +153,22 @@ def test_the_keys_it_gave_named_blocks_stop_at_the_first_it_lacks():
     assert index.keys_of(names, 2) == keys[2:4]
     index.remove(BlockRemoved([b"h%d" % BS], medium="GPU"))
     assert index.keys_of(names) == keys[:1], "a block removed ends the run, its children indexed or not"
+
+
+@pytest.mark.unit
+def test_blocks_stored_with_their_keys_are_indexed_as_stored_ones():
+    """`store_keyed` (the simulator's: blocks without tokens, keyed by chained hashes) does what `store` does: the
+    same holders, leaves, orphans adopted with their own keys once the parent comes, removals."""
+    by_tokens, by_keys = PrefixIndex(max_blocks=100), PrefixIndex(max_blocks=100)
+    names = [b"h%d" % t for t in range(0, 6 * BS, BS)]
+    keys = list(iter_keys(PROMPT[:6 * BS], BS))
+    by_tokens.store(chain(4 * BS, 2, parent=names[3]))
+    by_keys.store_keyed(names[4:6], names[3], keys[4:6], BS)
+    assert by_keys.orphans == by_tokens.orphans == 2 and len(by_keys) == 0
+    by_tokens.store(chain(0, 4))
+    by_keys.store_keyed(names[:4], None, keys[:4], BS)
+    assert matched(by_keys, PROMPT) == matched(by_tokens, PROMPT) == 6 and by_keys.orphans == 0
+    assert by_keys.keys_of([("GPU", n) for n in names]) == by_tokens.keys_of([("GPU", n) for n in names]) == keys
+    for index in (by_tokens, by_keys):
+        index.remove(BlockRemoved([names[2]], medium="GPU"))
+    assert matched(by_keys, PROMPT) == matched(by_tokens, PROMPT) == 2

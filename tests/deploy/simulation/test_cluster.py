@@ -112,28 +112,51 @@ def test_open_loop_requests_arrive_when_the_trace_says():
     assert np.isfinite([x["answer_s"] for x in log]).all()
 
 
-def test_past_an_index_bound_below_the_engines_blocks_the_router_sees_what_the_indexes_hold():
-    """An index bound below an engine's blocks forgets blocks the engine still caches (their keys stay remembered)
-    and keeps children of forgotten parents aside as orphans (from then on the indexes are asked past the keys
-    remembered): every prompt matches as it would with keys taken from the indexes alone."""
+def test_past_an_index_bound_below_the_engines_blocks_the_router_matches_what_the_indexes_hold():
+    """An index bound below an engine's blocks forgets blocks the engine still caches and keeps children of forgotten
+    parents aside as orphans: a prompt matches exactly the chain of its blocks the indexes hold."""
     sim = Simulation(_engine(40, held=True), 2, "cache-aware", COSTS, "off")
-    policy, remembered = sim.policy, sim.policy.keys
+    policy = sim.policy
     for index in policy._indexes:
         index.max_blocks = 4
     holders, everyone = policy.router.holders, sum(index.bit for index in policy._indexes)
-    matches = []
+    orphans, matches = [], []
+    choose = policy.router.choose
 
-    def checked(hashes):
-        keys = remembered(hashes)
-        names = [("GPU", h) for h in hashes.tolist()]
-        indexed: list[bytes] = []
-        for index in policy._indexes:  # what the indexes alone give
+    def checked(order, prompt, estimate):
+        names = [("GPU", h) for h in prompt.hashes[:len(prompt) // BS].tolist()]
+        indexed: list = []
+        for index in policy._indexes:  # the chain as the indexes hold it
             indexed += index.keys_of(names, len(indexed))
         matches.append(holders.runs(indexed, everyone))
-        assert holders.runs(keys, everyone) == matches[-1]
-        return keys
+        assert holders.runs(prompt.keys(BS), everyone) == matches[-1]
+        orphans.append(sum(index.orphans for index in policy._indexes))
+        return choose(order, prompt, estimate)
 
-    policy.keys = checked
+    policy.router.choose = checked
     result = sim.run(_conversations(8, 6))
-    assert result.evictions > 0 and policy._orphans, "the indexes forgot blocks and kept orphans"
+    assert result.answered == 48 and result.evictions > 0 and max(orphans) > 0, "the indexes kept orphans"
     assert any(matches), "some prompts matched"
+
+
+def test_a_traced_turn_waits_for_the_previous_answer_when_it_came_later_here():
+    """Bailian's later turns (open loop, `follows`): at their timestamp, but never before their conversation's
+    previous answer."""
+    from deploy.simulation.formats import read_trace
+    from tests.helpers.paths import REPO
+
+    requests = list(read_trace(REPO / "tests" / "data" / "traces" / "bailian.jsonl", BS))
+    log: list[dict] = []
+    slow = replace(COSTS, steps={m: replace(c, step_s=2.0) for m, c in COSTS.steps.items()})
+    result = Simulation(EngineConfig(400, BS, 256, 16, 1024, False), 1, "round-robin", slow, "off", log=log).run(requests)
+    assert result.answered == 10
+    by_index = {x["index"]: x for x in log}
+    follows = [r for r in requests if r.follows]
+    held = 0
+    for r in follows:
+        previous = max((x for x in log if x["conversation"] == r.conversation and x["index"] < r.index),
+                       key=lambda x: x["index"])
+        assert by_index[r.index]["arrival_s"] >= max(r.arrival_s, previous["answer_s"] + slow.client_s) - 1e-9
+        held += previous["answer_s"] + slow.client_s > r.arrival_s
+    assert result.held_back == held > 0, "2-second steps answer some turns after the next one's timestamp"
+    assert result.summary()["by_type"]["text"]["requests"] == 6

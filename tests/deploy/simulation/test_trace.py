@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from deploy.simulation.blocks import token_block_hashes
-from deploy.simulation.trace import TraceError, TraceLine, count_lines, read_trace, to_request
+from deploy.simulation.formats import read_trace
+from deploy.simulation.trace import TraceError, TraceLine, count_lines, to_request
 
 pytestmark = pytest.mark.unit
 
@@ -75,12 +76,13 @@ def test_open_loop_arrivals_go_forward_only(tmp_path):
     path = _write(tmp_path, {"prompt_token_ids": [1], "output_len": 1, "arrival_s": 2.0},
                   {"prompt_token_ids": [1], "output_len": 1, "conversation": "c"},
                   {"prompt_token_ids": [1], "output_len": 1, "arrival_s": 1.0})
-    with pytest.raises(TraceError, match=":3: arrival_s 1.0 is before the previous arrival_s 2.0; sort"):
+    with pytest.raises(TraceError, match=r":3: the arrival \(arrival_s\) 1 s is before the previous line's 2 s; sort the "
+                       "trace by arrival_s"):
         list(read_trace(path, 4))
 
 
-def test_the_block_size_must_be_a_multiple_of_the_hashed_one(tmp_path):
-    with pytest.raises(ValueError, match="block size 24 must be a multiple of --hash-block-size 16"):
+def test_the_block_size_and_the_hashed_one_must_divide_one_another(tmp_path):
+    with pytest.raises(ValueError, match="block size 24 and --hash-block-size 16 must divide one another"):
         list(read_trace(_write(tmp_path, {"prompt_token_ids": [1], "output_len": 1}), 24, 16))
 
 
