@@ -35,7 +35,8 @@ def summarise(report: dict) -> dict:
         seconds = [r["seconds"] for r in probe["requests"]]
         runs.append({"requests": len(seconds), "seconds": spread(seconds) if seconds else None,
                      "limit_s": probe["limit_s"], "recompute_s": probe["recompute_s"],
-                     "within_limit": not probe["problems"], "counters": probe["counters"],
+                     "over_limit": probe["over_limit"],
+                     "within_limit": not probe["problems"] and not probe["over_limit"], "counters": probe["counters"],
                      "problems": probe["problems"]})
     every = [r["seconds"] for p in report["pool_probes"] for r in p["requests"]]
     return {"runs": runs, "all_requests": spread(every) if every else None,

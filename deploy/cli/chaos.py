@@ -141,7 +141,8 @@ def print_summary(report: dict) -> None:
         answered = sum(r["outcome"] == "answered" for r in p["requests"])
         c = p["counters"]
         print(f"  {p['label']:<18} {answered} of {len(p['requests'])} answered under {p['clients']} clients, "
-              f"slowest {p['slowest_s']:.1f} s (limit {p['limit_s']:.1f} s, recompute {p['recompute_s']:.1f} s); "
+              f"slowest {p['slowest_s']:.1f} s, {p['over_limit']} over the limit {p['limit_s']:.1f} s (recompute "
+              f"{p['recompute_s']:.1f} s); "
               f"breaker opened {c['breaker_opens']}x, lookups refused {c['lookup_refusals']}, blocks past their "
               f"bound: loads {c['load_timeouts']}, saves {c['save_timeouts']}")
     d, c = report["drain"], report["counters"]

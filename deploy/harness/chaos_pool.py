@@ -8,9 +8,11 @@ back, unsalted (their pooled prefixes make lookups hit, loads load, saves save).
 hit again (a breaker opened by an earlier stall has closed) the pool is stopped for `stall_s`: the segment holder first, the master HOLDER_LEAD_S later, so lookups
 still hit meanwhile and loads and saves meet a pool that stopped under them (a store call in flight when the
 pool stops ran natively for the whole stall, and once held its request that long); it runs again for TAIL_S
-after. Its rule: every answer equals the colocated reference's, and no request overlapping the stall takes
-longer than the prefill's per-request pool bound (`request_budget_ms`), the recompute and PROBE_SLACK_S; and
-the prefill counted store calls missing their bound (the breaker opened), else the probe tested nothing.
+after. Its rule: every answer equals the colocated reference's, no request overlapping the stall waits it out
+(takes as long as the stall), and the prefill counted store calls missing their bound (the breaker opened), else
+the probe tested nothing. Its figure: the requests over the per-request limit, the prefill's pool bound
+(`request_budget_ms`) + the slowest recompute + PROBE_SLACK_S (`over_limit`), which bench/pool_stall.py holds to
+zero; a verdict of seconds would fail a loaded host's test run on its noise (docs/tests.md).
 """
 
 from __future__ import annotations
@@ -138,8 +140,8 @@ async def pool_stall_probe(front_url: str, prefill_url: str, model: str, prompts
 
 
 def judge(label: str, probe: dict, recompute: list[dict], budget_s: float) -> dict:
-    """The probe's verdict: every answer right, none past the per-request pool bound plus the slowest recompute
-    plus PROBE_SLACK_S, and the pool met (a lookup, load or save failed)."""
+    """The probe's verdict: every answer right, none waiting out the stall, and the pool met (the breaker opened);
+    beside it the requests past the per-request pool bound plus the slowest recompute plus PROBE_SLACK_S."""
     recompute_s = max(r["seconds"] for r in recompute)
     limit = budget_s + recompute_s + PROBE_SLACK_S
     times = [r["seconds"] for r in probe["requests"]]
@@ -154,8 +156,8 @@ def judge(label: str, probe: dict, recompute: list[dict], budget_s: float) -> di
         problems.append(f"{label}: no request overlapped the stall")
     if not probe["counters"]["breaker_opens"]:
         problems.append(f"{label}: the prefill's breaker never opened (no store call met the stall)")
-    if slowest > limit:
-        problems.append(f"{label}: a request took {slowest:.1f} s, over the limit {limit:.1f} s (the per-request "
-                        f"pool bound {budget_s:g} s + recompute {recompute_s:.1f} s + {PROBE_SLACK_S:g} s)")
+    if slowest >= probe["stopped_s"]:
+        problems.append(f"{label}: a request took {slowest:.1f} s, waiting out the pool's {probe['stopped_s']:g} s "
+                        "stall")
     return {"label": label, **probe, "recompute_s": recompute_s, "limit_s": round(limit, 2), "slowest_s": slowest,
-            "problems": problems}
+            "over_limit": sum(t > limit for t in times), "problems": problems}
